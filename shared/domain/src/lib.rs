@@ -1,0 +1,319 @@
+//! Domain types and state machines. Architecture invariant: this crate does no I/O.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Lifecycle of one Attempt. A retry is a new Attempt; terminal states never change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptStatus {
+    /// Created, waiting for an eligible host (or for its backoff to pass).
+    Queued,
+    /// Leased to a host; the host is preparing the task directory.
+    Claimed,
+    /// The provider process runs.
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+    /// The lease expired while the attempt was active.
+    Lost,
+}
+
+impl AttemptStatus {
+    pub const ALL: [AttemptStatus; 7] = [
+        Self::Queued,
+        Self::Claimed,
+        Self::Running,
+        Self::Succeeded,
+        Self::Failed,
+        Self::Cancelled,
+        Self::Lost,
+    ];
+    /// States in which a host holds the attempt's lease and a capacity slot.
+    pub const ACTIVE: [AttemptStatus; 2] = [Self::Claimed, Self::Running];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Claimed => "claimed",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+            Self::Lost => "lost",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            Self::Succeeded | Self::Failed | Self::Cancelled | Self::Lost
+        )
+    }
+
+    pub fn is_active(self) -> bool {
+        Self::ACTIVE.contains(&self)
+    }
+
+    /// Whether a report from the lease holder may move the attempt from `self` to `next`.
+    pub fn can_move_to(self, next: AttemptStatus) -> bool {
+        use AttemptStatus::*;
+        match (self, next) {
+            (Claimed, Running) => true,
+            (Claimed | Running, Succeeded | Failed | Cancelled | Lost) => true,
+            (Queued, Cancelled) => true,
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for AttemptStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Status of a Task, derived from its newest Attempt.
+pub fn task_status(newest_attempt: Option<AttemptStatus>) -> &'static str {
+    match newest_attempt {
+        None | Some(AttemptStatus::Queued) => "queued",
+        Some(AttemptStatus::Claimed | AttemptStatus::Running) => "running",
+        Some(AttemptStatus::Succeeded) => "succeeded",
+        Some(AttemptStatus::Cancelled) => "cancelled",
+        Some(AttemptStatus::Failed | AttemptStatus::Lost) => "failed",
+    }
+}
+
+/// Why an Attempt did not succeed (B6). Every class carries a remedy hint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureClass {
+    ProviderLogin,
+    BadParameters,
+    TaskDir,
+    ToolDependency,
+    ProviderCrash,
+    ExitNonzero,
+    LeaseLost,
+    HostOffline,
+    HostRestart,
+    ApprovalTimeout,
+    Cancelled,
+    Timeout,
+    NoBinding,
+    Internal,
+}
+
+impl FailureClass {
+    pub const ALL: [FailureClass; 14] = [
+        Self::ProviderLogin,
+        Self::BadParameters,
+        Self::TaskDir,
+        Self::ToolDependency,
+        Self::ProviderCrash,
+        Self::ExitNonzero,
+        Self::LeaseLost,
+        Self::HostOffline,
+        Self::HostRestart,
+        Self::ApprovalTimeout,
+        Self::Cancelled,
+        Self::Timeout,
+        Self::NoBinding,
+        Self::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ProviderLogin => "provider_login",
+            Self::BadParameters => "bad_parameters",
+            Self::TaskDir => "task_dir",
+            Self::ToolDependency => "tool_dependency",
+            Self::ProviderCrash => "provider_crash",
+            Self::ExitNonzero => "exit_nonzero",
+            Self::LeaseLost => "lease_lost",
+            Self::HostOffline => "host_offline",
+            Self::HostRestart => "host_restart",
+            Self::ApprovalTimeout => "approval_timeout",
+            Self::Cancelled => "cancelled",
+            Self::Timeout => "timeout",
+            Self::NoBinding => "no_binding",
+            Self::Internal => "internal",
+        }
+    }
+
+    /// Unknown strings from a host map to `Internal`, never to a panic.
+    pub fn parse(s: &str) -> Self {
+        Self::ALL
+            .into_iter()
+            .find(|v| v.as_str() == s)
+            .unwrap_or(Self::Internal)
+    }
+
+    pub fn remedy(self) -> &'static str {
+        match self {
+            Self::ProviderLogin => "log the provider CLI in on the host (or set its API key) and check `agentscope hosts`",
+            Self::BadParameters => "fix the runtime profile parameter named in the detail",
+            Self::TaskDir => "check the repository URL/path and branch named on the task, and the host's disk",
+            Self::ToolDependency => "install the missing tool on the host or add it to the binding's required capabilities",
+            Self::ProviderCrash => "read the attempt's last events; the provider process died without a result",
+            Self::ExitNonzero => "the provider exited with a failure status; read its output events",
+            Self::LeaseLost => "the host stopped renewing its lease (crash, network partition); a retry runs elsewhere",
+            Self::HostOffline => "start the host again or add capacity to the pool",
+            Self::HostRestart => "the host restarted during the attempt; a retry runs under a new lease",
+            Self::ApprovalTimeout => "decide approvals faster or raise the approval timeout in the policy",
+            Self::Cancelled => "the task was cancelled on request",
+            Self::Timeout => "raise the task timeout or split the work",
+            Self::NoBinding => "bind the agent to a pool: POST /v1/bindings",
+            Self::Internal => "report a bug with the attempt id; the platform failed unexpectedly",
+        }
+    }
+
+    /// Infrastructure failures are retried; failures of the work itself are not.
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            Self::LeaseLost | Self::HostOffline | Self::HostRestart | Self::ProviderCrash
+        )
+    }
+}
+
+impl fmt::Display for FailureClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Retry policy of a binding: how many Attempts a Task may have and how long to wait between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub backoff_base_ms: u64,
+    pub backoff_max_ms: u64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            backoff_base_ms: 1_000,
+            backoff_max_ms: 60_000,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Delay before attempt `next_number` (2 for the first retry), or None when attempts are spent.
+    pub fn delay_before(&self, next_number: u32) -> Option<u64> {
+        if next_number > self.max_attempts {
+            return None;
+        }
+        let exp = next_number.saturating_sub(2).min(20);
+        Some(
+            self.backoff_base_ms
+                .saturating_mul(1u64 << exp)
+                .min(self.backoff_max_ms),
+        )
+    }
+}
+
+/// Kinds of bearer token. Tokens are stored only as hashes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenKind {
+    /// Workspace API token: `ags_...`.
+    Api,
+    /// Host registration token: `agh_...`.
+    Host,
+}
+
+impl TokenKind {
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Self::Api => "ags_",
+            Self::Host => "agh_",
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Api => "api",
+            Self::Host => "host",
+        }
+    }
+}
+
+/// A new random token of `kind` (244 bits from two v4 UUIDs).
+pub fn new_token(kind: TokenKind) -> String {
+    format!(
+        "{}{}{}",
+        kind.prefix(),
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+/// The stored form of a token.
+pub fn hash_token(token: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(token.as_bytes()))
+}
+
+/// Names a provider the platform knows how to run.
+pub const KNOWN_PROVIDERS: [&str; 5] = ["command", "claude-code", "codex", "opencode", "openclaw"];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terminal_states_never_move() {
+        for from in AttemptStatus::ALL.into_iter().filter(|s| s.is_terminal()) {
+            for to in AttemptStatus::ALL {
+                assert!(!from.can_move_to(to), "{from} -> {to} must be refused");
+            }
+        }
+    }
+
+    #[test]
+    fn status_strings_round_trip() {
+        for s in AttemptStatus::ALL {
+            assert_eq!(AttemptStatus::parse(s.as_str()), Some(s));
+        }
+        for c in FailureClass::ALL {
+            assert_eq!(FailureClass::parse(c.as_str()), c);
+            assert!(!c.remedy().is_empty());
+        }
+        assert_eq!(FailureClass::parse("nonsense"), FailureClass::Internal);
+    }
+
+    #[test]
+    fn retry_backoff_doubles_and_stops_at_the_maximum() {
+        let p = RetryPolicy {
+            max_attempts: 4,
+            backoff_base_ms: 100,
+            backoff_max_ms: 250,
+        };
+        assert_eq!(p.delay_before(2), Some(100));
+        assert_eq!(p.delay_before(3), Some(200));
+        assert_eq!(p.delay_before(4), Some(250));
+        assert_eq!(p.delay_before(5), None);
+    }
+
+    #[test]
+    fn tokens_have_prefixes_and_stable_hashes() {
+        let t = new_token(TokenKind::Host);
+        assert!(t.starts_with("agh_"));
+        assert_eq!(hash_token(&t), hash_token(&t));
+        assert_ne!(hash_token(&t), hash_token(&new_token(TokenKind::Host)));
+    }
+
+    #[test]
+    fn task_status_follows_the_newest_attempt() {
+        assert_eq!(task_status(None), "queued");
+        assert_eq!(task_status(Some(AttemptStatus::Lost)), "failed");
+        assert_eq!(task_status(Some(AttemptStatus::Running)), "running");
+    }
+}

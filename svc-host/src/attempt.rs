@@ -1,0 +1,404 @@
+//! One Attempt on this host: keep the lease, prepare the task directory, run the provider, report
+//! every event in order, and stop at once when the lease is lost.
+
+use crate::journal::{self, Entry};
+use crate::provider::{self, TaskDir};
+use crate::Ctx;
+use agentscope_bus::subjects;
+use agentscope_domain::FailureClass;
+use agentscope_schemas::v1::{
+    execution_event::Body, AttemptAssignment, AttemptState, Diagnostic, ExecutionEvent, LeaseRecord,
+    Lifecycle,
+};
+use agentscope_schemas::Message;
+use async_nats::jetstream::kv::UpdateErrorKind;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::BufReader;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Why a running Attempt must stop before its provider finishes.
+#[derive(Clone)]
+pub struct Stops {
+    /// The platform asked to cancel.
+    pub cancel: CancellationToken,
+    /// The lease is gone: nothing more may be reported.
+    pub lease_lost: CancellationToken,
+}
+
+/// Publishes the events of one attempt with consecutive seq numbers and its fencing token.
+pub struct EventSink {
+    ctx: Ctx,
+    entry: Entry,
+    subject: String,
+    lease_lost: CancellationToken,
+}
+
+impl EventSink {
+    pub fn new(ctx: Ctx, entry: Entry, lease_lost: CancellationToken) -> Self {
+        let subject = subjects::events(&entry.attempt_id);
+        Self {
+            ctx,
+            entry,
+            subject,
+            lease_lost,
+        }
+    }
+
+    /// Publishes and waits for the stream's acknowledgement, retrying transient failures while
+    /// the lease holds. Returns false when the event could not be delivered.
+    pub async fn emit(&mut self, body: Body) -> bool {
+        if self.lease_lost.is_cancelled() {
+            return false;
+        }
+        let seq = self.entry.last_seq + 1;
+        let ev = ExecutionEvent {
+            attempt_id: self.entry.attempt_id.clone(),
+            seq,
+            lease_token: self.entry.lease_token,
+            host_id: self.ctx.host_id.to_string(),
+            at_ms: agentscope_bus::now_ms(),
+            body: Some(body),
+        };
+        let mut payload = ev.encode_to_vec();
+        if payload.len() > agentscope_bus::MAX_MESSAGE_BYTES {
+            // Only output can be this large; keep the head of it.
+            let mut ev = ev;
+            if let Some(Body::Output(o)) = ev.body.as_mut() {
+                let mut cut = agentscope_bus::MAX_MESSAGE_BYTES / 2;
+                while !o.text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                o.text.truncate(cut);
+                o.truncated = true;
+            }
+            payload = ev.encode_to_vec();
+        }
+        let msg_id = format!("{}:{seq}", self.entry.attempt_id);
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let res = async {
+                self.ctx
+                    .js
+                    .publish_with_headers(
+                        self.subject.clone(),
+                        agentscope_bus::headers(&msg_id),
+                        payload.clone().into(),
+                    )
+                    .await?
+                    .await
+                    .map_err(async_nats::Error::from)
+            }
+            .await;
+            match res {
+                Ok(_) => break,
+                Err(e) => {
+                    if self.lease_lost.is_cancelled() {
+                        return false;
+                    }
+                    tracing::warn!(error = %e, seq, "publish event; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        self.entry.last_seq = seq;
+        self.checkpoint();
+        true
+    }
+
+    pub fn set_state(&mut self, state: &str) {
+        self.entry.state = state.into();
+        self.checkpoint();
+    }
+
+    fn checkpoint(&self) {
+        if let Err(e) = self.ctx.journal.save(&self.entry) {
+            tracing::error!(error = ?e, "write journal checkpoint");
+        }
+    }
+
+    pub async fn diag(&mut self, level: &str, code: &str, message: impl Into<String>) -> bool {
+        self.emit(Body::Diagnostic(Diagnostic {
+            level: level.into(),
+            code: code.into(),
+            message: message.into(),
+        }))
+        .await
+    }
+
+    pub async fn lifecycle(
+        &mut self,
+        state: AttemptState,
+        class: Option<FailureClass>,
+        detail: impl Into<String>,
+        exit_code: Option<i32>,
+    ) -> bool {
+        self.emit(Body::Lifecycle(Lifecycle {
+            state: state as i32,
+            failure_class: class.map(|c| c.as_str().to_string()).unwrap_or_default(),
+            detail: detail.into(),
+            exit_code: exit_code.unwrap_or(0),
+            has_exit_code: exit_code.is_some(),
+        }))
+        .await
+    }
+}
+
+/// Keeps the lease alive by compare-and-set; fires `lost` when the lease is gone or could not be
+/// renewed for a whole TTL.
+pub async fn keep_lease(ctx: Ctx, a: AttemptAssignment, lost: CancellationToken, done: CancellationToken) {
+    let ttl = Duration::from_millis(ctx.lease_ttl_ms());
+    let every = ttl / 3;
+    let mut revision = a.lease_revision;
+    let mut last_ok = tokio::time::Instant::now();
+    let record = LeaseRecord {
+        attempt_id: a.attempt_id.clone(),
+        host_id: ctx.host_id.to_string(),
+        token: a.lease_token,
+        acquired_at_ms: 0,
+        renewed_at_ms: 0,
+    };
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let mut r = record.clone();
+        r.renewed_at_ms = agentscope_bus::now_ms();
+        match ctx.leases.update(&a.lease_key, r.encode_to_vec().into(), revision).await {
+            Ok(rev) => {
+                revision = rev;
+                last_ok = tokio::time::Instant::now();
+            }
+            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
+                tracing::warn!(attempt_id = %a.attempt_id, "lease lost: it expired or was taken");
+                lost.cancel();
+                return;
+            }
+            Err(e) => {
+                if last_ok.elapsed() >= ttl {
+                    tracing::warn!(attempt_id = %a.attempt_id, error = %e, "lease lost: no renewal for a whole TTL");
+                    lost.cancel();
+                    return;
+                }
+                tracing::warn!(attempt_id = %a.attempt_id, error = %e, "lease renewal failed; retrying");
+            }
+        }
+    }
+}
+
+/// Runs one assignment to its end. The caller holds the capacity slot until this returns.
+pub async fn run(ctx: Ctx, a: AttemptAssignment, stops: Stops) {
+    let span = tracing::info_span!("attempt", workspace_id = %a.workspace_id, task_id = %a.task_id, attempt_id = %a.attempt_id, host_id = %ctx.host_id);
+    agentscope_bus::set_parent(&span, Some(a.traceparent.as_str()).filter(|s| !s.is_empty()));
+    async move {
+        let entry = Entry {
+            attempt_id: a.attempt_id.clone(),
+            task_id: a.task_id.clone(),
+            lease_key: a.lease_key.clone(),
+            lease_token: a.lease_token,
+            last_seq: 0,
+            state: "claimed".into(),
+            provider_session_id: String::new(),
+        };
+        let mut sink = EventSink::new(ctx.clone(), entry, stops.lease_lost.clone());
+        sink.set_state("claimed");
+        let renew_done = CancellationToken::new();
+        let renewer = tokio::spawn(keep_lease(ctx.clone(), a.clone(), stops.lease_lost.clone(), renew_done.clone()));
+
+        let outcome = execute(&ctx, &a, &mut sink, &stops).await;
+        if !stops.lease_lost.is_cancelled() {
+            let (state, class, detail, exit) = outcome;
+            sink.lifecycle(state, class, detail, exit).await;
+        }
+        renew_done.cancel();
+        let _ = renewer.await;
+        if let Err(e) = ctx.journal.remove(&a.attempt_id) {
+            tracing::error!(error = ?e, "remove journal entry");
+        }
+        tracing::info!("attempt done on this host");
+    }
+    .instrument(span)
+    .await
+}
+
+type Outcome = (AttemptState, Option<FailureClass>, String, Option<i32>);
+
+fn failed(class: FailureClass, detail: impl Into<String>) -> Outcome {
+    (AttemptState::Failed, Some(class), detail.into(), None)
+}
+
+async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: &Stops) -> Outcome {
+    let spec = a.spec.clone().unwrap_or_default();
+    let Some(adapter) = ctx.adapter(&spec.provider) else {
+        return failed(
+            FailureClass::ProviderLogin,
+            format!("provider `{}` is not available on this host", spec.provider),
+        );
+    };
+    sink.diag("info", "preparing", "preparing task directory").await;
+    let dir = match prepare(ctx, a, sink).await {
+        Ok(d) => d,
+        Err(detail) => return failed(FailureClass::TaskDir, detail),
+    };
+    if stops.cancel.is_cancelled() {
+        return (AttemptState::Cancelled, Some(FailureClass::Cancelled), "cancelled before start".into(), None);
+    }
+    let launch = match adapter.launch(&spec, &dir) {
+        Ok(l) => l,
+        Err(r) => return failed(r.class, r.detail),
+    };
+    let mut cmd = tokio::process::Command::new(&launch.argv[0]);
+    cmd.args(&launch.argv[1..])
+        .current_dir(&launch.cwd)
+        .env("AGENTSCOPE_TASK_ID", &a.task_id)
+        .env("AGENTSCOPE_ATTEMPT_ID", &a.attempt_id)
+        .env("AGENTSCOPE_WORKSPACE_ID", &a.workspace_id)
+        .env("AGENTSCOPE_TASK_DIR", &dir.root)
+        .env("AGENTSCOPE_INPUT_DIR", &dir.input_dir)
+        .envs(launch.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return failed(FailureClass::ToolDependency, format!("`{}` was not found on this host", launch.argv[0]));
+        }
+        Err(e) => return failed(FailureClass::ProviderCrash, format!("start `{}`: {e}", launch.argv[0])),
+    };
+    let pgid = child.id().map(|p| p as i32).unwrap_or(0);
+    sink.lifecycle(AttemptState::Running, None, format!("started {} (pgid {pgid})", adapter.name()), None)
+        .await;
+
+    // Both output streams feed one channel so events keep their arrival order.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(&'static str, String, bool)>(256);
+    let max = ctx.config.max_line_bytes;
+    for (name, pipe) in [
+        ("stdout", child.stdout.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>)),
+        ("stderr", child.stderr.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>)),
+    ] {
+        let Some(pipe) = pipe else { continue };
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut r = BufReader::new(pipe);
+            while let Ok(Some((line, truncated))) = provider::read_line_bounded(&mut r, max).await {
+                if tx.send((name, line, truncated)).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(tx);
+
+    let timeout = match spec.timeout_secs {
+        0 => Duration::from_secs(24 * 3600),
+        s => Duration::from_secs(s as u64),
+    };
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    let grace = Duration::from_millis(ctx.config.kill_grace_ms);
+    let mut stop: Option<Outcome> = None;
+    let mut output_open = true;
+    let status = loop {
+        tokio::select! {
+            biased;
+            _ = stops.lease_lost.cancelled(), if stop.is_none() => {
+                let left = provider::kill_group(pgid).await;
+                stop = Some(failed(FailureClass::LeaseLost, format!("lease lost; provider killed ({} left)", left.len())));
+            }
+            _ = stops.cancel.cancelled(), if stop.is_none() => {
+                sink.diag("info", "cancelling", format!("SIGTERM to process group {pgid}, SIGKILL after {} ms", grace.as_millis())).await;
+                let left = provider::terminate_group(pgid, grace).await;
+                stop = Some(if left.is_empty() {
+                    (AttemptState::Cancelled, Some(FailureClass::Cancelled), "cancelled; the provider's process tree is gone".into(), None)
+                } else {
+                    failed(FailureClass::Internal, format!("cancel left processes {left:?}"))
+                });
+            }
+            _ = &mut deadline, if stop.is_none() => {
+                let left = provider::terminate_group(pgid, grace).await;
+                stop = Some(failed(FailureClass::Timeout, format!("timed out after {} s ({} processes left)", timeout.as_secs(), left.len())));
+            }
+            line = rx.recv(), if output_open => match line {
+                Some((stream, text, truncated)) => {
+                    for body in adapter.parse_line(stream, text, truncated) {
+                        sink.emit(body).await;
+                    }
+                }
+                None => output_open = false,
+            },
+            st = child.wait(), if !output_open || stop.is_some() => break st,
+        }
+    };
+    if let Some(outcome) = stop {
+        return outcome;
+    }
+    // The leader exited; stragglers in its group must not outlive the attempt.
+    if !provider::group_members(pgid).is_empty() {
+        provider::kill_group(pgid).await;
+    }
+    match status {
+        Ok(s) if s.success() => (AttemptState::Succeeded, None, "exit status 0".into(), Some(0)),
+        Ok(s) => match s.code() {
+            Some(code) => (AttemptState::Failed, Some(FailureClass::ExitNonzero), format!("exit status {code}"), Some(code)),
+            None => failed(FailureClass::ProviderCrash, format!("provider ended by a signal: {s}")),
+        },
+        Err(e) => failed(FailureClass::ProviderCrash, format!("wait for provider: {e}")),
+    }
+}
+
+/// Creates a fresh directory for the attempt, clones the named repository and branch, and writes
+/// the input material. Never uses the host's own checkout.
+async fn prepare(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink) -> Result<TaskDir, String> {
+    let spec = a.spec.clone().unwrap_or_default();
+    let root = ctx.tasks_dir.join(&a.attempt_id);
+    if root.exists() {
+        tokio::fs::remove_dir_all(&root).await.map_err(|e| format!("clear {}: {e}", root.display()))?;
+    }
+    let input_dir = root.join("input");
+    tokio::fs::create_dir_all(&input_dir).await.map_err(|e| format!("create {}: {e}", input_dir.display()))?;
+    let repo = if spec.repository.is_empty() {
+        None
+    } else {
+        let dest = root.join("repo");
+        clone(&spec.repository, &spec.branch, &dest).await?;
+        sink.diag("info", "cloned", format!("cloned {} branch {}", spec.repository, if spec.branch.is_empty() { "(default)" } else { &spec.branch })).await;
+        Some(dest)
+    };
+    let issue = format!("# {}\n\n{}\n", spec.issue_title, spec.issue_body);
+    for (name, body) in [("INPUT.md", spec.input.as_str()), ("ISSUE.md", issue.as_str()), ("INSTRUCTIONS.md", spec.instructions.as_str())] {
+        let p = input_dir.join(name);
+        journal::write_atomic(&p, body.as_bytes()).map_err(|e| format!("{e}"))?;
+    }
+    Ok(TaskDir { root, repo, input_dir })
+}
+
+async fn clone(repository: &str, branch: &str, dest: &Path) -> Result<(), String> {
+    if repository.starts_with('-') || branch.starts_with('-') {
+        return Err("repository and branch must not start with '-'".into());
+    }
+    let mut cmd = tokio::process::Command::new("git");
+    cmd.arg("clone").arg("--quiet").arg("--single-branch");
+    if !branch.is_empty() {
+        cmd.arg("--branch").arg(branch);
+    }
+    cmd.arg("--").arg(repository).arg(dest);
+    cmd.env("GIT_TERMINAL_PROMPT", "0").stdin(Stdio::null()).kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(600), cmd.output())
+        .await
+        .map_err(|_| "git clone timed out after 600 s".to_string())?
+        .map_err(|e| format!("run git: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "git clone {repository} (branch {branch}) failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,84 @@
+use serde::Deserialize;
+
+/// svc-host settings: defaults, then the file named by AGENTSCOPE_CONFIG, then AGENTSCOPE_*
+/// environment variables (e.g. AGENTSCOPE_HOST_TOKEN, AGENTSCOPE_POOL, AGENTSCOPE_CAPACITY).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub nats_url: String,
+    /// Health listener (`/healthz`, `/readyz`, `/metrics`); port 0 picks a free port.
+    pub health_addr: String,
+    /// Identity, journal and task directories live here; keep it across restarts.
+    pub state_dir: String,
+    /// Registration secret from `POST /v1/host-tokens`.
+    pub host_token: String,
+    pub pool: String,
+    /// Display name; defaults to the machine's hostname.
+    #[serde(default)]
+    pub name: String,
+    pub capacity: u32,
+    /// Comma-separated capabilities this host offers (e.g. "git,linux").
+    #[serde(default)]
+    pub capabilities: String,
+    /// How often to ask for work when no nudge arrives.
+    pub poll_interval_ms: u64,
+    /// Grace between SIGTERM and SIGKILL on cancellation.
+    pub kill_grace_ms: u64,
+    /// Longest stdout/stderr line kept in one event; longer lines are truncated.
+    pub max_line_bytes: usize,
+    #[serde(default)]
+    pub log_format: String,
+}
+
+impl Config {
+    pub fn load() -> Result<Self, config::ConfigError> {
+        let mut builder = config::Config::builder()
+            .set_default("nats_url", "nats://127.0.0.1:4222")?
+            .set_default("health_addr", "127.0.0.1:8083")?
+            .set_default("state_dir", ".run/host")?
+            .set_default("host_token", "")?
+            .set_default("pool", "default")?
+            .set_default("capacity", 2)?
+            .set_default("poll_interval_ms", 2_000)?
+            .set_default("kill_grace_ms", 5_000)?
+            .set_default("max_line_bytes", 64 * 1024)?
+            .set_default("log_format", "")?;
+        if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
+            builder = builder.add_source(config::File::with_name(&path));
+        }
+        let config: Config = builder
+            .add_source(config::Environment::with_prefix("AGENTSCOPE").try_parsing(true))
+            .build()?
+            .try_deserialize()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), config::ConfigError> {
+        let bad = |m: &str| Err(config::ConfigError::Message(m.to_string()));
+        if !self.host_token.starts_with("agh_") {
+            return bad("host_token (AGENTSCOPE_HOST_TOKEN) must be a host token from POST /v1/host-tokens");
+        }
+        if self.pool.is_empty() {
+            return bad("pool must not be empty");
+        }
+        if self.capacity == 0 || self.capacity > 1024 {
+            return bad("capacity must be between 1 and 1024");
+        }
+        if self.poll_interval_ms == 0 {
+            return bad("poll_interval_ms must be positive");
+        }
+        if self.max_line_bytes < 1024 {
+            return bad("max_line_bytes must be at least 1024");
+        }
+        Ok(())
+    }
+
+    pub fn capability_list(&self) -> Vec<String> {
+        self.capabilities
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+}

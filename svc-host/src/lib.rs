@@ -1,0 +1,506 @@
+//! svc-host: the Runtime Host daemon. Registers a stable identity, reports presence and its three
+//! checks, claims work under KV leases, runs providers in fresh task directories and reports
+//! their events. Architecture invariant: the host talks only to NATS, never to Postgres.
+
+pub mod attempt;
+mod config;
+pub mod journal;
+pub mod provider;
+
+pub use config::Config;
+
+use agentscope_bus::{subjects, Topology};
+use agentscope_schemas::v1::{
+    execution_event::Body, host_command, AttemptState, ClaimOffer, ClaimRequest, ExecutionEvent,
+    HostCheck, HostCommand, HostHeartbeat, HostRegistered, HostRegistration, Lifecycle,
+    ProviderDescriptor,
+};
+use agentscope_schemas::Message;
+use agentscope_telemetry::health::{self, Metrics};
+use anyhow::Context as _;
+use async_nats::jetstream::{self, consumer::pull, AckKind};
+use futures::StreamExt;
+use provider::Adapter;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Everything the host's tasks share. Cheap to clone.
+#[derive(Clone)]
+pub struct Ctx {
+    pub host_id: Uuid,
+    pub config: Arc<Config>,
+    pub nats: async_nats::Client,
+    pub js: jetstream::Context,
+    pub leases: jetstream::kv::Store,
+    pub journal: journal::Journal,
+    pub tasks_dir: PathBuf,
+    adapters: Arc<Vec<Box<dyn Adapter>>>,
+    lease_ttl_ms: Arc<AtomicU64>,
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Default)]
+struct State {
+    registered: Option<HostRegistered>,
+    providers: Vec<ProviderDescriptor>,
+    running: HashMap<String, attempt::Stops>,
+}
+
+impl Ctx {
+    pub fn adapter(&self, name: &str) -> Option<&dyn Adapter> {
+        self.adapters.iter().find(|a| a.name() == name).map(|a| a.as_ref())
+    }
+    pub fn lease_ttl_ms(&self) -> u64 {
+        self.lease_ttl_ms.load(Ordering::Relaxed)
+    }
+
+    /// The three separate checks (H4): connectivity, provider discovery, dispatch readiness.
+    fn checks(&self) -> Vec<HostCheck> {
+        let now = agentscope_bus::now_ms();
+        let st = self.state.lock().expect("host state");
+        let connected = self.nats.connection_state() == async_nats::connection::State::Connected;
+        let reg = st.registered.as_ref();
+        let connectivity = HostCheck {
+            name: "connectivity".into(),
+            ok: connected && reg.is_some(),
+            detail: match (connected, reg) {
+                (false, _) => "not connected to NATS".into(),
+                (true, None) => "connected; registration pending".into(),
+                (true, Some(_)) => "connected and registered".into(),
+            },
+            checked_at_ms: now,
+        };
+        let ready: Vec<&str> = st
+            .providers
+            .iter()
+            .filter(|p| p.installed && p.logged_in)
+            .map(|p| p.name.as_str())
+            .collect();
+        let problems: Vec<String> = st
+            .providers
+            .iter()
+            .filter(|p| !(p.installed && p.logged_in))
+            .map(|p| format!("{}: {}", p.name, p.detail))
+            .collect();
+        let discovery = HostCheck {
+            name: "provider_discovery".into(),
+            ok: !ready.is_empty(),
+            detail: if problems.is_empty() {
+                format!("ready: {}", ready.join(", "))
+            } else {
+                format!("ready: {}; not ready: {}", ready.join(", "), problems.join("; "))
+            },
+            checked_at_ms: now,
+        };
+        let pool_ok = reg.is_some_and(|r| !r.pool_id.is_empty());
+        let dispatch = HostCheck {
+            name: "dispatch_readiness".into(),
+            ok: connectivity.ok && discovery.ok && pool_ok,
+            detail: if !connectivity.ok {
+                "not registered".into()
+            } else if !pool_ok {
+                format!("pool `{}` does not exist in this host's workspace", self.config.pool)
+            } else if !discovery.ok {
+                "no provider is installed and logged in".into()
+            } else {
+                format!("accepting work for: {}", ready.join(", "))
+            },
+            checked_at_ms: now,
+        };
+        vec![connectivity, discovery, dispatch]
+    }
+}
+
+pub struct App {
+    ctx: Ctx,
+    health_addr: SocketAddr,
+    cancel: CancellationToken,
+    health_task: tokio::task::JoinHandle<()>,
+}
+
+impl App {
+    pub async fn build(config: Config) -> anyhow::Result<App> {
+        let state_dir = PathBuf::from(&config.state_dir);
+        let host_id = journal::identity(&state_dir).context("load host identity")?;
+        let journal = journal::Journal::open(&state_dir)?;
+        let tasks_dir = state_dir.join("tasks");
+        std::fs::create_dir_all(&tasks_dir).with_context(|| format!("create {}", tasks_dir.display()))?;
+        let nats = agentscope_bus::connect(&config.nats_url, "svc-host").await?;
+        let js = jetstream::new(nats.clone());
+        let leases = Topology::open_bucket(&js, agentscope_bus::BUCKET_LEASES).await?;
+        let adapters: Vec<Box<dyn Adapter>> = vec![Box::new(provider::CommandProvider)];
+        let ctx = Ctx {
+            host_id,
+            config: Arc::new(config),
+            nats,
+            js,
+            leases,
+            journal,
+            tasks_dir,
+            adapters: Arc::new(adapters),
+            lease_ttl_ms: Arc::new(AtomicU64::new(15_000)),
+            state: Arc::new(Mutex::new(State::default())),
+        };
+        discover(&ctx);
+        let cancel = CancellationToken::new();
+        let probe_ctx = ctx.clone();
+        let probe: health::Probe = Arc::new(move || {
+            let ctx = probe_ctx.clone();
+            Box::pin(async move {
+                let checks = ctx.checks();
+                match checks.iter().find(|c| !c.ok) {
+                    None => Ok(()),
+                    Some(c) => Err(format!("{}: {}", c.name, c.detail)),
+                }
+            })
+        });
+        let (health_addr, health_task) = health::serve(
+            &ctx.config.health_addr,
+            "svc-host",
+            probe,
+            Metrics::default(),
+            cancel.clone(),
+        )
+        .await
+        .with_context(|| format!("bind health listener {}", ctx.config.health_addr))?;
+        tracing::info!(%host_id, %health_addr, "svc-host started");
+        Ok(App {
+            ctx,
+            health_addr,
+            cancel,
+            health_task,
+        })
+    }
+
+    pub fn host_id(&self) -> Uuid {
+        self.ctx.host_id
+    }
+    pub fn health_addr(&self) -> SocketAddr {
+        self.health_addr
+    }
+
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        let ctx = self.ctx.clone();
+        let cancel = self.cancel.clone();
+        let registered = register(&ctx, &cancel).await?;
+        recover(&ctx).await;
+        let slots = Arc::new(Semaphore::new(ctx.config.capacity as usize));
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(heartbeat(ctx.clone(), slots.clone(), cancel.clone()));
+        tasks.spawn(control(ctx.clone(), cancel.clone()));
+        let attempts = tokio_util::task::TaskTracker::new();
+        tasks.spawn(claim_loop(
+            ctx.clone(),
+            registered.pool_id.clone(),
+            slots.clone(),
+            attempts.clone(),
+            cancel.clone(),
+        ));
+        tokio::select! {
+            _ = shutdown => {}
+            Some(res) = tasks.join_next() => {
+                if let Ok(Err(e)) = res { tracing::error!(error = ?e, "host task failed; stopping"); }
+            }
+        }
+        // Stop claiming; cancel what runs so it reports a terminal state before we leave.
+        cancel.cancel();
+        for stops in ctx.state.lock().expect("host state").running.values() {
+            stops.cancel.cancel();
+        }
+        attempts.close();
+        if tokio::time::timeout(Duration::from_millis(ctx.config.kill_grace_ms + 10_000), attempts.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("attempts did not finish within the grace period");
+        }
+        while tasks.join_next().await.is_some() {}
+        let _ = ctx.nats.flush().await;
+        let _ = self.health_task.await;
+        tracing::info!("svc-host stopped");
+        Ok(())
+    }
+}
+
+fn discover(ctx: &Ctx) {
+    let providers: Vec<ProviderDescriptor> = ctx.adapters.iter().map(|a| a.discover()).collect();
+    ctx.state.lock().expect("host state").providers = providers;
+}
+
+fn registration(ctx: &Ctx) -> HostRegistration {
+    let st = ctx.state.lock().expect("host state");
+    let name = if ctx.config.name.is_empty() {
+        std::fs::read_to_string("/etc/hostname")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "host".into())
+    } else {
+        ctx.config.name.clone()
+    };
+    HostRegistration {
+        host_id: ctx.host_id.to_string(),
+        host_token: ctx.config.host_token.clone(),
+        name,
+        pool: ctx.config.pool.clone(),
+        providers: st.providers.clone(),
+        capacity: ctx.config.capacity,
+        capabilities: ctx.config.capability_list(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        checks: vec![],
+    }
+}
+
+/// Registers until the scheduler answers; a refusal (bad token, id conflict) is fatal.
+async fn register(ctx: &Ctx, cancel: &CancellationToken) -> anyhow::Result<HostRegistered> {
+    let mut delay = Duration::from_millis(200);
+    loop {
+        let mut reg = registration(ctx);
+        reg.checks = ctx.checks();
+        let res = tokio::time::timeout(
+            Duration::from_secs(5),
+            ctx.nats.request(subjects::HOST_REGISTER, reg.encode_to_vec().into()),
+        )
+        .await;
+        match res {
+            Ok(Ok(msg)) => {
+                let r = HostRegistered::decode(msg.payload.as_ref()).context("decode registration reply")?;
+                if !r.ok {
+                    anyhow::bail!("registration refused: {} ({})", r.message, r.error_code);
+                }
+                ctx.lease_ttl_ms.store(r.lease_ttl_ms.max(1000), Ordering::Relaxed);
+                tracing::info!(host_id = %ctx.host_id, workspace_id = %r.workspace_id, pool_id = %r.pool_id, "registered");
+                ctx.state.lock().expect("host state").registered = Some(r.clone());
+                return Ok(r);
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "registration: no scheduler answered; retrying"),
+            Err(_) => tracing::warn!("registration timed out; retrying"),
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => anyhow::bail!("stopped before registration"),
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Attempts journaled by a previous run of this host whose process is gone: report them ended
+/// with `host_restart`, under their old fencing token. If the lease is gone the recorder refuses
+/// the report and nothing changes; if it still holds, the scheduler retries the task.
+async fn recover(ctx: &Ctx) {
+    let entries = match ctx.journal.entries() {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(error = ?e, "read journal");
+            return;
+        }
+    };
+    for e in entries {
+        tracing::warn!(attempt_id = %e.attempt_id, lease_token = e.lease_token, "attempt interrupted by a host restart");
+        let ev = ExecutionEvent {
+            attempt_id: e.attempt_id.clone(),
+            seq: e.last_seq + 1,
+            lease_token: e.lease_token,
+            host_id: ctx.host_id.to_string(),
+            at_ms: agentscope_bus::now_ms(),
+            body: Some(Body::Lifecycle(Lifecycle {
+                state: AttemptState::Failed as i32,
+                failure_class: agentscope_domain::FailureClass::HostRestart.as_str().into(),
+                detail: "the host restarted while the attempt ran".into(),
+                exit_code: 0,
+                has_exit_code: false,
+            })),
+        };
+        let msg_id = format!("{}:{}", e.attempt_id, ev.seq);
+        let sent = async {
+            ctx.js
+                .publish_with_headers(
+                    subjects::events(&e.attempt_id),
+                    agentscope_bus::headers(&msg_id),
+                    ev.encode_to_vec().into(),
+                )
+                .await?
+                .await
+                .map_err(async_nats::Error::from)
+        }
+        .await;
+        match sent {
+            Ok(_) => {
+                let _ = ctx.journal.remove(&e.attempt_id);
+            }
+            Err(err) => tracing::warn!(error = %err, "report interrupted attempt; kept in journal"),
+        }
+    }
+}
+
+async fn heartbeat(ctx: Ctx, slots: Arc<Semaphore>, cancel: CancellationToken) -> anyhow::Result<()> {
+    let presence = Topology::open_bucket(&ctx.js, agentscope_bus::BUCKET_PRESENCE).await?;
+    let key = agentscope_bus::presence_key(&ctx.host_id.to_string());
+    let every = Duration::from_millis(1000);
+    loop {
+        let providers = ctx.state.lock().expect("host state").providers.clone();
+        let hb = HostHeartbeat {
+            host_id: ctx.host_id.to_string(),
+            running: ctx.config.capacity - slots.available_permits() as u32,
+            capacity: ctx.config.capacity,
+            checks: ctx.checks(),
+            sent_at_ms: agentscope_bus::now_ms(),
+            providers,
+        };
+        if let Err(e) = presence.put(&key, hb.encode_to_vec().into()).await {
+            tracing::warn!(error = %e, "heartbeat");
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => {
+                let _ = presence.purge(&key).await;
+                return Ok(());
+            }
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+/// Commands for this host (cancel) from its durable consumer on AGENTSCOPE_CONTROL.
+async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let stream = loop {
+        match ctx.js.get_stream(agentscope_bus::STREAM_CONTROL).await {
+            Ok(s) => break s,
+            Err(e) => {
+                tracing::warn!(error = %e, "control stream not there yet");
+                tokio::select! {
+                    _ = cancel.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+            }
+        }
+    };
+    let durable = format!("host-{}", ctx.host_id);
+    let consumer = stream
+        .get_or_create_consumer(
+            &durable,
+            pull::Config {
+                durable_name: Some(durable.clone()),
+                filter_subject: subjects::control(&ctx.host_id.to_string()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("create control consumer: {e}"))?;
+    let mut messages = consumer.messages().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            m = messages.next() => match m {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => { tracing::warn!(error = %e, "control consumer"); continue }
+                None => return Ok(()),
+            },
+        };
+        match HostCommand::decode(msg.payload.as_ref()) {
+            Ok(HostCommand { command: Some(host_command::Command::Cancel(c)), .. }) => {
+                let stops = ctx.state.lock().expect("host state").running.get(&c.attempt_id).cloned();
+                match stops {
+                    Some(s) => {
+                        tracing::info!(attempt_id = %c.attempt_id, "cancel requested");
+                        s.cancel.cancel();
+                    }
+                    None => tracing::debug!(attempt_id = %c.attempt_id, "cancel for an attempt not running here"),
+                }
+            }
+            Ok(_) => tracing::debug!("control command ignored"),
+            Err(_) => tracing::warn!("malformed control command dropped"),
+        }
+        let _ = msg.ack_with(AckKind::Ack).await;
+    }
+}
+
+async fn claim_loop(
+    ctx: Ctx,
+    pool_id: String,
+    slots: Arc<Semaphore>,
+    attempts: tokio_util::task::TaskTracker,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut nudges = if pool_id.is_empty() {
+        None
+    } else {
+        Some(ctx.nats.subscribe(subjects::pool_work(&pool_id)).await?)
+    };
+    let poll = Duration::from_millis(ctx.config.poll_interval_ms);
+    loop {
+        let free = slots.available_permits() as u32;
+        let mut got_work = false;
+        if free > 0 {
+            let req = ClaimRequest {
+                host_id: ctx.host_id.to_string(),
+                host_token: ctx.config.host_token.clone(),
+                free_slots: free,
+            };
+            match tokio::time::timeout(
+                Duration::from_secs(5),
+                ctx.nats.request(subjects::HOST_CLAIM, req.encode_to_vec().into()),
+            )
+            .await
+            {
+                Ok(Ok(msg)) => match ClaimOffer::decode(msg.payload.as_ref()) {
+                    Ok(offer) if !offer.error_code.is_empty() => {
+                        tracing::warn!(code = %offer.error_code, message = %offer.message, "claim refused");
+                    }
+                    Ok(offer) => {
+                        for a in offer.assignments {
+                            got_work = true;
+                            let permit = slots.clone().try_acquire_owned();
+                            let Ok(permit) = permit else {
+                                tracing::error!(attempt_id = %a.attempt_id, "offered more than free capacity; its lease will lapse");
+                                continue;
+                            };
+                            let stops = attempt::Stops {
+                                cancel: CancellationToken::new(),
+                                lease_lost: CancellationToken::new(),
+                            };
+                            ctx.state.lock().expect("host state").running.insert(a.attempt_id.clone(), stops.clone());
+                            let ctx2 = ctx.clone();
+                            let pool = pool_id.clone();
+                            attempts.spawn(async move {
+                                let id = a.attempt_id.clone();
+                                attempt::run(ctx2.clone(), a, stops).await;
+                                ctx2.state.lock().expect("host state").running.remove(&id);
+                                drop(permit);
+                                // A slot is free: ask again now.
+                                let _ = ctx2.nats.publish(subjects::pool_work(&pool), bytes::Bytes::new()).await;
+                            });
+                        }
+                    }
+                    Err(_) => tracing::warn!("malformed claim offer"),
+                },
+                Ok(Err(e)) => tracing::warn!(error = %e, "claim request"),
+                Err(_) => tracing::warn!("claim request timed out"),
+            }
+        }
+        if got_work && slots.available_permits() > 0 {
+            continue;
+        }
+        let nudge = async {
+            match nudges.as_mut() {
+                Some(n) => {
+                    n.next().await;
+                }
+                None => futures::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = nudge => {}
+            _ = tokio::time::sleep(poll) => {}
+        }
+    }
+}

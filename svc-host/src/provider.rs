@@ -1,0 +1,242 @@
+//! Providers: how a task's work is started, and how its output becomes normalized events.
+//! Architecture invariant: only svc-host spawns provider processes, always in their own process
+//! group, so that cancellation reaches the whole tree.
+
+use agentscope_domain::FailureClass;
+use agentscope_schemas::v1::{execution_event::Body, Output, ProviderDescriptor, TaskSpec};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::io::{AsyncBufRead, AsyncBufReadExt};
+
+/// How to start a provider process.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub argv: Vec<String>,
+    pub cwd: PathBuf,
+    pub env: Vec<(String, String)>,
+}
+
+/// A failure found before anything ran, with its class and the offending field.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    pub class: FailureClass,
+    pub detail: String,
+}
+
+/// The interface every provider adapter implements (command now; real agent CLIs next).
+pub trait Adapter: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Discovery: installed, version, logged in, streaming and resume support.
+    fn discover(&self) -> ProviderDescriptor;
+    /// Turns the task spec into a command line in the prepared task directory.
+    fn launch(&self, spec: &TaskSpec, dir: &TaskDir) -> Result<Launch, Refusal>;
+    /// Converts one line of provider output into events. Never panics, whatever the input.
+    fn parse_line(&self, stream: &'static str, line: String, truncated: bool) -> Vec<Body>;
+}
+
+/// The prepared directory of one Attempt.
+#[derive(Debug, Clone)]
+pub struct TaskDir {
+    pub root: PathBuf,
+    /// The cloned repository, when the task names one.
+    pub repo: Option<PathBuf>,
+    pub input_dir: PathBuf,
+}
+
+impl TaskDir {
+    pub fn workdir(&self) -> &Path {
+        self.repo.as_deref().unwrap_or(&self.root)
+    }
+}
+
+/// Runs a configured command line in the task directory; each output line is an event and the
+/// exit status decides success.
+pub struct CommandProvider;
+
+impl Adapter for CommandProvider {
+    fn name(&self) -> &'static str {
+        "command"
+    }
+
+    fn discover(&self) -> ProviderDescriptor {
+        ProviderDescriptor {
+            name: "command".into(),
+            installed: true,
+            version: env!("CARGO_PKG_VERSION").into(),
+            logged_in: true,
+            detail: "runs the runtime profile's `command` argv".into(),
+            live_stream: true,
+            resume: false,
+        }
+    }
+
+    fn launch(&self, spec: &TaskSpec, dir: &TaskDir) -> Result<Launch, Refusal> {
+        if let Some(unknown) = spec.params.keys().find(|k| !["timeout_secs"].contains(&k.as_str())) {
+            return Err(Refusal {
+                class: FailureClass::BadParameters,
+                detail: format!("unknown parameter `{unknown}` for provider command"),
+            });
+        }
+        if spec.command.is_empty() || spec.command[0].is_empty() {
+            return Err(Refusal {
+                class: FailureClass::BadParameters,
+                detail: "`command` is empty: set params.command to an argv array on the runtime profile".into(),
+            });
+        }
+        Ok(Launch {
+            argv: spec.command.clone(),
+            cwd: dir.workdir().to_path_buf(),
+            env: vec![],
+        })
+    }
+
+    fn parse_line(&self, stream: &'static str, line: String, truncated: bool) -> Vec<Body> {
+        vec![Body::Output(Output {
+            stream: stream.into(),
+            text: line,
+            truncated,
+        })]
+    }
+}
+
+/// Reads one line of at most `max` bytes; the rest of a longer line is discarded and the line is
+/// marked truncated. Invalid UTF-8 is replaced, never rejected. None at end of input.
+pub async fn read_line_bounded<R: AsyncBufRead + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> std::io::Result<Option<(String, bool)>> {
+    let mut buf = Vec::new();
+    let mut truncated = false;
+    let mut saw_any = false;
+    loop {
+        let chunk = r.fill_buf().await?;
+        if chunk.is_empty() {
+            if !saw_any {
+                return Ok(None);
+            }
+            break;
+        }
+        saw_any = true;
+        let (take, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(i) => (i, true),
+            None => (chunk.len(), false),
+        };
+        let room = max.saturating_sub(buf.len());
+        if take > room {
+            truncated = true;
+        }
+        buf.extend_from_slice(&chunk[..take.min(room)]);
+        r.consume(if done { take + 1 } else { take });
+        if done {
+            break;
+        }
+    }
+    if buf.last() == Some(&b'\r') {
+        buf.pop();
+    }
+    Ok(Some((String::from_utf8_lossy(&buf).into_owned(), truncated)))
+}
+
+/// Ids of live (non-zombie) processes in process group `pgid`, read from /proc.
+pub fn group_members(pgid: i32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            // pid (comm) state ppid pgrp ...; comm may contain spaces and parentheses.
+            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+                return false;
+            };
+            let mut f = rest.split_whitespace();
+            let state = f.next().unwrap_or("Z");
+            let pgrp = f.nth(1).and_then(|s| s.parse::<i32>().ok());
+            pgrp == Some(pgid) && state != "Z" && state != "X"
+        })
+        .collect()
+}
+
+/// Sends `signal` to every process of group `pgid`.
+pub fn signal_group(pgid: i32, signal: i32) {
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
+    unsafe {
+        libc::kill(-pgid, signal);
+    }
+}
+
+/// SIGTERM, then SIGKILL after `grace`; returns once no process of the group is left (or after
+/// a further 10 s, returning the survivors).
+pub async fn terminate_group(pgid: i32, grace: Duration) -> Vec<i32> {
+    signal_group(pgid, libc::SIGTERM);
+    if wait_group_empty(pgid, grace).await {
+        return vec![];
+    }
+    signal_group(pgid, libc::SIGKILL);
+    if wait_group_empty(pgid, Duration::from_secs(10)).await {
+        return vec![];
+    }
+    group_members(pgid)
+}
+
+/// Kills the whole group at once (lease lost: the work must stop now).
+pub async fn kill_group(pgid: i32) -> Vec<i32> {
+    signal_group(pgid, libc::SIGKILL);
+    if wait_group_empty(pgid, Duration::from_secs(10)).await {
+        return vec![];
+    }
+    group_members(pgid)
+}
+
+async fn wait_group_empty(pgid: i32, within: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if group_members(pgid).is_empty() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn long_lines_are_truncated_and_bad_utf8_is_replaced() {
+        let mut input: Vec<u8> = vec![b'a'; 5000];
+        input.push(b'\n');
+        input.extend_from_slice(&[0xff, 0xfe, b'o', b'k', b'\n', b't', b'a', b'i', b'l']);
+        let mut r = tokio::io::BufReader::with_capacity(64, &input[..]);
+        let (l1, t1) = read_line_bounded(&mut r, 1024).await.unwrap().unwrap();
+        assert_eq!((l1.len(), t1), (1024, true));
+        let (l2, t2) = read_line_bounded(&mut r, 1024).await.unwrap().unwrap();
+        assert!(l2.ends_with("ok") && !t2, "{l2:?}");
+        let (l3, _) = read_line_bounded(&mut r, 1024).await.unwrap().unwrap();
+        assert_eq!(l3, "tail");
+        assert!(read_line_bounded(&mut r, 1024).await.unwrap().is_none());
+    }
+
+    #[test]
+    fn command_provider_refuses_unknown_parameters_by_name() {
+        let dir = TaskDir {
+            root: "/tmp".into(),
+            repo: None,
+            input_dir: "/tmp".into(),
+        };
+        let mut spec = TaskSpec {
+            command: vec!["true".into()],
+            ..Default::default()
+        };
+        spec.params.insert("colour".into(), "blue".into());
+        let err = CommandProvider.launch(&spec, &dir).unwrap_err();
+        assert_eq!(err.class, FailureClass::BadParameters);
+        assert!(err.detail.contains("colour"));
+    }
+}

@@ -1,0 +1,295 @@
+//! Attempt creation, completion and retry. Every function here runs inside the caller's
+//! transaction, so a state change and its consequences (a retry) commit together.
+
+use crate::{Ctx, Error};
+use agentscope_domain::{AttemptStatus, FailureClass, RetryPolicy};
+use serde_json::json;
+use sqlx::{Postgres, Row, Transaction};
+use uuid::Uuid;
+
+type Tx<'a> = Transaction<'a, Postgres>;
+
+/// What the binding, the agent's newest version and the runtime profile say about a task.
+struct Resolved {
+    workspace_id: Uuid,
+    agent_id: Uuid,
+    cancel_requested: bool,
+    agent_version_id: Option<Uuid>,
+    binding_id: Option<Uuid>,
+    pool_id: Option<Uuid>,
+    provider: Option<String>,
+    required_capabilities: Vec<String>,
+    spec: serde_json::Value,
+}
+
+async fn resolve(tx: &mut Tx<'_>, task_id: Uuid) -> Result<Option<Resolved>, Error> {
+    let row = sqlx::query(
+        r#"
+        SELECT t.workspace_id, t.agent_id, t.repository, t.branch, t.input, t.timeout_secs,
+               t.issue_id, t.cancel_requested_at IS NOT NULL AS cancel_requested,
+               i.title AS issue_title, i.body AS issue_body,
+               v.id AS version_id, v.instructions, v.provider AS version_provider,
+               b.id AS binding_id, b.pool_id, b.required_capabilities,
+               rp.provider AS profile_provider, rp.params
+        FROM tasks t
+        LEFT JOIN issues i ON i.id = t.issue_id
+        LEFT JOIN LATERAL (
+            SELECT * FROM agent_versions WHERE agent_id = t.agent_id ORDER BY version DESC LIMIT 1
+        ) v ON true
+        LEFT JOIN bindings b ON b.agent_id = t.agent_id
+        LEFT JOIN runtime_profiles rp ON rp.id = b.runtime_profile_id
+        WHERE t.id = $1
+        "#,
+    )
+    .bind(task_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+
+    let params: serde_json::Value = row
+        .try_get::<Option<serde_json::Value>, _>("params")?
+        .unwrap_or_else(|| json!({}));
+    let provider: Option<String> = row
+        .try_get::<Option<String>, _>("profile_provider")?
+        .or(row.try_get("version_provider")?);
+    // The command provider's argv is a JSON array in the profile; other params are strings.
+    let command = params.get("command").cloned().unwrap_or_else(|| json!([]));
+    let mut str_params = serde_json::Map::new();
+    if let Some(obj) = params.as_object() {
+        for (k, v) in obj {
+            if k == "command" {
+                continue;
+            }
+            let s = match v {
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            str_params.insert(k.clone(), json!(s));
+        }
+    }
+    let agent_id: Uuid = row.try_get("agent_id")?;
+    let version_id: Option<Uuid> = row.try_get("version_id")?;
+    let spec = json!({
+        "provider": provider.clone().unwrap_or_default(),
+        "repository": row.try_get::<Option<String>, _>("repository")?.unwrap_or_default(),
+        "branch": row.try_get::<Option<String>, _>("branch")?.unwrap_or_default(),
+        "input": row.try_get::<String, _>("input")?,
+        "instructions": row.try_get::<Option<String>, _>("instructions")?.unwrap_or_default(),
+        "params": str_params,
+        "command": command,
+        "issue_id": row.try_get::<Option<Uuid>, _>("issue_id")?.map(|u| u.to_string()).unwrap_or_default(),
+        "issue_title": row.try_get::<Option<String>, _>("issue_title")?.unwrap_or_default(),
+        "issue_body": row.try_get::<Option<String>, _>("issue_body")?.unwrap_or_default(),
+        "agent_id": agent_id.to_string(),
+        "agent_version_id": version_id.map(|v| v.to_string()).unwrap_or_default(),
+        "timeout_secs": row.try_get::<Option<i32>, _>("timeout_secs")?.unwrap_or(0),
+    });
+    Ok(Some(Resolved {
+        workspace_id: row.try_get("workspace_id")?,
+        agent_id,
+        cancel_requested: row.try_get("cancel_requested")?,
+        agent_version_id: version_id,
+        binding_id: row.try_get("binding_id")?,
+        pool_id: row.try_get("pool_id")?,
+        provider,
+        required_capabilities: row
+            .try_get::<Option<Vec<String>>, _>("required_capabilities")?
+            .unwrap_or_default(),
+        spec,
+    }))
+}
+
+/// Creates Attempt 1 of a task if it has none. Idempotent: returns the pool to nudge, if any.
+pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Option<Uuid>, Error> {
+    let mut tx = ctx.db.begin().await?;
+    let exists: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM attempts WHERE task_id = $1 AND number = 1")
+            .bind(task_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if exists.is_some() {
+        return Ok(None);
+    }
+    let Some(r) = resolve(&mut tx, task_id).await? else {
+        return Err(Error::Rejected(format!("unknown task {task_id}")));
+    };
+    let (status, class): (AttemptStatus, Option<FailureClass>) = if r.cancel_requested {
+        (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))
+    } else {
+        (AttemptStatus::Queued, None)
+    };
+    let inserted = sqlx::query(
+        r#"
+        INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id, agent_version_id,
+            binding_id, pool_id, provider, required_capabilities, spec, failure_class,
+            finished_at)
+        VALUES ($1, $2, $3, 1, $4, $5, $6, $7, $8, $9, $10, $11, $12,
+            CASE WHEN $4 = 'cancelled' THEN now() END)
+        ON CONFLICT (task_id, number) DO NOTHING
+        "#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(task_id)
+    .bind(r.workspace_id)
+    .bind(status.as_str())
+    .bind(r.agent_id)
+    .bind(r.agent_version_id)
+    .bind(r.binding_id)
+    .bind(r.pool_id)
+    .bind(r.provider)
+    .bind(&r.required_capabilities)
+    .bind(&r.spec)
+    .bind(class.map(|c| c.as_str()))
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    if inserted.rows_affected() == 1 {
+        ctx.metrics.inc("agentscope_attempts_created_total", &[]);
+        tracing::info!(%task_id, attempt = 1, "attempt created");
+    }
+    Ok(r.pool_id.filter(|_| status == AttemptStatus::Queued))
+}
+
+/// Re-reads the binding for queued attempts that had none; returns pools to nudge.
+pub(crate) async fn rebind_unbound(ctx: &Ctx) -> Result<Vec<Uuid>, Error> {
+    let rows: Vec<(Uuid, Uuid)> = sqlx::query_as(
+        r#"
+        UPDATE attempts a SET binding_id = b.id, pool_id = b.pool_id,
+            required_capabilities = b.required_capabilities
+        FROM bindings b
+        WHERE a.status = 'queued' AND a.binding_id IS NULL AND b.agent_id = a.agent_id
+        RETURNING a.id, b.pool_id
+        "#,
+    )
+    .fetch_all(&ctx.db)
+    .await?;
+    Ok(rows.into_iter().map(|(_, p)| p).collect())
+}
+
+pub(crate) struct Active {
+    pub id: Uuid,
+    pub task_id: Uuid,
+    pub number: i32,
+    pub status: AttemptStatus,
+    pub lease_token: Option<i64>,
+    pub host_id: Option<Uuid>,
+    pub pool_id: Option<Uuid>,
+    pub last_seq: i64,
+}
+
+/// Locks an attempt row for the rest of the transaction.
+pub(crate) async fn lock(tx: &mut Tx<'_>, attempt_id: Uuid) -> Result<Option<Active>, Error> {
+    let row = sqlx::query(
+        "SELECT id, task_id, number, status, lease_token, host_id, pool_id, last_seq
+         FROM attempts WHERE id = $1 FOR UPDATE",
+    )
+    .bind(attempt_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let status: String = row.try_get("status")?;
+    Ok(Some(Active {
+        id: row.try_get("id")?,
+        task_id: row.try_get("task_id")?,
+        number: row.try_get("number")?,
+        status: AttemptStatus::parse(&status)
+            .ok_or_else(|| Error::Rejected(format!("unknown status {status}")))?,
+        lease_token: row.try_get("lease_token")?,
+        host_id: row.try_get("host_id")?,
+        pool_id: row.try_get("pool_id")?,
+        last_seq: row.try_get("last_seq")?,
+    }))
+}
+
+/// Moves an attempt to a terminal status and, when the class is retryable and the policy
+/// allows, creates the next Attempt in the same transaction. Returns the retry's pool to nudge.
+pub(crate) async fn finish(
+    tx: &mut Tx<'_>,
+    a: &Active,
+    status: AttemptStatus,
+    class: Option<FailureClass>,
+    detail: &str,
+    exit_code: Option<i32>,
+) -> Result<Option<Uuid>, Error> {
+    debug_assert!(status.is_terminal());
+    let cancel_requested: bool = sqlx::query_scalar(
+        "SELECT cancel_requested_at IS NOT NULL FROM tasks WHERE id = $1",
+    )
+    .bind(a.task_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    // A task whose cancellation was requested ends cancelled, whatever else happened.
+    let (status, class) = if cancel_requested && status != AttemptStatus::Succeeded {
+        (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))
+    } else {
+        (status, class)
+    };
+    sqlx::query(
+        r#"UPDATE attempts SET status = $2, finished_at = now(), failure_class = $3,
+               failure_detail = NULLIF($4, ''), exit_code = $5
+           WHERE id = $1"#,
+    )
+    .bind(a.id)
+    .bind(status.as_str())
+    .bind(class.map(|c| c.as_str()))
+    .bind(detail)
+    .bind(exit_code)
+    .execute(&mut **tx)
+    .await?;
+    tracing::info!(attempt_id = %a.id, task_id = %a.task_id, %status, class = class.map(|c| c.as_str()), "attempt finished");
+
+    let retry = matches!(status, AttemptStatus::Failed | AttemptStatus::Lost)
+        && class.is_some_and(|c| c.retryable())
+        && !cancel_requested;
+    if !retry {
+        return Ok(None);
+    }
+    let policy: Option<(i32, i64)> = sqlx::query_as(
+        "SELECT b.max_attempts, b.retry_backoff_ms FROM attempts a JOIN bindings b ON b.id = a.binding_id WHERE a.id = $1",
+    )
+    .bind(a.id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let policy = policy
+        .map(|(max, backoff)| RetryPolicy {
+            max_attempts: max.max(1) as u32,
+            backoff_base_ms: backoff.max(0) as u64,
+            ..RetryPolicy::default()
+        })
+        .unwrap_or_default();
+    let next = a.number as u32 + 1;
+    let Some(delay_ms) = policy.delay_before(next) else {
+        tracing::info!(task_id = %a.task_id, "retries exhausted");
+        return Ok(None);
+    };
+    sqlx::query(
+        r#"
+        INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id, agent_version_id,
+            binding_id, pool_id, provider, required_capabilities, spec, not_before)
+        SELECT $2, task_id, workspace_id, $3, 'queued', agent_id, agent_version_id, binding_id,
+            pool_id, provider, required_capabilities, spec,
+            now() + make_interval(secs => $4::double precision / 1000.0)
+        FROM attempts WHERE id = $1
+        ON CONFLICT (task_id, number) DO NOTHING
+        "#,
+    )
+    .bind(a.id)
+    .bind(Uuid::now_v7())
+    .bind(next as i32)
+    .bind(delay_ms as f64)
+    .execute(&mut **tx)
+    .await?;
+    tracing::info!(task_id = %a.task_id, attempt = next, delay_ms, "retry scheduled as a new attempt");
+    Ok(a.pool_id)
+}
+
+/// Wakes the hosts of a pool so they ask for work now instead of at their next poll.
+pub(crate) async fn nudge(ctx: &Ctx, pool_id: Uuid) {
+    let _ = ctx
+        .nats
+        .publish(
+            agentscope_bus::subjects::pool_work(&pool_id.to_string()),
+            bytes::Bytes::new(),
+        )
+        .await;
+}

@@ -1,0 +1,172 @@
+//! Host registration (request/reply) and presence (KV watch).
+
+use crate::{Ctx, Error};
+use agentscope_bus::{subjects, SCHEDULER_QUEUE};
+use agentscope_schemas::v1::{HostHeartbeat, HostRegistered, HostRegistration};
+use agentscope_schemas::Message;
+use futures::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// The workspace a host token belongs to, if the token is valid.
+pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<Uuid>, Error> {
+    if !token.starts_with("agh_") {
+        return Ok(None);
+    }
+    let hash = agentscope_domain::hash_token(token);
+    let ws: Option<(Uuid,)> = sqlx::query_as(
+        "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'host' AND revoked_at IS NULL",
+    )
+    .bind(hash)
+    .fetch_optional(&ctx.db)
+    .await?;
+    Ok(ws.map(|w| w.0))
+}
+
+pub(crate) async fn serve_register(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let mut sub = ctx
+        .nats
+        .queue_subscribe(subjects::HOST_REGISTER, SCHEDULER_QUEUE.into())
+        .await
+        .map_err(Error::bus)?;
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
+        };
+        let Some(reply) = msg.reply.clone() else { continue };
+        let answer = match HostRegistration::decode(msg.payload.as_ref()) {
+            Ok(reg) => register(&ctx, reg).await.unwrap_or_else(|e| {
+                tracing::error!(error = ?e, "host registration failed");
+                refused("internal", "registration failed; retry")
+            }),
+            Err(_) => refused("malformed", "HostRegistration payload does not decode"),
+        };
+        let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
+    }
+}
+
+fn refused(code: &str, message: &str) -> HostRegistered {
+    HostRegistered {
+        ok: false,
+        error_code: code.into(),
+        message: message.into(),
+        ..Default::default()
+    }
+}
+
+async fn register(ctx: &Ctx, reg: HostRegistration) -> Result<HostRegistered, Error> {
+    let Some(workspace_id) = verify_host_token(ctx, &reg.host_token).await? else {
+        return Ok(refused("unauthorized", "host token is unknown or revoked"));
+    };
+    let Ok(host_id) = Uuid::parse_str(&reg.host_id) else {
+        return Ok(refused("invalid_host_id", "host_id must be a UUID"));
+    };
+    let pool: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM pools WHERE workspace_id = $1 AND name = $2")
+            .bind(workspace_id)
+            .bind(&reg.pool)
+            .fetch_optional(&ctx.db)
+            .await?;
+    let pool_id = pool.map(|p| p.0);
+    let providers = providers_json(&reg.providers);
+    let checks = checks_json(&reg.checks);
+    // A host id belongs to the workspace that first registered it; another token cannot take it.
+    let row: Option<(Uuid,)> = sqlx::query_as(
+        r#"
+        INSERT INTO hosts (id, workspace_id, pool_id, pool_name, name, capacity, providers,
+            capabilities, checks, version, last_seen_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
+        ON CONFLICT (id) DO UPDATE SET pool_id = EXCLUDED.pool_id, pool_name = EXCLUDED.pool_name,
+            name = EXCLUDED.name, capacity = EXCLUDED.capacity, providers = EXCLUDED.providers,
+            capabilities = EXCLUDED.capabilities, checks = EXCLUDED.checks,
+            version = EXCLUDED.version, last_seen_at = now(), registered_at = now()
+        WHERE hosts.workspace_id = EXCLUDED.workspace_id
+        RETURNING id
+        "#,
+    )
+    .bind(host_id)
+    .bind(workspace_id)
+    .bind(pool_id)
+    .bind(&reg.pool)
+    .bind(&reg.name)
+    .bind(reg.capacity as i32)
+    .bind(providers)
+    .bind(&reg.capabilities)
+    .bind(checks)
+    .bind(&reg.version)
+    .fetch_optional(&ctx.db)
+    .await?;
+    if row.is_none() {
+        return Ok(refused(
+            "host_id_conflict",
+            "this host id is registered in another workspace",
+        ));
+    }
+    ctx.metrics.inc("agentscope_host_registrations_total", &[]);
+    tracing::info!(%host_id, %workspace_id, pool = %reg.pool, capacity = reg.capacity, "host registered");
+    Ok(HostRegistered {
+        ok: true,
+        workspace_id: workspace_id.to_string(),
+        pool_id: pool_id.map(|p| p.to_string()).unwrap_or_default(),
+        lease_ttl_ms: ctx.config.lease_ttl_ms,
+        heartbeat_ttl_ms: ctx.config.heartbeat_ttl_ms,
+        ..Default::default()
+    })
+}
+
+fn providers_json(p: &[agentscope_schemas::v1::ProviderDescriptor]) -> serde_json::Value {
+    json!(p
+        .iter()
+        .map(|d| json!({
+            "name": d.name, "installed": d.installed, "version": d.version,
+            "logged_in": d.logged_in, "detail": d.detail,
+            "live_stream": d.live_stream, "resume": d.resume,
+        }))
+        .collect::<Vec<_>>())
+}
+
+fn checks_json(c: &[agentscope_schemas::v1::HostCheck]) -> serde_json::Value {
+    json!(c
+        .iter()
+        .map(|c| json!({"name": c.name, "ok": c.ok, "detail": c.detail, "checked_at_ms": c.checked_at_ms}))
+        .collect::<Vec<_>>())
+}
+
+/// Mirrors host heartbeats from the presence bucket into `hosts` (last_seen_at, checks, load).
+pub(crate) async fn watch_presence(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let js = &ctx.js;
+    let presence = agentscope_bus::Topology::open_bucket(js, agentscope_bus::BUCKET_PRESENCE).await?;
+    let mut watch = presence.watch_all().await.map_err(Error::bus)?;
+    loop {
+        let entry = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            e = watch.next() => match e {
+                Some(Ok(e)) => e,
+                Some(Err(e)) => { tracing::warn!(error = ?e, "presence watch"); continue }
+                None => return Ok(()),
+            },
+        };
+        if entry.operation != async_nats::jetstream::kv::Operation::Put {
+            continue;
+        }
+        let Ok(hb) = HostHeartbeat::decode(entry.value.as_ref()) else {
+            tracing::warn!(key = %entry.key, "malformed heartbeat ignored");
+            continue;
+        };
+        let Ok(host_id) = Uuid::parse_str(&hb.host_id) else { continue };
+        let res = sqlx::query(
+            "UPDATE hosts SET last_seen_at = now(), running = $2, checks = $3, providers = $4 WHERE id = $1",
+        )
+        .bind(host_id)
+        .bind(hb.running as i32)
+        .bind(checks_json(&hb.checks))
+        .bind(providers_json(&hb.providers))
+        .execute(&ctx.db)
+        .await;
+        if let Err(e) = res {
+            tracing::warn!(error = ?e, %host_id, "record heartbeat");
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Task submissions and cancellations from the gateway (stream AGENTSCOPE_TASKS).
+
+use crate::{attempts, Ctx, Error};
+use agentscope_bus::{subjects, CONSUMER_INTAKE, STREAM_TASKS};
+use agentscope_domain::{AttemptStatus, FailureClass};
+use agentscope_schemas::v1::{host_command, CancelAttempt, CancelRequest, HostCommand, TaskSubmitted};
+use agentscope_schemas::Message;
+use async_nats::jetstream::consumer::{pull, AckPolicy};
+use async_nats::jetstream::AckKind;
+use futures::StreamExt;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use uuid::Uuid;
+
+pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let stream = ctx.js.get_stream(STREAM_TASKS).await.map_err(Error::bus)?;
+    let consumer = stream
+        .get_or_create_consumer(
+            CONSUMER_INTAKE,
+            pull::Config {
+                durable_name: Some(CONSUMER_INTAKE.into()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(30),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(Error::bus)?;
+    let mut messages = consumer.messages().await.map_err(Error::bus)?;
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            m = messages.next() => match m {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => { tracing::warn!(error = ?e, "intake consumer"); continue }
+                None => return Ok(()),
+            },
+        };
+        let subject = msg.subject.to_string();
+        let parent = agentscope_bus::traceparent(msg.headers.as_ref());
+        let span = tracing::info_span!("intake", %subject);
+        agentscope_bus::set_parent(&span, parent.as_deref());
+        let res = handle(&ctx, &subject, &msg.payload).instrument(span).await;
+        let ack = match res {
+            Ok(()) => AckKind::Ack,
+            Err(e) if e.retryable() => {
+                tracing::warn!(error = ?e, %subject, "intake failed; will retry");
+                AckKind::Nak(Some(Duration::from_millis(500)))
+            }
+            Err(e) => {
+                crate::reject(&ctx, &subject, CONSUMER_INTAKE, &e.to_string(), &msg.payload).await;
+                AckKind::Term
+            }
+        };
+        if let Err(e) = msg.ack_with(ack).await {
+            tracing::warn!(error = ?e, "ack intake message");
+        }
+    }
+}
+
+async fn handle(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), Error> {
+    match subject {
+        subjects::TASK_SUBMITTED => {
+            let m = TaskSubmitted::decode(payload)
+                .map_err(|_| Error::Rejected("malformed TaskSubmitted payload".into()))?;
+            let task_id = parse_id(&m.task_id)?;
+            tracing::Span::current().record("task_id", m.task_id.as_str());
+            if let Some(pool) = attempts::ensure_first_attempt(ctx, task_id).await? {
+                attempts::nudge(ctx, pool).await;
+            }
+            Ok(())
+        }
+        subjects::TASK_CANCEL => {
+            let m = CancelRequest::decode(payload)
+                .map_err(|_| Error::Rejected("malformed CancelRequest payload".into()))?;
+            cancel_task(ctx, parse_id(&m.task_id)?, &m.reason).await
+        }
+        other => Err(Error::Rejected(format!("unexpected subject {other}"))),
+    }
+}
+
+fn parse_id(s: &str) -> Result<Uuid, Error> {
+    Uuid::parse_str(s).map_err(|_| Error::Rejected(format!("invalid id {s:?}")))
+}
+
+/// Cancels the newest attempt of a task: a queued one at once, an active one through its host.
+pub(crate) async fn cancel_task(ctx: &Ctx, task_id: Uuid, reason: &str) -> Result<(), Error> {
+    let mut tx = ctx.db.begin().await?;
+    let newest: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1")
+            .bind(task_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let Some((attempt_id,)) = newest else {
+        // No attempt yet: creation sees cancel_requested_at and creates it cancelled.
+        return Ok(());
+    };
+    let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
+        return Ok(());
+    };
+    match a.status {
+        AttemptStatus::Queued => {
+            attempts::finish(
+                &mut tx,
+                &a,
+                AttemptStatus::Cancelled,
+                Some(FailureClass::Cancelled),
+                reason,
+                None,
+            )
+            .await?;
+            tx.commit().await?;
+            notify(ctx, a.id, a.task_id, a.last_seq as u64).await;
+        }
+        s if s.is_active() => {
+            tx.commit().await?;
+            let Some(host) = a.host_id else { return Ok(()) };
+            let cmd = HostCommand {
+                command_id: format!("cancel:{}", a.id),
+                command: Some(host_command::Command::Cancel(CancelAttempt {
+                    attempt_id: a.id.to_string(),
+                    reason: reason.to_string(),
+                    grace_ms: 5_000,
+                })),
+            };
+            ctx.js
+                .publish_with_headers(
+                    subjects::control(&host.to_string()),
+                    agentscope_bus::headers(&cmd.command_id),
+                    cmd.encode_to_vec().into(),
+                )
+                .await
+                .map_err(Error::bus)?
+                .await
+                .map_err(Error::bus)?;
+            tracing::info!(attempt_id = %a.id, %host, "cancel sent to host");
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Wakes live followers of an attempt's events.
+pub(crate) async fn notify(ctx: &Ctx, attempt_id: Uuid, task_id: Uuid, seq: u64) {
+    let n = agentscope_schemas::v1::Recorded {
+        attempt_id: attempt_id.to_string(),
+        seq,
+        task_id: task_id.to_string(),
+    };
+    let _ = ctx
+        .nats
+        .publish(
+            subjects::recorded(&attempt_id.to_string()),
+            n.encode_to_vec().into(),
+        )
+        .await;
+}

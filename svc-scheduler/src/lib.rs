@@ -1,0 +1,204 @@
+//! svc-scheduler: turns Tasks into Attempts, answers host registrations and claims under KV
+//! leases, records execution events exactly once, detects lost leases and retries.
+//!
+//! Architecture invariant: the scheduler is the only writer of `hosts`, `attempts`,
+//! `execution_events`, `approvals`, `runs`, `run_nodes` and `rejected_messages`.
+
+mod attempts;
+mod claim;
+mod config;
+mod hosts;
+mod intake;
+mod recorder;
+mod sweeper;
+
+pub use config::Config;
+
+use agentscope_bus::Topology;
+use agentscope_telemetry::health::{self, Metrics};
+use anyhow::Context as _;
+use async_nats::jetstream;
+use sqlx::PgPool;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("database")]
+    Db(#[from] sqlx::Error),
+    #[error("bus")]
+    Bus(#[source] async_nats::Error),
+    #[error("{0}")]
+    Rejected(String),
+}
+
+impl Error {
+    /// Transient errors are retried (delayed NAK); everything else terminates the message.
+    pub fn retryable(&self) -> bool {
+        matches!(self, Error::Db(_) | Error::Bus(_))
+    }
+    fn bus(e: impl Into<async_nats::Error>) -> Self {
+        Error::Bus(e.into())
+    }
+}
+
+/// Everything the scheduler's tasks share. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Ctx {
+    pub db: PgPool,
+    pub nats: async_nats::Client,
+    pub js: jetstream::Context,
+    pub leases: jetstream::kv::Store,
+    pub config: Arc<Config>,
+    pub metrics: Metrics,
+}
+
+pub struct App {
+    ctx: Ctx,
+    health_addr: SocketAddr,
+    cancel: CancellationToken,
+    health_task: tokio::task::JoinHandle<()>,
+}
+
+impl App {
+    pub async fn build(config: Config) -> anyhow::Result<App> {
+        let db = agentscope_store::connect(&config.database_url, config.db_max_connections)
+            .await
+            .context("start svc-scheduler")?;
+        agentscope_store::migrate(&db).await?;
+        let nats = agentscope_bus::connect(&config.nats_url, "svc-scheduler").await?;
+        let js = jetstream::new(nats.clone());
+        Topology::events(&js).await?;
+        Topology::control(&js).await?;
+        Topology::tasks(&js).await?;
+        let leases = Topology::leases(&js, Duration::from_millis(config.lease_ttl_ms)).await?;
+        Topology::presence(&js, Duration::from_millis(config.heartbeat_ttl_ms)).await?;
+
+        let metrics = Metrics::default();
+        let cancel = CancellationToken::new();
+        let probe_db = db.clone();
+        let probe_nats = nats.clone();
+        let probe: health::Probe = Arc::new(move || {
+            let db = probe_db.clone();
+            let nats = probe_nats.clone();
+            Box::pin(async move { readiness(&db, &nats).await })
+        });
+        let (health_addr, health_task) = health::serve(
+            &config.health_addr,
+            "svc-scheduler",
+            probe,
+            metrics.clone(),
+            cancel.clone(),
+        )
+        .await
+        .with_context(|| format!("bind health listener {}", config.health_addr))?;
+        tracing::info!(%health_addr, "svc-scheduler listening for health checks");
+        Ok(App {
+            ctx: Ctx {
+                db,
+                nats,
+                js,
+                leases,
+                config: Arc::new(config),
+                metrics,
+            },
+            health_addr,
+            cancel,
+            health_task,
+        })
+    }
+
+    pub fn health_addr(&self) -> SocketAddr {
+        self.health_addr
+    }
+
+    /// Runs every scheduler task until `shutdown` resolves; in-flight messages finish first.
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        let cancel = self.cancel.clone();
+        let mut tasks = tokio::task::JoinSet::new();
+        let ctx = self.ctx.clone();
+        tasks.spawn(named("register", hosts::serve_register(ctx.clone(), cancel.clone())));
+        tasks.spawn(named("presence", hosts::watch_presence(ctx.clone(), cancel.clone())));
+        tasks.spawn(named("claim", claim::serve(ctx.clone(), cancel.clone())));
+        tasks.spawn(named("intake", intake::run(ctx.clone(), cancel.clone())));
+        tasks.spawn(named("recorder", recorder::run(ctx.clone(), cancel.clone())));
+        tasks.spawn(named("sweeper", sweeper::run(ctx.clone(), cancel.clone())));
+        tracing::info!("svc-scheduler running");
+
+        tokio::select! {
+            _ = shutdown => {}
+            Some(res) = tasks.join_next() => {
+                // A core task ended on its own: that is a failure; stop the rest.
+                cancel.cancel();
+                if let Ok(Err(e)) = res {
+                    tracing::error!(error = ?e, "scheduler task failed; stopping");
+                }
+            }
+        }
+        cancel.cancel();
+        let grace = tokio::time::timeout(Duration::from_secs(10), async {
+            while tasks.join_next().await.is_some() {}
+        });
+        if grace.await.is_err() {
+            tracing::warn!("tasks did not stop within 10 s");
+        }
+        let _ = self.ctx.nats.flush().await;
+        let _ = self.health_task.await;
+        tracing::info!("svc-scheduler stopped");
+        Ok(())
+    }
+}
+
+async fn named(
+    name: &'static str,
+    fut: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    let res = fut.await;
+    match &res {
+        Ok(()) => tracing::debug!(task = name, "task stopped"),
+        Err(e) => tracing::error!(task = name, error = ?e, "task failed"),
+    }
+    res.with_context(|| format!("scheduler task {name}"))
+}
+
+pub(crate) async fn readiness(db: &PgPool, nats: &async_nats::Client) -> Result<(), String> {
+    if nats.connection_state() != async_nats::connection::State::Connected {
+        return Err("nats: not connected".into());
+    }
+    sqlx::query("SELECT 1")
+        .execute(db)
+        .await
+        .map_err(|e| format!("postgres: {e}"))?;
+    Ok(())
+}
+
+/// Records a bus message that was terminated instead of processed.
+pub(crate) async fn reject(
+    ctx: &Ctx,
+    subject: &str,
+    consumer: &str,
+    reason: &str,
+    payload: &[u8],
+) {
+    ctx.metrics
+        .inc("agentscope_rejected_messages_total", &[("consumer", consumer)]);
+    tracing::warn!(subject, consumer, reason, "bus message rejected");
+    let excerpt = &payload[..payload.len().min(64 * 1024)];
+    if let Err(e) = sqlx::query(
+        "INSERT INTO rejected_messages (subject, consumer, reason, payload) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(subject)
+    .bind(consumer)
+    .bind(reason)
+    .bind(excerpt)
+    .execute(&ctx.db)
+    .await
+    {
+        tracing::error!(error = ?e, "record rejected message");
+    }
+}

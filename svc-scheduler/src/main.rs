@@ -1,0 +1,13 @@
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let config = svc_scheduler::Config::load()?;
+    let _telemetry = agentscope_telemetry::init(
+        "svc-scheduler",
+        &agentscope_telemetry::Options {
+            log_format: config.log_format.clone(),
+        },
+    )?;
+    let app = svc_scheduler::App::build(config).await?;
+    app.run_until_stopped(agentscope_telemetry::health::shutdown_signal())
+        .await
+}

@@ -1,0 +1,112 @@
+//! The sweeper: the correctness backstop. Every `sweep_interval_ms` it marks attempts whose lease
+//! is gone as lost (retrying them under the policy), schedules tasks whose submission message was
+//! lost, binds attempts whose agent got a binding, and wakes pools with ready work.
+
+use crate::{attempts, Ctx};
+use agentscope_bus::lease_key;
+use agentscope_domain::{AttemptStatus, FailureClass};
+use async_nats::jetstream::kv::Operation;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(Duration::from_millis(ctx.config.sweep_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        if let Err(e) = sweep(&ctx).await {
+            tracing::warn!(error = ?e, "sweep failed; next tick retries");
+        }
+    }
+}
+
+async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
+    // 1. Active attempts whose lease key is gone (expired or purged) are lost.
+    let active: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT id, lease_token FROM attempts WHERE status IN ('claimed','running') AND lease_token IS NOT NULL",
+    )
+    .fetch_all(&ctx.db)
+    .await?;
+    for (attempt_id, token) in active {
+        let key = lease_key(&attempt_id.to_string());
+        let alive = match ctx.leases.entry(&key).await {
+            Ok(Some(e)) => e.operation == Operation::Put,
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(error = ?e, %attempt_id, "read lease");
+                continue;
+            }
+        };
+        if !alive {
+            mark_lost(ctx, attempt_id, token).await?;
+        }
+    }
+
+    // 2. Tasks whose submission never produced an attempt (lost message, scheduler crash).
+    let orphans: Vec<(Uuid,)> = sqlx::query_as(
+        "SELECT t.id FROM tasks t WHERE NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id)
+         AND t.created_at < now() - interval '2 seconds' ORDER BY t.created_at LIMIT 200",
+    )
+    .fetch_all(&ctx.db)
+    .await?;
+    for (task_id,) in orphans {
+        tracing::info!(%task_id, "scheduling task found without attempt");
+        attempts::ensure_first_attempt(ctx, task_id).await?;
+    }
+
+    // 3. Queued attempts of tasks whose cancellation message was lost.
+    let stale: Vec<(Uuid,)> = sqlx::query_as(
+        "SELECT a.task_id FROM attempts a JOIN tasks t ON t.id = a.task_id
+         WHERE a.status = 'queued' AND t.cancel_requested_at IS NOT NULL LIMIT 200",
+    )
+    .fetch_all(&ctx.db)
+    .await?;
+    for (task_id,) in stale {
+        crate::intake::cancel_task(ctx, task_id, "cancel requested").await?;
+    }
+
+    // 4. Attempts created before their agent had a binding, and pools with ready work.
+    for pool in attempts::rebind_unbound(ctx).await? {
+        attempts::nudge(ctx, pool).await;
+    }
+    let ready: Vec<(Uuid,)> = sqlx::query_as(
+        "SELECT DISTINCT pool_id FROM attempts WHERE status = 'queued' AND pool_id IS NOT NULL AND not_before <= now()",
+    )
+    .fetch_all(&ctx.db)
+    .await?;
+    for (pool,) in ready {
+        attempts::nudge(ctx, pool).await;
+    }
+    Ok(())
+}
+
+async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate::Error> {
+    let mut tx = ctx.db.begin().await?;
+    let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
+        return Ok(());
+    };
+    if !a.status.is_active() || a.lease_token != Some(token) {
+        return Ok(());
+    }
+    let retry = attempts::finish(
+        &mut tx,
+        &a,
+        AttemptStatus::Lost,
+        Some(FailureClass::LeaseLost),
+        "lease expired: the host stopped renewing it",
+        None,
+    )
+    .await?;
+    tx.commit().await?;
+    ctx.metrics.inc("agentscope_leases_lost_total", &[]);
+    tracing::warn!(%attempt_id, task_id = %a.task_id, host_id = ?a.host_id, "lease expired; attempt lost");
+    crate::intake::notify(ctx, attempt_id, a.task_id, a.last_seq as u64).await;
+    if let Some(pool) = retry {
+        attempts::nudge(ctx, pool).await;
+    }
+    Ok(())
+}
