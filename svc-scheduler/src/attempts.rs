@@ -225,7 +225,7 @@ pub(crate) async fn finish(
         (status, class)
     };
     sqlx::query(
-        r#"UPDATE attempts SET status = $2, finished_at = now(), failure_class = $3,
+        r#"UPDATE attempts SET status = $2, finished_at = clock_timestamp(), failure_class = $3,
                failure_detail = NULLIF($4, ''), exit_code = $5
            WHERE id = $1"#,
     )

@@ -204,7 +204,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         };
         created_keys.push(key.clone());
         sqlx::query(
-            "UPDATE attempts SET status = 'claimed', host_id = $2, lease_token = $3, claimed_at = now() WHERE id = $1 AND status = 'queued'",
+            "UPDATE attempts SET status = 'claimed', host_id = $2, lease_token = $3, claimed_at = clock_timestamp() WHERE id = $1 AND status = 'queued'",
         )
         .bind(c.id)
         .bind(host_id)

@@ -1,1 +1,9 @@
+//! Whole-system tests: the real service binaries against a real nats-server and PostgreSQL.
+//! One binary for all of them (link time); each test has its own NATS, database and services.
 
+mod bad_input;
+mod cancel;
+mod compose;
+mod e2e;
+mod failover;
+mod limits;

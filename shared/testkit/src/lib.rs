@@ -1,1 +1,336 @@
+//! Test support: a real nats-server per test on a free port with its own store directory, a
+//! fresh PostgreSQL database per test, and service processes spawned like omicron runs its
+//! database: argv and env recorded, output captured to files, readiness awaited with a deadline,
+//! the whole process group killed on drop.
 
+use anyhow::{bail, Context, Result};
+use std::future::Future;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Quiet unless TEST_LOG=1; then service output also goes to the terminal.
+pub fn verbose() -> bool {
+    std::env::var("TEST_LOG").is_ok_and(|v| v == "1")
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port")
+}
+
+/// A directory for one test's files; kept when the test fails (so logs can be read).
+pub struct TempDir {
+    pub path: PathBuf,
+}
+
+impl TempDir {
+    pub fn new(label: &str) -> TempDir {
+        let base = std::env::var("AGENTSCOPE_TEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| std::env::temp_dir().join("agentscope-tests"));
+        let path = base.join(format!("{label}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&path).expect("create test dir");
+        TempDir { path }
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("test files kept in {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Polls `cond` until it yields Some or `within` passes.
+pub async fn wait_for<T, F, Fut>(what: &str, within: Duration, mut cond: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = cond().await {
+            return Ok(v);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {within:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The nats-server to use: AGENTSCOPE_NATS_SERVER, else `nats-server` on PATH if it is 2.11+.
+pub fn nats_server_bin() -> Result<PathBuf> {
+    let candidates: Vec<PathBuf> = std::env::var_os("AGENTSCOPE_NATS_SERVER")
+        .map(|p| vec![PathBuf::from(p)])
+        .unwrap_or_else(|| {
+            std::env::var_os("PATH")
+                .map(|p| std::env::split_paths(&p).map(|d| d.join("nats-server")).collect())
+                .unwrap_or_default()
+        });
+    for c in &candidates {
+        let Ok(out) = Command::new(c).arg("--version").output() else { continue };
+        let v = String::from_utf8_lossy(&out.stdout).to_string();
+        // "nats-server: v2.15.1"
+        let nums: Vec<u32> = v
+            .trim()
+            .rsplit('v')
+            .next()
+            .unwrap_or("")
+            .split('.')
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        if nums.len() >= 2 && (nums[0], nums[1]) >= (2, 11) {
+            return Ok(c.clone());
+        }
+    }
+    bail!("no nats-server 2.11+ found (checked {candidates:?}); run scripts/ensure-deps.sh or set AGENTSCOPE_NATS_SERVER")
+}
+
+fn kill_group(child: &mut Child, signal: i32) {
+    let pid = child.id() as i32;
+    // SAFETY: signals the process group we created for this child.
+    unsafe {
+        libc::kill(-pid, signal);
+    }
+}
+
+/// A child process in its own process group, killed (group-wide) on drop.
+pub struct Proc {
+    pub name: String,
+    pub child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, program: &Path, args: &[&str], envs: &[(String, String)], dir: &Path) -> Result<Proc> {
+        use std::os::unix::process::CommandExt;
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .envs(envs.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .process_group(0);
+        if verbose() {
+            cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
+        } else {
+            cmd.stdout(file.try_clone()?).stderr(file);
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {name}: {} {args:?}", program.display()))?;
+        Ok(Proc {
+            name: name.to_string(),
+            child: Some(child),
+            log,
+        })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// SIGKILL to the process group, as a crash would.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            kill_group(&mut c, libc::SIGKILL);
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGKILL to the process only (its children, like a provider, stay behind).
+    pub fn kill9_leader(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a graceful exit.
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        // SAFETY: plain signal to our child.
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Some(st);
+            }
+            if Instant::now() > deadline {
+                kill_group(&mut c, libc::SIGKILL);
+                let _ = c.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            kill_group(&mut c, libc::SIGKILL);
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A nats-server with JetStream on a free port and its own store directory.
+pub struct Nats {
+    pub port: u16,
+    pub store: PathBuf,
+    proc: Proc,
+    dir: PathBuf,
+}
+
+impl Nats {
+    pub async fn start(dir: &Path) -> Result<Nats> {
+        let port = free_port();
+        let store = dir.join("nats-store");
+        let proc = Self::spawn(port, &store, dir)?;
+        let nats = Nats { port, store, proc, dir: dir.to_path_buf() };
+        nats.wait_ready().await?;
+        Ok(nats)
+    }
+
+    fn spawn(port: u16, store: &Path, dir: &Path) -> Result<Proc> {
+        let bin = nats_server_bin()?;
+        let port_s = port.to_string();
+        let store_s = store.to_string_lossy().to_string();
+        Proc::spawn("nats", &bin, &["-a", "127.0.0.1", "-p", &port_s, "-js", "-sd", &store_s], &[], dir)
+    }
+
+    async fn wait_ready(&self) -> Result<()> {
+        let port = self.port;
+        wait_for("nats-server to accept connections", Duration::from_secs(20), || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok().map(|_| ())
+        })
+        .await
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        self.proc.kill9();
+    }
+
+    /// Starts it again on the same port with the same store.
+    pub async fn restart(&mut self) -> Result<()> {
+        self.proc.kill9();
+        self.proc = Self::spawn(self.port, &self.store, &self.dir)?;
+        self.wait_ready().await
+    }
+}
+
+/// A fresh database on the machine's PostgreSQL, dropped after the test.
+pub struct TestDb {
+    pub name: String,
+    admin_url: String,
+}
+
+impl TestDb {
+    pub fn admin_url() -> String {
+        std::env::var("AGENTSCOPE_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    }
+
+    pub async fn create() -> Result<TestDb> {
+        use sqlx::Connection;
+        let admin_url = Self::admin_url();
+        let name = format!("agentscope_test_{}", uuid::Uuid::new_v4().simple());
+        let mut conn = sqlx::PgConnection::connect(&admin_url)
+            .await
+            .with_context(|| format!("connect to {admin_url}; run scripts/ensure-deps.sh"))?;
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
+        Ok(TestDb { name, admin_url })
+    }
+
+    pub fn url(&self) -> String {
+        match self.admin_url.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{}", self.name),
+            None => format!("{}/{}", self.admin_url, self.name),
+        }
+    }
+
+    pub async fn pool(&self) -> Result<sqlx::PgPool> {
+        Ok(sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&self.url()).await?)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("test database kept: {}", self.name);
+            return;
+        }
+        let name = self.name.clone();
+        let admin = self.admin_url.clone();
+        // Drop needs async I/O; do it on a thread of its own so any runtime state is fine.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            if let Ok(rt) = rt {
+                rt.block_on(async move {
+                    use sqlx::Connection;
+                    if let Ok(mut c) = sqlx::PgConnection::connect(&admin).await {
+                        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                            .execute(&mut c)
+                            .await;
+                    }
+                });
+            }
+        })
+        .join();
+    }
+}
+
+/// Where the workspace's binaries are: AGENTSCOPE_BIN_DIR, else next to the test executable.
+pub fn bin_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("AGENTSCOPE_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    // target/debug/deps/system-xxxx -> target/debug
+    exe.parent().and_then(|p| p.parent()).expect("target dir").to_path_buf()
+}
+
+pub fn bin(name: &str) -> Result<PathBuf> {
+    let p = bin_dir().join(name);
+    if !p.exists() {
+        bail!("{} is missing: build the workspace's binaries first (cargo build --workspace --bins)", p.display());
+    }
+    Ok(p)
+}
+
+/// Waits until `url` answers 200.
+pub async fn wait_http_ok(url: &str, within: Duration) -> Result<()> {
+    let client = reqwest::Client::new();
+    wait_for(&format!("{url} to answer 200"), within, || {
+        let client = client.clone();
+        async move {
+            match client.get(url).send().await {
+                Ok(r) if r.status().is_success() => Some(()),
+                _ => None,
+            }
+        }
+    })
+    .await
+}

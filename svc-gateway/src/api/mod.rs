@@ -1,0 +1,121 @@
+//! The `/v1` API. One table lists every route; the router and the OpenAPI document are both
+//! built from it, so the document always matches what is served.
+
+pub mod events;
+pub mod resources;
+pub mod work;
+
+use crate::AppState;
+use axum::routing::{get, post, MethodRouter};
+use serde_json::{json, Map, Value};
+
+pub struct Route {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub summary: &'static str,
+    /// "bearer" (workspace API token), "admin" (deployment admin token) or "none".
+    pub auth: &'static str,
+    /// Success status.
+    pub status: u16,
+    pub handler: MethodRouter<AppState>,
+}
+
+macro_rules! route {
+    (GET $path:literal, $h:path, $auth:literal, $summary:literal) => {
+        Route { method: "get", path: $path, summary: $summary, auth: $auth, status: 200, handler: get($h) }
+    };
+    (POST $path:literal, $h:path, $auth:literal, $status:literal, $summary:literal) => {
+        Route { method: "post", path: $path, summary: $summary, auth: $auth, status: $status, handler: post($h) }
+    };
+}
+
+pub fn routes() -> Vec<Route> {
+    use events::*;
+    use resources::*;
+    use work::*;
+    vec![
+        route!(POST "/v1/workspaces", create_workspace, "admin", 201, "Create a workspace and its first API token"),
+        route!(GET "/v1/workspace", get_workspace, "bearer", "The caller's workspace"),
+        route!(POST "/v1/api-tokens", create_api_token, "bearer", 201, "Create a workspace API token"),
+        route!(POST "/v1/host-tokens", create_host_token, "bearer", 201, "Create a host registration token"),
+        route!(POST "/v1/agents", create_agent, "bearer", 201, "Create an agent with its first version"),
+        route!(GET "/v1/agents", list_agents, "bearer", "List agents"),
+        route!(GET "/v1/agents/{id}", get_agent, "bearer", "Show an agent and its current version"),
+        route!(POST "/v1/agents/{id}/versions", create_version, "bearer", 201, "Save a new immutable agent version"),
+        route!(GET "/v1/agents/{id}/versions", list_versions, "bearer", "List an agent's versions"),
+        route!(POST "/v1/runtime-profiles", create_profile, "bearer", 201, "Create a runtime profile"),
+        route!(GET "/v1/runtime-profiles", list_profiles, "bearer", "List runtime profiles"),
+        route!(POST "/v1/pools", create_pool, "bearer", 201, "Create a pool"),
+        route!(GET "/v1/pools", list_pools, "bearer", "List pools"),
+        route!(POST "/v1/bindings", create_binding, "bearer", 201, "Bind an agent to a pool and runtime profile"),
+        route!(GET "/v1/bindings", list_bindings, "bearer", "List bindings"),
+        route!(GET "/v1/hosts", list_hosts, "bearer", "List hosts with their three checks"),
+        route!(GET "/v1/hosts/{id}", get_host, "bearer", "Show a host with its three checks"),
+        route!(POST "/v1/issues", create_issue, "bearer", 201, "Create an issue; with an assignee it becomes a task"),
+        route!(GET "/v1/issues", list_issues, "bearer", "List issues"),
+        route!(GET "/v1/issues/{id}", get_issue, "bearer", "Show an issue"),
+        route!(POST "/v1/issues/{id}/comments", create_comment, "bearer", 201, "Comment on an issue"),
+        route!(GET "/v1/issues/{id}/comments", list_comments, "bearer", "List an issue's comments"),
+        route!(POST "/v1/tasks", create_task, "bearer", 201, "Submit a task (idempotent with idempotency_key)"),
+        route!(GET "/v1/tasks", list_tasks, "bearer", "List tasks"),
+        route!(GET "/v1/tasks/{id}", get_task, "bearer", "Show a task with its attempts"),
+        route!(POST "/v1/tasks/{id}/cancel", cancel_task, "bearer", 202, "Cancel a task"),
+        route!(GET "/v1/tasks/{id}/events", task_events, "bearer", "A task's events across attempts (JSON, or SSE with follow)"),
+        route!(GET "/v1/attempts/{id}", get_attempt, "bearer", "Show an attempt"),
+        route!(GET "/v1/attempts/{id}/events", attempt_events, "bearer", "An attempt's events (JSON, or SSE with follow)"),
+    ]
+}
+
+/// The OpenAPI 3.1 document of [`routes`].
+pub fn openapi(routes: &[Route]) -> Value {
+    let mut paths = Map::new();
+    for r in routes {
+        let entry = paths
+            .entry(r.path.to_string())
+            .or_insert_with(|| json!({}));
+        let mut op = json!({
+            "summary": r.summary,
+            "operationId": format!("{}_{}", r.method, r.path.trim_start_matches("/v1/").replace(['/', '{', '}', '-'], "_")),
+            "responses": {
+                r.status.to_string(): {"description": "success", "content": {"application/json": {}}},
+                "4XX": {"$ref": "#/components/responses/Error"},
+            },
+        });
+        if r.path.contains("{id}") {
+            op["parameters"] = json!([{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "format": "uuid"}}]);
+        }
+        if r.path.ends_with("/events") {
+            op["responses"][r.status.to_string()]["content"]["text/event-stream"] = json!({});
+        }
+        if r.method == "post" {
+            op["requestBody"] = json!({"required": !r.path.ends_with("/cancel"), "content": {"application/json": {"schema": {"type": "object"}}}});
+        }
+        op["security"] = match r.auth {
+            "none" => json!([]),
+            "admin" => json!([{"admin": []}]),
+            _ => json!([{"bearer": []}]),
+        };
+        entry[r.method] = op;
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": {"title": "agentscope", "version": env!("CARGO_PKG_VERSION")},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "workspace API token (ags_...)"},
+                "admin": {"type": "http", "scheme": "bearer", "description": "the deployment's admin token"},
+            },
+            "responses": {
+                "Error": {
+                    "description": "a client error with a stable code",
+                    "content": {"application/json": {"schema": {
+                        "type": "object",
+                        "properties": {"error": {"type": "object", "properties": {
+                            "code": {"type": "string"}, "message": {"type": "string"}}}},
+                    }}},
+                },
+            },
+        },
+    })
+}

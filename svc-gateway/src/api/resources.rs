@@ -1,0 +1,532 @@
+//! Workspaces, tokens, agents and versions, runtime profiles, pools, bindings and hosts.
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Admin, Auth, Body, Id};
+use crate::AppState;
+use agentscope_domain::{new_token, TokenKind, KNOWN_PROVIDERS};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sqlx::Row;
+use uuid::Uuid;
+
+pub(crate) fn check_name(field: &str, v: &str) -> ApiResult<()> {
+    if v.trim().is_empty() || v.len() > 200 || v.chars().any(|c| c.is_control()) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            format!("`{field}` must be 1 to 200 printable characters"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_provider(p: &str) -> ApiResult<()> {
+    if !KNOWN_PROVIDERS.contains(&p) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            format!("unknown provider `{p}`; known: {}", KNOWN_PROVIDERS.join(", ")),
+        ));
+    }
+    Ok(())
+}
+
+fn check_limit(field: &str, v: Option<i32>) -> ApiResult<()> {
+    if v.is_some_and(|v| v <= 0) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            format!("`{field}` must be positive"),
+        ));
+    }
+    Ok(())
+}
+
+async fn issue_token(
+    db: &sqlx::PgPool,
+    workspace_id: Uuid,
+    kind: TokenKind,
+    name: &str,
+) -> ApiResult<(Uuid, String)> {
+    let token = new_token(kind);
+    let id = Uuid::now_v7();
+    sqlx::query("INSERT INTO api_tokens (id, workspace_id, kind, name, token_hash) VALUES ($1, $2, $3, $4, $5)")
+        .bind(id)
+        .bind(workspace_id)
+        .bind(kind.as_str())
+        .bind(name)
+        .bind(agentscope_domain::hash_token(&token))
+        .execute(db)
+        .await?;
+    Ok((id, token))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewWorkspace {
+    name: String,
+    max_concurrency: Option<i32>,
+}
+
+pub async fn create_workspace(
+    State(s): State<AppState>,
+    _: Admin,
+    Body(b): Body<NewWorkspace>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("name", &b.name)?;
+    check_limit("max_concurrency", b.max_concurrency)?;
+    let id = Uuid::now_v7();
+    let mut tx = s.db.begin().await?;
+    sqlx::query("INSERT INTO workspaces (id, name, max_concurrency) VALUES ($1, $2, $3)")
+        .bind(id)
+        .bind(&b.name)
+        .bind(b.max_concurrency)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    let (_, token) = issue_token(&s.db, id, TokenKind::Api, "initial").await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"workspace": {"id": id, "name": b.name, "max_concurrency": b.max_concurrency}, "api_token": token})),
+    ))
+}
+
+pub async fn get_workspace(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+    let (name, max): (String, Option<i32>) =
+        sqlx::query_as("SELECT name, max_concurrency FROM workspaces WHERE id = $1")
+            .bind(auth.workspace_id)
+            .fetch_one(&s.db)
+            .await?;
+    Ok(Json(json!({"id": auth.workspace_id, "name": name, "max_concurrency": max})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewToken {
+    name: String,
+}
+
+pub async fn create_api_token(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewToken>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("name", &b.name)?;
+    let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Api, &b.name).await?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "token": token}))))
+}
+
+pub async fn create_host_token(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewToken>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("name", &b.name)?;
+    let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Host, &b.name).await?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "token": token}))))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewVersion {
+    #[serde(default)]
+    instructions: String,
+    provider: String,
+    model: Option<String>,
+    #[serde(default)]
+    capability_files: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    policy: Option<Value>,
+    max_iters: Option<i32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewAgent {
+    name: String,
+    #[serde(flatten)]
+    version: NewVersion,
+}
+
+fn check_version(v: &NewVersion) -> ApiResult<()> {
+    check_provider(&v.provider)?;
+    check_limit("max_iters", v.max_iters)?;
+    if v.instructions.len() > 256 * 1024 {
+        return Err(ApiError::bad_request("invalid_field", "`instructions` is longer than 256 KiB"));
+    }
+    if v.capability_files.as_ref().is_some_and(|c| !c.is_object()) {
+        return Err(ApiError::bad_request("invalid_field", "`capability_files` must be an object of file name to content"));
+    }
+    Ok(())
+}
+
+async fn insert_version(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    workspace_id: Uuid,
+    agent_id: Uuid,
+    v: &NewVersion,
+) -> ApiResult<Value> {
+    let next: i32 = sqlx::query_scalar(
+        "SELECT COALESCE(max(version), 0) + 1 FROM agent_versions WHERE agent_id = $1",
+    )
+    .bind(agent_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    let id = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO agent_versions (id, agent_id, workspace_id, version, instructions, provider, model, capability_files, tools, policy, max_iters)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+    )
+    .bind(id)
+    .bind(agent_id)
+    .bind(workspace_id)
+    .bind(next)
+    .bind(&v.instructions)
+    .bind(&v.provider)
+    .bind(&v.model)
+    .bind(v.capability_files.clone().unwrap_or_else(|| json!({})))
+    .bind(v.tools.clone().unwrap_or_else(|| json!([])))
+    .bind(v.policy.clone().unwrap_or_else(|| json!({})))
+    .bind(v.max_iters)
+    .execute(&mut **tx)
+    .await?;
+    Ok(json!({"id": id, "agent_id": agent_id, "version": next, "provider": v.provider, "model": v.model, "instructions": v.instructions}))
+}
+
+pub async fn create_agent(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewAgent>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("name", &b.name)?;
+    check_version(&b.version)?;
+    let id = Uuid::now_v7();
+    let mut tx = s.db.begin().await?;
+    sqlx::query("INSERT INTO agents (id, workspace_id, name) VALUES ($1, $2, $3)")
+        .bind(id)
+        .bind(auth.workspace_id)
+        .bind(&b.name)
+        .execute(&mut *tx)
+        .await?;
+    let version = insert_version(&mut tx, auth.workspace_id, id, &b.version).await?;
+    tx.commit().await?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "current_version": version}))))
+}
+
+const AGENT_SELECT: &str = r#"
+    SELECT a.id, a.name, a.created_at,
+           json_build_object('id', v.id, 'version', v.version, 'provider', v.provider,
+                             'model', v.model, 'instructions', v.instructions) AS current_version
+    FROM agents a
+    JOIN LATERAL (SELECT * FROM agent_versions WHERE agent_id = a.id ORDER BY version DESC LIMIT 1) v ON true
+"#;
+
+fn agent_json(r: &sqlx::postgres::PgRow) -> ApiResult<Value> {
+    Ok(json!({
+        "id": r.try_get::<Uuid, _>("id")?,
+        "name": r.try_get::<String, _>("name")?,
+        "created_at": r.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
+        "current_version": r.try_get::<Value, _>("current_version")?,
+    }))
+}
+
+pub async fn list_agents(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+    let rows = sqlx::query(&format!("{AGENT_SELECT} WHERE a.workspace_id = $1 ORDER BY a.name"))
+        .bind(auth.workspace_id)
+        .fetch_all(&s.db)
+        .await?;
+    let items = rows.iter().map(agent_json).collect::<ApiResult<Vec<_>>>()?;
+    Ok(Json(json!({"items": items})))
+}
+
+pub async fn get_agent(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    let row = sqlx::query(&format!("{AGENT_SELECT} WHERE a.workspace_id = $1 AND a.id = $2"))
+        .bind(auth.workspace_id)
+        .bind(id)
+        .fetch_optional(&s.db)
+        .await?
+        .ok_or_else(|| ApiError::not_found("agent"))?;
+    Ok(Json(agent_json(&row)?))
+}
+
+async fn own_agent(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
+    let found: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
+        .bind(id)
+        .bind(auth.workspace_id)
+        .fetch_optional(&s.db)
+        .await?;
+    found.map(|_| ()).ok_or_else(|| ApiError::not_found("agent"))
+}
+
+/// Saving an agent makes a new immutable version; running work keeps the version it started with.
+pub async fn create_version(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+    Body(b): Body<NewVersion>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_version(&b)?;
+    own_agent(&s, auth, id).await?;
+    let mut tx = s.db.begin().await?;
+    // Serialize version numbering per agent.
+    sqlx::query("SELECT id FROM agents WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+    let v = insert_version(&mut tx, auth.workspace_id, id, &b).await?;
+    tx.commit().await?;
+    Ok((StatusCode::CREATED, Json(v)))
+}
+
+pub async fn list_versions(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    own_agent(&s, auth, id).await?;
+    let items: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', id, 'version', version, 'provider', provider, 'model', model,
+            'instructions', instructions, 'capability_files', capability_files, 'tools', tools,
+            'policy', policy, 'max_iters', max_iters, 'created_at', created_at)
+         FROM agent_versions WHERE agent_id = $1 ORDER BY version",
+    )
+    .bind(id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewProfile {
+    name: String,
+    provider: String,
+    #[serde(default)]
+    params: Option<Value>,
+}
+
+pub async fn create_profile(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewProfile>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("name", &b.name)?;
+    check_provider(&b.provider)?;
+    let params = b.params.unwrap_or_else(|| json!({}));
+    let Some(obj) = params.as_object() else {
+        return Err(ApiError::bad_request("invalid_field", "`params` must be an object"));
+    };
+    if let Some(cmd) = obj.get("command") {
+        let ok = cmd.as_array().is_some_and(|a| !a.is_empty() && a.iter().all(|x| x.is_string()));
+        if !ok {
+            return Err(ApiError::bad_request("invalid_field", "`params.command` must be a non-empty array of strings"));
+        }
+    }
+    let id = Uuid::now_v7();
+    sqlx::query("INSERT INTO runtime_profiles (id, workspace_id, name, provider, params) VALUES ($1, $2, $3, $4, $5)")
+        .bind(id)
+        .bind(auth.workspace_id)
+        .bind(&b.name)
+        .bind(&b.provider)
+        .bind(&params)
+        .execute(&s.db)
+        .await?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "provider": b.provider, "params": params}))))
+}
+
+pub async fn list_profiles(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+    let items: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', id, 'name', name, 'provider', provider, 'params', params, 'created_at', created_at)
+         FROM runtime_profiles WHERE workspace_id = $1 ORDER BY name",
+    )
+    .bind(auth.workspace_id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewPool {
+    name: String,
+    max_concurrency: Option<i32>,
+}
+
+pub async fn create_pool(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewPool>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("name", &b.name)?;
+    check_limit("max_concurrency", b.max_concurrency)?;
+    let id = Uuid::now_v7();
+    sqlx::query("INSERT INTO pools (id, workspace_id, name, max_concurrency) VALUES ($1, $2, $3, $4)")
+        .bind(id)
+        .bind(auth.workspace_id)
+        .bind(&b.name)
+        .bind(b.max_concurrency)
+        .execute(&s.db)
+        .await?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "max_concurrency": b.max_concurrency}))))
+}
+
+pub async fn list_pools(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+    let items: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', id, 'name', name, 'max_concurrency', max_concurrency, 'created_at', created_at)
+         FROM pools WHERE workspace_id = $1 ORDER BY name",
+    )
+    .bind(auth.workspace_id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewBinding {
+    agent_id: Uuid,
+    pool_id: Uuid,
+    runtime_profile_id: Option<Uuid>,
+    #[serde(default)]
+    required_capabilities: Vec<String>,
+    max_concurrency: Option<i32>,
+    max_attempts: Option<i32>,
+    retry_backoff_ms: Option<i64>,
+    #[serde(default)]
+    fallback_providers: Vec<String>,
+}
+
+pub async fn create_binding(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewBinding>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_limit("max_concurrency", b.max_concurrency)?;
+    check_limit("max_attempts", b.max_attempts)?;
+    if b.retry_backoff_ms.is_some_and(|v| !(0..=3_600_000).contains(&v)) {
+        return Err(ApiError::bad_request("invalid_field", "`retry_backoff_ms` must be between 0 and 3600000"));
+    }
+    for p in &b.fallback_providers {
+        check_provider(p)?;
+    }
+    for c in &b.required_capabilities {
+        check_name("required_capabilities", c)?;
+    }
+    // Every referenced resource must be in the caller's workspace.
+    let ok: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM agents WHERE id = $1 AND workspace_id = $4)
+            AND EXISTS (SELECT 1 FROM pools WHERE id = $2 AND workspace_id = $4)
+            AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM runtime_profiles WHERE id = $3 AND workspace_id = $4))",
+    )
+    .bind(b.agent_id)
+    .bind(b.pool_id)
+    .bind(b.runtime_profile_id)
+    .bind(auth.workspace_id)
+    .fetch_one(&s.db)
+    .await?;
+    if !ok {
+        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_reference", "agent, pool or runtime profile not found in this workspace"));
+    }
+    let id = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO bindings (id, workspace_id, agent_id, pool_id, runtime_profile_id, required_capabilities, max_concurrency, max_attempts, retry_backoff_ms, fallback_providers)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, COALESCE($8, 3), COALESCE($9, 1000), $10)",
+    )
+    .bind(id)
+    .bind(auth.workspace_id)
+    .bind(b.agent_id)
+    .bind(b.pool_id)
+    .bind(b.runtime_profile_id)
+    .bind(&b.required_capabilities)
+    .bind(b.max_concurrency)
+    .bind(b.max_attempts)
+    .bind(b.retry_backoff_ms)
+    .bind(&b.fallback_providers)
+    .execute(&s.db)
+    .await?;
+    Ok((StatusCode::CREATED, Json(binding_by_id(&s, id).await?)))
+}
+
+async fn binding_by_id(s: &AppState, id: Uuid) -> ApiResult<Value> {
+    let (v,): (Value,) = sqlx::query_as(&format!("{BINDING_SELECT} WHERE id = $1"))
+        .bind(id)
+        .fetch_one(&s.db)
+        .await?;
+    Ok(v)
+}
+
+const BINDING_SELECT: &str = "SELECT json_build_object('id', id, 'agent_id', agent_id, 'pool_id', pool_id,
+    'runtime_profile_id', runtime_profile_id, 'required_capabilities', required_capabilities,
+    'max_concurrency', max_concurrency, 'max_attempts', max_attempts,
+    'retry_backoff_ms', retry_backoff_ms, 'fallback_providers', fallback_providers) FROM bindings";
+
+pub async fn list_bindings(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+    let items: Vec<(Value,)> = sqlx::query_as(&format!("{BINDING_SELECT} WHERE workspace_id = $1 ORDER BY created_at"))
+        .bind(auth.workspace_id)
+        .fetch_all(&s.db)
+        .await?;
+    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+}
+
+fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<Value> {
+    let age_ms: f64 = r.try_get("age_ms")?;
+    let online = age_ms <= offline_after_ms as f64;
+    let reported: Value = r.try_get("checks")?;
+    let find = |name: &str| {
+        reported
+            .as_array()
+            .and_then(|a| a.iter().find(|c| c["name"] == name))
+            .cloned()
+            .unwrap_or_else(|| json!({"ok": false, "detail": "not reported"}))
+    };
+    // Connectivity is judged from the heartbeat's age as well as what the host reports.
+    let mut connectivity = find("connectivity");
+    if !online {
+        connectivity = json!({"ok": false, "detail": format!("no heartbeat for {:.0} s", age_ms / 1000.0)});
+    }
+    let mut dispatch = find("dispatch_readiness");
+    if !online {
+        dispatch["ok"] = json!(false);
+    }
+    Ok(json!({
+        "id": r.try_get::<Uuid, _>("id")?,
+        "name": r.try_get::<String, _>("name")?,
+        "pool": r.try_get::<String, _>("pool_name")?,
+        "pool_id": r.try_get::<Option<Uuid>, _>("pool_id")?,
+        "capacity": r.try_get::<i32, _>("capacity")?,
+        "running": r.try_get::<i32, _>("running")?,
+        "capabilities": r.try_get::<Vec<String>, _>("capabilities")?,
+        "providers": r.try_get::<Value, _>("providers")?,
+        "version": r.try_get::<String, _>("version")?,
+        "online": online,
+        "last_seen_at": r.try_get::<chrono::DateTime<chrono::Utc>, _>("last_seen_at")?,
+        "checks": {
+            "connectivity": connectivity,
+            "provider_discovery": find("provider_discovery"),
+            "dispatch_readiness": dispatch,
+        },
+    }))
+}
+
+const HOST_SELECT: &str = "SELECT id, name, pool_name, pool_id, capacity, running, capabilities, providers, version,
+    last_seen_at, checks, EXTRACT(EPOCH FROM (now() - last_seen_at))::float8 * 1000 AS age_ms FROM hosts";
+
+pub async fn list_hosts(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+    let rows = sqlx::query(&format!("{HOST_SELECT} WHERE workspace_id = $1 ORDER BY name, id"))
+        .bind(auth.workspace_id)
+        .fetch_all(&s.db)
+        .await?;
+    let items = rows
+        .iter()
+        .map(|r| host_json(r, s.config.host_offline_after_ms))
+        .collect::<ApiResult<Vec<_>>>()?;
+    Ok(Json(json!({"items": items})))
+}
+
+pub async fn get_host(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    let row = sqlx::query(&format!("{HOST_SELECT} WHERE workspace_id = $1 AND id = $2"))
+        .bind(auth.workspace_id)
+        .bind(id)
+        .fetch_optional(&s.db)
+        .await?
+        .ok_or_else(|| ApiError::not_found("host"))?;
+    Ok(Json(host_json(&row, s.config.host_offline_after_ms)?))
+}

@@ -1,0 +1,448 @@
+//! Issues, comments, tasks (submission, cancellation) and attempts.
+
+use crate::api::resources::check_name;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Auth, Body, Id};
+use crate::AppState;
+use agentscope_bus::subjects;
+use agentscope_domain::{task_status, AttemptStatus};
+use agentscope_schemas::v1::{CancelRequest, TaskSubmitted};
+use agentscope_schemas::Message;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sqlx::Row;
+use uuid::Uuid;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewIssue {
+    title: String,
+    #[serde(default)]
+    body: String,
+    assignee_agent_id: Option<Uuid>,
+    /// With an assignee: where the task's work happens.
+    repository: Option<String>,
+    branch: Option<String>,
+    #[serde(default)]
+    input: String,
+}
+
+fn check_source(repository: &Option<String>, branch: &Option<String>) -> ApiResult<()> {
+    if let Some(r) = repository {
+        if r.is_empty() || r.len() > 2048 || r.starts_with('-') || r.chars().any(|c| c.is_control()) {
+            return Err(ApiError::bad_request("invalid_field", "`repository` must be a path or URL (at most 2048 characters, not starting with '-')"));
+        }
+    }
+    if let Some(b) = branch {
+        let bad = b.is_empty()
+            || b.len() > 255
+            || b.starts_with('-')
+            || b.contains("..")
+            || b.chars().any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\".contains(c));
+        if bad {
+            return Err(ApiError::bad_request("invalid_field", "`branch` is not a valid git branch name"));
+        }
+    }
+    Ok(())
+}
+
+pub async fn create_issue(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewIssue>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("title", &b.title)?;
+    check_source(&b.repository, &b.branch)?;
+    if b.body.len() > 256 * 1024 || b.input.len() > 256 * 1024 {
+        return Err(ApiError::bad_request("invalid_field", "`body` and `input` are limited to 256 KiB"));
+    }
+    let mut tx = s.db.begin().await?;
+    if let Some(agent) = b.assignee_agent_id {
+        let own: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
+            .bind(agent)
+            .bind(auth.workspace_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if own.is_none() {
+            return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_reference", "assignee agent not found in this workspace"));
+        }
+    }
+    let id = Uuid::now_v7();
+    sqlx::query("INSERT INTO issues (id, workspace_id, title, body, assignee_agent_id) VALUES ($1, $2, $3, $4, $5)")
+        .bind(id)
+        .bind(auth.workspace_id)
+        .bind(&b.title)
+        .bind(&b.body)
+        .bind(b.assignee_agent_id)
+        .execute(&mut *tx)
+        .await?;
+    // An Issue assigned to an agent becomes a Task in the same transaction.
+    let task_id = match b.assignee_agent_id {
+        Some(agent) => Some(
+            insert_task(&mut tx, auth.workspace_id, agent, Some(id), &b.repository, &b.branch, &b.input, None, None).await?,
+        ),
+        None => None,
+    };
+    tx.commit().await?;
+    if let Some(t) = task_id {
+        submit(&s, auth.workspace_id, t).await;
+    }
+    Ok((StatusCode::CREATED, Json(json!({"id": id, "title": b.title, "body": b.body, "assignee_agent_id": b.assignee_agent_id, "task_id": task_id}))))
+}
+
+pub async fn list_issues(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+    let items: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', id, 'title', title, 'status', status, 'assignee_agent_id', assignee_agent_id, 'created_at', created_at)
+         FROM issues WHERE workspace_id = $1 ORDER BY created_at DESC LIMIT 500",
+    )
+    .bind(auth.workspace_id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+}
+
+pub async fn get_issue(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    let row: Option<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', i.id, 'title', i.title, 'body', i.body, 'status', i.status,
+            'assignee_agent_id', i.assignee_agent_id, 'created_at', i.created_at,
+            'tasks', COALESCE((SELECT json_agg(t.id ORDER BY t.created_at) FROM tasks t WHERE t.issue_id = i.id), '[]'::json))
+         FROM issues i WHERE i.workspace_id = $1 AND i.id = $2",
+    )
+    .bind(auth.workspace_id)
+    .bind(id)
+    .fetch_optional(&s.db)
+    .await?;
+    row.map(|r| Json(r.0)).ok_or_else(|| ApiError::not_found("issue"))
+}
+
+async fn own_issue(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
+    let own: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
+        .bind(id)
+        .bind(auth.workspace_id)
+        .fetch_optional(&s.db)
+        .await?;
+    own.map(|_| ()).ok_or_else(|| ApiError::not_found("issue"))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewComment {
+    body: String,
+    #[serde(default)]
+    author: Option<String>,
+}
+
+pub async fn create_comment(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(issue): Id,
+    Body(b): Body<NewComment>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    if b.body.trim().is_empty() || b.body.len() > 64 * 1024 {
+        return Err(ApiError::bad_request("invalid_field", "`body` must be 1 byte to 64 KiB"));
+    }
+    let author = b.author.unwrap_or_else(|| "api".into());
+    check_name("author", &author)?;
+    own_issue(&s, auth, issue).await?;
+    let id = Uuid::now_v7();
+    sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
+        .bind(id)
+        .bind(auth.workspace_id)
+        .bind(issue)
+        .bind(&author)
+        .bind(&b.body)
+        .execute(&s.db)
+        .await?;
+    Ok((StatusCode::CREATED, Json(json!({"id": id, "issue_id": issue, "author": author, "body": b.body}))))
+}
+
+pub async fn list_comments(State(s): State<AppState>, auth: Auth, Id(issue): Id) -> ApiResult<Json<Value>> {
+    own_issue(&s, auth, issue).await?;
+    let items: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', id, 'author', author, 'body', body, 'created_at', created_at)
+         FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+    )
+    .bind(issue)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewTask {
+    agent_id: Uuid,
+    issue_id: Option<Uuid>,
+    repository: Option<String>,
+    branch: Option<String>,
+    #[serde(default)]
+    input: String,
+    timeout_secs: Option<i32>,
+    /// Submitting twice with the same key creates one task.
+    idempotency_key: Option<String>,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn insert_task(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    workspace_id: Uuid,
+    agent_id: Uuid,
+    issue_id: Option<Uuid>,
+    repository: &Option<String>,
+    branch: &Option<String>,
+    input: &str,
+    timeout_secs: Option<i32>,
+    idempotency_key: Option<&str>,
+) -> ApiResult<Uuid> {
+    let id = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(id)
+    .bind(workspace_id)
+    .bind(issue_id)
+    .bind(agent_id)
+    .bind(repository)
+    .bind(branch)
+    .bind(input)
+    .bind(timeout_secs)
+    .bind(idempotency_key)
+    .execute(&mut **tx)
+    .await?;
+    Ok(id)
+}
+
+/// Tells the scheduler about a new task. If this publish is lost, the scheduler's sweep finds
+/// the task anyway; the message only makes it fast.
+async fn submit(s: &AppState, workspace_id: Uuid, task_id: Uuid) {
+    let m = TaskSubmitted {
+        task_id: task_id.to_string(),
+        workspace_id: workspace_id.to_string(),
+        traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
+    };
+    let res = async {
+        s.js.publish_with_headers(
+            subjects::TASK_SUBMITTED,
+            agentscope_bus::headers(&format!("submit:{task_id}")),
+            m.encode_to_vec().into(),
+        )
+        .await?
+        .await
+        .map_err(async_nats::Error::from)
+    }
+    .await;
+    match res {
+        Ok(_) => s.metrics.inc("agentscope_tasks_submitted_total", &[]),
+        Err(e) => tracing::warn!(error = %e, %task_id, "publish task submission; the scheduler's sweep will pick it up"),
+    }
+}
+
+pub async fn create_task(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewTask>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_source(&b.repository, &b.branch)?;
+    if b.input.len() > 256 * 1024 {
+        return Err(ApiError::bad_request("invalid_field", "`input` is limited to 256 KiB"));
+    }
+    if b.timeout_secs.is_some_and(|t| t <= 0) {
+        return Err(ApiError::bad_request("invalid_field", "`timeout_secs` must be positive"));
+    }
+    if let Some(k) = &b.idempotency_key {
+        check_name("idempotency_key", k)?;
+        let existing: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2")
+            .bind(auth.workspace_id)
+            .bind(k)
+            .fetch_optional(&s.db)
+            .await?;
+        if let Some((id,)) = existing {
+            return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
+        }
+    }
+    let refs_ok: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM agents WHERE id = $1 AND workspace_id = $3)
+            AND ($2::uuid IS NULL OR EXISTS (SELECT 1 FROM issues WHERE id = $2 AND workspace_id = $3))",
+    )
+    .bind(b.agent_id)
+    .bind(b.issue_id)
+    .bind(auth.workspace_id)
+    .fetch_one(&s.db)
+    .await?;
+    if !refs_ok {
+        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_reference", "agent or issue not found in this workspace"));
+    }
+    let mut tx = s.db.begin().await?;
+    let id = match insert_task(&mut tx, auth.workspace_id, b.agent_id, b.issue_id, &b.repository, &b.branch, &b.input, b.timeout_secs, b.idempotency_key.as_deref()).await {
+        Ok(id) => id,
+        Err(ApiError::Db(sqlx::Error::Database(e))) if e.is_unique_violation() => {
+            // A concurrent request with the same key won the race.
+            drop(tx);
+            let (id,): (Uuid,) = sqlx::query_as("SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2")
+                .bind(auth.workspace_id)
+                .bind(b.idempotency_key.as_deref())
+                .fetch_one(&s.db)
+                .await?;
+            return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
+        }
+        Err(e) => return Err(e),
+    };
+    tx.commit().await?;
+    submit(&s, auth.workspace_id, id).await;
+    Ok((StatusCode::CREATED, Json(task_json(&s, auth, id).await?)))
+}
+
+const ATTEMPT_JSON: &str = "json_build_object('id', a.id, 'task_id', a.task_id, 'number', a.number, 'status', a.status,
+    'provider', a.provider, 'host_id', a.host_id, 'lease_token', a.lease_token, 'agent_version_id', a.agent_version_id,
+    'created_at', a.created_at, 'not_before', a.not_before, 'claimed_at', a.claimed_at, 'started_at', a.started_at,
+    'finished_at', a.finished_at, 'failure_class', a.failure_class, 'failure_detail', a.failure_detail,
+    'exit_code', a.exit_code, 'provider_session_id', a.provider_session_id, 'events', a.last_seq)";
+
+fn with_remedy(mut a: Value) -> Value {
+    if let Some(c) = a["failure_class"].as_str() {
+        a["remedy"] = json!(agentscope_domain::FailureClass::parse(c).remedy());
+    }
+    a
+}
+
+pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<Value> {
+    let row = sqlx::query(
+        "SELECT id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key,
+                cancel_requested_at, created_at FROM tasks WHERE workspace_id = $1 AND id = $2",
+    )
+    .bind(auth.workspace_id)
+    .bind(id)
+    .fetch_optional(&s.db)
+    .await?
+    .ok_or_else(|| ApiError::not_found("task"))?;
+    let attempts: Vec<(Value,)> = sqlx::query_as(&format!("SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"))
+        .bind(id)
+        .fetch_all(&s.db)
+        .await?;
+    let attempts: Vec<Value> = attempts.into_iter().map(|r| with_remedy(r.0)).collect();
+    let newest = attempts.last().and_then(|a| a["status"].as_str()).and_then(AttemptStatus::parse);
+    Ok(json!({
+        "id": id,
+        "status": task_status(newest),
+        "issue_id": row.try_get::<Option<Uuid>, _>("issue_id")?,
+        "agent_id": row.try_get::<Uuid, _>("agent_id")?,
+        "repository": row.try_get::<Option<String>, _>("repository")?,
+        "branch": row.try_get::<Option<String>, _>("branch")?,
+        "input": row.try_get::<String, _>("input")?,
+        "timeout_secs": row.try_get::<Option<i32>, _>("timeout_secs")?,
+        "idempotency_key": row.try_get::<Option<String>, _>("idempotency_key")?,
+        "cancel_requested_at": row.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("cancel_requested_at")?,
+        "created_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
+        "attempts": attempts,
+    }))
+}
+
+pub async fn get_task(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    Ok(Json(task_json(&s, auth, id).await?))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskFilter {
+    status: Option<String>,
+    limit: Option<i64>,
+}
+
+pub async fn list_tasks(
+    State(s): State<AppState>,
+    auth: Auth,
+    q: Result<Query<TaskFilter>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    let Query(q) = q?;
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let rows: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', t.id, 'issue_id', t.issue_id, 'agent_id', t.agent_id,
+            'created_at', t.created_at, 'newest_attempt', a.number, 'attempt_status', a.status,
+            'failure_class', a.failure_class)
+         FROM tasks t LEFT JOIN LATERAL (SELECT number, status, failure_class FROM attempts
+             WHERE task_id = t.id ORDER BY number DESC LIMIT 1) a ON true
+         WHERE t.workspace_id = $1 ORDER BY t.created_at DESC LIMIT $2",
+    )
+    .bind(auth.workspace_id)
+    .bind(limit)
+    .fetch_all(&s.db)
+    .await?;
+    let mut items = Vec::new();
+    for (mut v,) in rows {
+        let st = task_status(v["attempt_status"].as_str().and_then(AttemptStatus::parse));
+        v["status"] = json!(st);
+        if q.status.as_deref().is_none_or(|f| f == st) {
+            items.push(v);
+        }
+    }
+    Ok(Json(json!({"items": items})))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CancelBody {
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// Records the request durably, then tells the scheduler. Idempotent.
+pub async fn cancel_task(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+    body: axum::body::Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    // The body is optional here.
+    let body: CancelBody = if body.iter().all(|b| b.is_ascii_whitespace()) {
+        CancelBody::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|_| ApiError::bad_request("malformed_json", "request body is not a valid cancel request"))?
+    };
+    let reason = body.reason.unwrap_or_else(|| "cancelled through the API".into());
+    if reason.len() > 1024 {
+        return Err(ApiError::bad_request("invalid_field", "`reason` is limited to 1024 bytes"));
+    }
+    let updated: Option<(Uuid,)> = sqlx::query_as(
+        "UPDATE tasks SET cancel_requested_at = COALESCE(cancel_requested_at, now())
+         WHERE id = $1 AND workspace_id = $2 RETURNING id",
+    )
+    .bind(id)
+    .bind(auth.workspace_id)
+    .fetch_optional(&s.db)
+    .await?;
+    if updated.is_none() {
+        return Err(ApiError::not_found("task"));
+    }
+    let m = CancelRequest {
+        task_id: id.to_string(),
+        workspace_id: auth.workspace_id.to_string(),
+        reason,
+    };
+    s.js
+        .publish_with_headers(
+            subjects::TASK_CANCEL,
+            agentscope_bus::headers(&format!("cancel:{id}")),
+            m.encode_to_vec().into(),
+        )
+        .await
+        .map_err(ApiError::bus)?
+        .await
+        .map_err(ApiError::bus)?;
+    Ok((StatusCode::ACCEPTED, Json(task_json(&s, auth, id).await?)))
+}
+
+pub async fn get_attempt(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    let row: Option<(Value,)> = sqlx::query_as(&format!(
+        "SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.workspace_id = $1 AND a.id = $2"
+    ))
+    .bind(auth.workspace_id)
+    .bind(id)
+    .fetch_optional(&s.db)
+    .await?;
+    row.map(|r| Json(with_remedy(r.0))).ok_or_else(|| ApiError::not_found("attempt"))
+}

@@ -1,0 +1,58 @@
+use serde::Deserialize;
+
+/// svc-gateway settings: defaults, then the file named by AGENTSCOPE_CONFIG, then AGENTSCOPE_*
+/// environment variables (e.g. AGENTSCOPE_HTTP_ADDR, AGENTSCOPE_ADMIN_TOKEN).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub nats_url: String,
+    pub database_url: String,
+    /// API listener; port 0 picks a free port.
+    pub http_addr: String,
+    /// Secret for creating workspaces (`POST /v1/workspaces`). Empty disables that route.
+    #[serde(default)]
+    pub admin_token: String,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// A host whose last heartbeat is older than this shows as offline.
+    pub host_offline_after_ms: u64,
+    pub db_max_connections: u32,
+    #[serde(default)]
+    pub log_format: String,
+}
+
+impl Config {
+    pub fn load() -> Result<Self, config::ConfigError> {
+        let mut builder = config::Config::builder()
+            .set_default("nats_url", "nats://127.0.0.1:4222")?
+            .set_default("database_url", "postgres://postgres@127.0.0.1:5432/agentscope")?
+            .set_default("http_addr", "127.0.0.1:8080")?
+            .set_default("admin_token", "")?
+            .set_default("max_body_bytes", 1024 * 1024)?
+            .set_default("host_offline_after_ms", 10_000)?
+            .set_default("db_max_connections", 16)?
+            .set_default("log_format", "")?;
+        if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
+            builder = builder.add_source(config::File::with_name(&path));
+        }
+        let config: Config = builder
+            .add_source(config::Environment::with_prefix("AGENTSCOPE").try_parsing(true))
+            .build()?
+            .try_deserialize()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), config::ConfigError> {
+        let bad = |m: &str| Err(config::ConfigError::Message(m.to_string()));
+        if !self.admin_token.is_empty() && self.admin_token.len() < 16 {
+            return bad("admin_token must be at least 16 characters (or empty to disable workspace creation)");
+        }
+        if self.max_body_bytes < 1024 {
+            return bad("max_body_bytes must be at least 1024");
+        }
+        if self.db_max_connections == 0 {
+            return bad("db_max_connections must be positive");
+        }
+        Ok(())
+    }
+}

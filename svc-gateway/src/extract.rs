@@ -1,0 +1,94 @@
+//! Extractors whose rejections are `ApiError`s: JSON bodies, UUID path ids, bearer auth.
+
+use crate::error::ApiError;
+use crate::AppState;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+/// A JSON request body; malformed, oversized or mistyped bodies become 4xx `ApiError`s.
+pub struct Body<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let axum::Json(v) = axum::Json::<T>::from_request(req, state).await?;
+        Ok(Body(v))
+    }
+}
+
+/// The `{id}` path segment as a UUID.
+pub struct Id(pub Uuid);
+
+impl<S: Send + Sync> FromRequestParts<S> for Id {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let axum::extract::Path(raw) =
+            axum::extract::Path::<String>::from_request_parts(parts, state).await?;
+        Uuid::parse_str(&raw)
+            .map(Id)
+            .map_err(|_| ApiError::bad_request("invalid_id", format!("`{raw}` is not a UUID")))
+    }
+}
+
+/// A caller authenticated by a workspace API token. Everything it reads or writes is scoped to
+/// `workspace_id`.
+#[derive(Debug, Clone, Copy)]
+pub struct Auth {
+    pub workspace_id: Uuid,
+}
+
+fn bearer(parts: &Parts) -> Option<&str> {
+    parts
+        .headers
+        .get(axum::http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+}
+
+impl FromRequestParts<AppState> for Auth {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        if !token.starts_with(agentscope_domain::TokenKind::Api.prefix()) || token.len() > 256 {
+            return Err(ApiError::unauthorized());
+        }
+        let hash = agentscope_domain::hash_token(token);
+        let row: Option<(Uuid,)> = sqlx::query_as(
+            "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
+        )
+        .bind(hash)
+        .fetch_optional(&state.db)
+        .await?;
+        let (workspace_id,) = row.ok_or_else(ApiError::unauthorized)?;
+        tracing::Span::current().record("workspace_id", tracing::field::display(workspace_id));
+        Ok(Auth { workspace_id })
+    }
+}
+
+/// The deployment's admin, for creating workspaces.
+pub struct Admin;
+
+impl FromRequestParts<AppState> for Admin {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let token = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        let expected = state.config.admin_token.as_bytes();
+        // Constant-time comparison; an empty admin token disables the route.
+        let ok = !expected.is_empty()
+            && token.len() == expected.len()
+            && token
+                .bytes()
+                .zip(expected)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if ok {
+            Ok(Admin)
+        } else {
+            Err(ApiError::unauthorized())
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! Issue → Task → Attempt → host claims, clones the named branch, runs the command provider →
+//! `succeeded`, with every event stored once, in order, through the API, SSE and the CLI.
+
+use agentscope_system_tests::*;
+use serde_json::json;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assigned_issue_runs_to_success_with_every_event_once_in_order() {
+    let stack = Stack::start("e2e", StackOptions::default()).await.unwrap();
+    let repo = git_fixture(&stack.dir.path).unwrap();
+    let (agent, _) = stack
+        .command_agent(
+            "builder",
+            "main-pool",
+            &["sh", "-c", "echo start; cat FEATURE.txt; cat \"$AGENTSCOPE_INPUT_DIR/INPUT.md\"; echo; for i in 1 2 3 4 5; do echo line-$i; done; echo to-stderr >&2"],
+            None,
+        )
+        .await
+        .unwrap();
+    let (_host, _) = stack.host("h1", "main-pool", 2).await.unwrap();
+
+    let issue = stack
+        .api
+        .post(
+            "/v1/issues",
+            json!({"title": "Fix the build", "body": "details", "assignee_agent_id": agent,
+                   "repository": repo.to_string_lossy(), "branch": "feature", "input": "input-material-42"}),
+        )
+        .await
+        .unwrap();
+    let task_id = issue["task_id"].as_str().expect("an assigned issue becomes a task").to_string();
+    let task = stack.wait_task(&task_id, "succeeded", Duration::from_secs(60)).await.unwrap();
+    let attempts = task["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1, "{task:#}");
+    assert_eq!(attempts[0]["status"], "succeeded");
+    assert_eq!(attempts[0]["exit_code"], 0);
+    let attempt_id = attempts[0]["id"].as_str().unwrap().to_string();
+
+    // Every event once, seq 1..=n in order.
+    let events = stack.events(&format!("/v1/attempts/{attempt_id}/events")).await.unwrap();
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "contiguous, ordered, no duplicates");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM execution_events WHERE attempt_id = $1::uuid")
+        .bind(&attempt_id)
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+    assert_eq!(stored as usize, events.len());
+    let texts: Vec<String> = events
+        .iter()
+        .filter(|e| e["kind"] == "output")
+        .map(|e| e["payload"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert!(texts.contains(&"feature-branch-marker".to_string()), "the feature branch was cloned: {texts:?}");
+    assert!(texts.contains(&"input-material-42".to_string()), "input material was written: {texts:?}");
+    let line_order: Vec<&String> = texts.iter().filter(|t| t.starts_with("line-")).collect();
+    assert_eq!(line_order, ["line-1", "line-2", "line-3", "line-4", "line-5"]);
+    assert!(events.iter().any(|e| e["payload"]["stream"] == "stderr" && e["payload"]["text"] == "to-stderr"));
+    let last = events.last().unwrap();
+    assert_eq!((last["kind"].as_str(), last["payload"]["state"].as_str()), (Some("lifecycle"), Some("succeeded")));
+    assert!(events.iter().any(|e| e["kind"] == "lifecycle" && e["payload"]["state"] == "running"));
+
+    // SSE: the whole stream, then a resume from the middle with no gap and no duplicate.
+    let path = format!("/v1/attempts/{attempt_id}/events?follow=true");
+    let all = sse_collect(&stack.api, &path, None, None, Duration::from_secs(20)).await.unwrap();
+    let (end, data) = all.split_last().unwrap();
+    assert_eq!(end.event, "end");
+    let ids: Vec<String> = data.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ids, seqs.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    let mid = &ids[ids.len() / 2];
+    let rest = sse_collect(&stack.api, &path, Some(mid), None, Duration::from_secs(20)).await.unwrap();
+    let rest_ids: Vec<String> = rest.iter().filter(|e| e.event != "end").map(|e| e.id.clone()).collect();
+    assert_eq!(rest_ids, ids[ids.len() / 2 + 1..].to_vec(), "resume after {mid}");
+
+    // Task-level SSE across attempts uses number:seq ids.
+    let task_stream = sse_collect(&stack.api, &format!("/v1/tasks/{task_id}/events"), None, None, Duration::from_secs(20)).await.unwrap();
+    assert_eq!(task_stream.len(), events.len() + 1);
+    assert_eq!(task_stream[0].id, "1:1");
+
+    // The CLI follows the same events.
+    let out = std::process::Command::new(kit::bin("agentscope").unwrap())
+        .args(["--api", &stack.api.base, "--token", &stack.api.token, "runtime", "logs", "-f", &task_id])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "agentscope runtime logs failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("feature-branch-marker"), "{stdout}");
+    assert!(stdout.contains("line-5"), "{stdout}");
+    assert!(stdout.contains("succeeded"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_follower_sees_events_as_they_happen() {
+    let stack = Stack::start("live", StackOptions::default()).await.unwrap();
+    let gate = stack.dir.path.join("gate");
+    let script = format!("echo before; while [ ! -e '{}' ]; do sleep 0.05; done; echo after", gate.display());
+    let (agent, _) = stack.command_agent("live", "pool", &["sh", "-c", &script], None).await.unwrap();
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    let task = stack.api.post("/v1/tasks", json!({"agent_id": agent})).await.unwrap();
+    let task_id = task["id"].as_str().unwrap().to_string();
+
+    // Follow from the start while the task is still running.
+    let api = stack.api.clone();
+    let path = format!("/v1/tasks/{task_id}/events");
+    let follower = tokio::spawn(async move { sse_collect(&api, &path, None, None, Duration::from_secs(60)).await });
+    let api = stack.api.clone();
+    let tid = task_id.clone();
+    kit::wait_for("the 'before' line", Duration::from_secs(30), || {
+        let api = api.clone();
+        let tid = tid.clone();
+        async move {
+            let ev = api.get(&format!("/v1/tasks/{tid}/events")).await.ok()?;
+            ev["items"].as_array()?.iter().any(|e| e["payload"]["text"] == "before").then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    std::fs::write(&gate, "go").unwrap();
+    let got = follower.await.unwrap().unwrap();
+    let texts: Vec<String> = got
+        .iter()
+        .filter(|e| e.event == "output")
+        .map(|e| serde_json::from_str::<serde_json::Value>(&e.data).unwrap()["payload"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(texts, ["before", "after"]);
+    assert_eq!(got.last().unwrap().event, "end");
+    assert!(got.last().unwrap().data.contains("succeeded"));
+}

@@ -1,0 +1,67 @@
+//! 40 tasks against hosts of capacity 2 with a per-agent limit of 3: no limit is ever exceeded
+//! (checked from the recorded start and end of every attempt) and every task finishes.
+
+use agentscope_system_tests::*;
+use serde_json::json;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// The largest number of intervals open at once.
+fn max_overlap(intervals: &[(f64, f64)]) -> usize {
+    let mut points: Vec<(f64, i32)> = intervals.iter().flat_map(|&(s, e)| [(s, 1), (e, -1)]).collect();
+    // Ends sort before starts at the same instant: [s, e) intervals.
+    points.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap().then(a.1.cmp(&b.1)));
+    let (mut cur, mut max) = (0i32, 0i32);
+    for (_, d) in points {
+        cur += d;
+        max = max.max(cur);
+    }
+    max as usize
+}
+
+#[test]
+fn overlap_counts_half_open_intervals() {
+    assert_eq!(max_overlap(&[(0.0, 1.0), (1.0, 2.0)]), 1);
+    assert_eq!(max_overlap(&[(0.0, 2.0), (1.0, 3.0), (1.5, 1.7)]), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_limits_hold_across_forty_tasks() {
+    let stack = Stack::start("limits", StackOptions::default()).await.unwrap();
+    let (agent, _) = stack.command_agent("busy", "pool", &["sh", "-c", "sleep 0.3"], Some(3)).await.unwrap();
+    let mut hosts = Vec::new();
+    for name in ["h1", "h2", "h3"] {
+        hosts.push(stack.host(name, "pool", 2).await.unwrap());
+    }
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let t = stack.api.post("/v1/tasks", json!({"agent_id": agent, "input": format!("task {i}")})).await.unwrap();
+        ids.push(t["id"].as_str().unwrap().to_string());
+    }
+    for id in &ids {
+        stack.wait_task(id, "succeeded", Duration::from_secs(180)).await.unwrap();
+    }
+    let rows: Vec<(String, f64, f64)> = sqlx::query_as(
+        "SELECT host_id::text, EXTRACT(EPOCH FROM claimed_at)::float8, EXTRACT(EPOCH FROM finished_at)::float8
+         FROM attempts WHERE workspace_id = $1::uuid",
+    )
+    .bind(&stack.workspace_id)
+    .fetch_all(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 40, "one attempt per task");
+    let mut per_host: HashMap<String, Vec<(f64, f64)>> = HashMap::new();
+    for (h, s, e) in &rows {
+        assert!(e > s);
+        per_host.entry(h.clone()).or_default().push((*s, *e));
+    }
+    for (h, iv) in &per_host {
+        let m = max_overlap(iv);
+        assert!(m <= 2, "host {h} ran {m} attempts at once (capacity 2)");
+    }
+    let all: Vec<(f64, f64)> = rows.iter().map(|(_, s, e)| (*s, *e)).collect();
+    let agent_max = max_overlap(&all);
+    assert!(agent_max <= 3, "the agent ran {agent_max} attempts at once (limit 3)");
+    assert!(agent_max >= 2, "work ran in parallel (max {agent_max})");
+    assert!(per_host.len() >= 2, "work spread over hosts: {:?}", per_host.keys());
+}
