@@ -11,7 +11,10 @@ pub use prost::Message;
 /// Decode a bus payload; the error names the message type.
 pub fn decode<M: prost::Message + Default>(bytes: &[u8]) -> Result<M, DecodeError> {
     M::decode(bytes).map_err(|source| DecodeError {
-        message: std::any::type_name::<M>().rsplit("::").next().unwrap_or("message"),
+        message: std::any::type_name::<M>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("message"),
         source,
     })
 }

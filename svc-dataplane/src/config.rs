@@ -17,7 +17,10 @@ impl Config {
     pub fn load() -> Result<Self, config::ConfigError> {
         let mut builder = config::Config::builder()
             .set_default("nats_url", "nats://127.0.0.1:4222")?
-            .set_default("database_url", "postgres://postgres@127.0.0.1:5432/agentscope")?
+            .set_default(
+                "database_url",
+                "postgres://postgres@127.0.0.1:5432/agentscope",
+            )?
             .set_default("health_addr", "127.0.0.1:8082")?
             .set_default("db_max_connections", 8)?
             .set_default("log_format", "")?;

@@ -24,7 +24,10 @@ impl Config {
     pub fn load() -> Result<Self, config::ConfigError> {
         let mut builder = config::Config::builder()
             .set_default("nats_url", "nats://127.0.0.1:4222")?
-            .set_default("database_url", "postgres://postgres@127.0.0.1:5432/agentscope")?
+            .set_default(
+                "database_url",
+                "postgres://postgres@127.0.0.1:5432/agentscope",
+            )?
             .set_default("http_addr", "127.0.0.1:8080")?
             .set_default("admin_token", "")?
             .set_default("max_body_bytes", 1024 * 1024)?
@@ -45,7 +48,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), config::ConfigError> {
         let bad = |m: &str| Err(config::ConfigError::Message(m.to_string()));
         if !self.admin_token.is_empty() && self.admin_token.len() < 16 {
-            return bad("admin_token must be at least 16 characters (or empty to disable workspace creation)");
+            return bad(
+                "admin_token must be at least 16 characters (or empty to disable workspace creation)",
+            );
         }
         if self.max_body_bytes < 1024 {
             return bad("max_body_bytes must be at least 1024");

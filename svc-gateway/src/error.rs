@@ -34,7 +34,11 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
     pub fn not_found(what: &str) -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", format!("{what} not found"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("{what} not found"),
+        )
     }
     pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, code, message)
@@ -101,9 +105,11 @@ impl From<JsonRejection> for ApiError {
                     "request body is larger than the limit",
                 )
             }
-            JsonRejection::JsonDataError(e) => {
-                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", e.body_text())
-            }
+            JsonRejection::JsonDataError(e) => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_field",
+                e.body_text(),
+            ),
             JsonRejection::JsonSyntaxError(_) => {
                 Self::bad_request("malformed_json", "request body is not valid JSON")
             }

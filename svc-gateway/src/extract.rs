@@ -1,7 +1,7 @@
 //! Extractors whose rejections are `ApiError`s: JSON bodies, UUID path ids, bearer auth.
 
-use crate::error::ApiError;
 use crate::AppState;
+use crate::error::ApiError;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;

@@ -15,10 +15,10 @@ use agentscope_bus::Topology;
 use agentscope_schemas::Message;
 use agentscope_telemetry::health::{self, Metrics};
 use anyhow::Context as _;
+use axum::Router;
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::Router;
 use futures::StreamExt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -100,7 +100,11 @@ impl App {
 
 /// Relays the recorder's commit notices to live SSE streams.
 async fn fan_out_recorded(s: AppState, cancel: CancellationToken) {
-    let mut sub = match s.nats.subscribe(agentscope_bus::subjects::RECORDED_ALL).await {
+    let mut sub = match s
+        .nats
+        .subscribe(agentscope_bus::subjects::RECORDED_ALL)
+        .await
+    {
         Ok(sub) => sub,
         Err(e) => {
             tracing::error!(error = %e, "subscribe to recorded notices; live streams fall back to polling");
@@ -112,10 +116,10 @@ async fn fan_out_recorded(s: AppState, cancel: CancellationToken) {
             _ = cancel.cancelled() => return,
             m = sub.next() => match m { Some(m) => m, None => return },
         };
-        if let Ok(n) = agentscope_schemas::v1::Recorded::decode(msg.payload.as_ref()) {
-            if let (Ok(a), Ok(t)) = (Uuid::parse_str(&n.attempt_id), Uuid::parse_str(&n.task_id)) {
-                let _ = s.recorded.send((a, t));
-            }
+        if let Ok(n) = agentscope_schemas::v1::Recorded::decode(msg.payload.as_ref())
+            && let (Ok(a), Ok(t)) = (Uuid::parse_str(&n.attempt_id), Uuid::parse_str(&n.task_id))
+        {
+            let _ = s.recorded.send((a, t));
         }
     }
 }
@@ -151,14 +155,21 @@ pub fn router(state: AppState) -> Router {
     )
     .fallback(not_found)
     .method_not_allowed_fallback(method_not_allowed)
-    .layer(axum::extract::DefaultBodyLimit::max(state.config.max_body_bytes))
+    .layer(axum::extract::DefaultBodyLimit::max(
+        state.config.max_body_bytes,
+    ))
     .layer(axum::middleware::from_fn_with_state(state.clone(), observe))
     .with_state(state)
     .merge(health::router("svc-gateway", probe, metrics))
 }
 
 async fn not_found() -> Response {
-    error::ApiError::new(axum::http::StatusCode::NOT_FOUND, "not_found", "no such route").into_response()
+    error::ApiError::new(
+        axum::http::StatusCode::NOT_FOUND,
+        "not_found",
+        "no such route",
+    )
+    .into_response()
 }
 
 async fn method_not_allowed() -> Response {

@@ -1,16 +1,16 @@
 //! One Attempt on this host: keep the lease, prepare the task directory, run the provider, report
 //! every event in order, and stop at once when the lease is lost.
 
+use crate::Ctx;
 use crate::journal::{self, Entry};
 use crate::provider::{self, TaskDir};
-use crate::Ctx;
 use agentscope_bus::subjects;
 use agentscope_domain::FailureClass;
-use agentscope_schemas::v1::{
-    execution_event::Body, AttemptAssignment, AttemptState, Diagnostic, ExecutionEvent, LeaseRecord,
-    Lifecycle,
-};
 use agentscope_schemas::Message;
+use agentscope_schemas::v1::{
+    AttemptAssignment, AttemptState, Diagnostic, ExecutionEvent, LeaseRecord, Lifecycle,
+    execution_event::Body,
+};
 use async_nats::jetstream::kv::UpdateErrorKind;
 use std::path::Path;
 use std::process::Stdio;
@@ -149,7 +149,12 @@ impl EventSink {
 
 /// Keeps the lease alive by compare-and-set; fires `lost` when the lease is gone or could not be
 /// renewed for a whole TTL.
-pub async fn keep_lease(ctx: Ctx, a: AttemptAssignment, lost: CancellationToken, done: CancellationToken) {
+pub async fn keep_lease(
+    ctx: Ctx,
+    a: AttemptAssignment,
+    lost: CancellationToken,
+    done: CancellationToken,
+) {
     let ttl = Duration::from_millis(ctx.lease_ttl_ms());
     let every = ttl / 3;
     let mut revision = a.lease_revision;
@@ -168,7 +173,11 @@ pub async fn keep_lease(ctx: Ctx, a: AttemptAssignment, lost: CancellationToken,
         }
         let mut r = record.clone();
         r.renewed_at_ms = agentscope_bus::now_ms();
-        match ctx.leases.update(&a.lease_key, r.encode_to_vec().into(), revision).await {
+        match ctx
+            .leases
+            .update(&a.lease_key, r.encode_to_vec().into(), revision)
+            .await
+        {
             Ok(rev) => {
                 revision = rev;
                 last_ok = tokio::time::Instant::now();
@@ -193,7 +202,10 @@ pub async fn keep_lease(ctx: Ctx, a: AttemptAssignment, lost: CancellationToken,
 /// Runs one assignment to its end. The caller holds the capacity slot until this returns.
 pub async fn run(ctx: Ctx, a: AttemptAssignment, stops: Stops) {
     let span = tracing::info_span!("attempt", workspace_id = %a.workspace_id, task_id = %a.task_id, attempt_id = %a.attempt_id, host_id = %ctx.host_id);
-    agentscope_bus::set_parent(&span, Some(a.traceparent.as_str()).filter(|s| !s.is_empty()));
+    agentscope_bus::set_parent(
+        &span,
+        Some(a.traceparent.as_str()).filter(|s| !s.is_empty()),
+    );
     async move {
         let entry = Entry {
             attempt_id: a.attempt_id.clone(),
@@ -207,7 +219,12 @@ pub async fn run(ctx: Ctx, a: AttemptAssignment, stops: Stops) {
         let mut sink = EventSink::new(ctx.clone(), entry, stops.lease_lost.clone());
         sink.set_state("claimed");
         let renew_done = CancellationToken::new();
-        let renewer = tokio::spawn(keep_lease(ctx.clone(), a.clone(), stops.lease_lost.clone(), renew_done.clone()));
+        let renewer = tokio::spawn(keep_lease(
+            ctx.clone(),
+            a.clone(),
+            stops.lease_lost.clone(),
+            renew_done.clone(),
+        ));
 
         let outcome = execute(&ctx, &a, &mut sink, &stops).await;
         if !stops.lease_lost.is_cancelled() {
@@ -239,13 +256,19 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
             format!("provider `{}` is not available on this host", spec.provider),
         );
     };
-    sink.diag("info", "preparing", "preparing task directory").await;
+    sink.diag("info", "preparing", "preparing task directory")
+        .await;
     let dir = match prepare(ctx, a, sink).await {
         Ok(d) => d,
         Err(detail) => return failed(FailureClass::TaskDir, detail),
     };
     if stops.cancel.is_cancelled() {
-        return (AttemptState::Cancelled, Some(FailureClass::Cancelled), "cancelled before start".into(), None);
+        return (
+            AttemptState::Cancelled,
+            Some(FailureClass::Cancelled),
+            "cancelled before start".into(),
+            None,
+        );
     }
     let launch = match adapter.launch(&spec, &dir) {
         Ok(l) => l,
@@ -268,20 +291,45 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return failed(FailureClass::ToolDependency, format!("`{}` was not found on this host", launch.argv[0]));
+            return failed(
+                FailureClass::ToolDependency,
+                format!("`{}` was not found on this host", launch.argv[0]),
+            );
         }
-        Err(e) => return failed(FailureClass::ProviderCrash, format!("start `{}`: {e}", launch.argv[0])),
+        Err(e) => {
+            return failed(
+                FailureClass::ProviderCrash,
+                format!("start `{}`: {e}", launch.argv[0]),
+            );
+        }
     };
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
-    sink.lifecycle(AttemptState::Running, None, format!("started {} (pgid {pgid})", adapter.name()), None)
-        .await;
+    sink.lifecycle(
+        AttemptState::Running,
+        None,
+        format!("started {} (pgid {pgid})", adapter.name()),
+        None,
+    )
+    .await;
 
     // Both output streams feed one channel so events keep their arrival order.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(&'static str, String, bool)>(256);
     let max = ctx.config.max_line_bytes;
     for (name, pipe) in [
-        ("stdout", child.stdout.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>)),
-        ("stderr", child.stderr.take().map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>)),
+        (
+            "stdout",
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+        ),
+        (
+            "stderr",
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+        ),
     ] {
         let Some(pipe) = pipe else { continue };
         let tx = tx.clone();
@@ -344,39 +392,84 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
         provider::kill_group(pgid).await;
     }
     match status {
-        Ok(s) if s.success() => (AttemptState::Succeeded, None, "exit status 0".into(), Some(0)),
+        Ok(s) if s.success() => (
+            AttemptState::Succeeded,
+            None,
+            "exit status 0".into(),
+            Some(0),
+        ),
         Ok(s) => match s.code() {
-            Some(code) => (AttemptState::Failed, Some(FailureClass::ExitNonzero), format!("exit status {code}"), Some(code)),
-            None => failed(FailureClass::ProviderCrash, format!("provider ended by a signal: {s}")),
+            Some(code) => (
+                AttemptState::Failed,
+                Some(FailureClass::ExitNonzero),
+                format!("exit status {code}"),
+                Some(code),
+            ),
+            None => failed(
+                FailureClass::ProviderCrash,
+                format!("provider ended by a signal: {s}"),
+            ),
         },
-        Err(e) => failed(FailureClass::ProviderCrash, format!("wait for provider: {e}")),
+        Err(e) => failed(
+            FailureClass::ProviderCrash,
+            format!("wait for provider: {e}"),
+        ),
     }
 }
 
 /// Creates a fresh directory for the attempt, clones the named repository and branch, and writes
 /// the input material. Never uses the host's own checkout.
-async fn prepare(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink) -> Result<TaskDir, String> {
+async fn prepare(
+    ctx: &Ctx,
+    a: &AttemptAssignment,
+    sink: &mut EventSink,
+) -> Result<TaskDir, String> {
     let spec = a.spec.clone().unwrap_or_default();
     let root = ctx.tasks_dir.join(&a.attempt_id);
     if root.exists() {
-        tokio::fs::remove_dir_all(&root).await.map_err(|e| format!("clear {}: {e}", root.display()))?;
+        tokio::fs::remove_dir_all(&root)
+            .await
+            .map_err(|e| format!("clear {}: {e}", root.display()))?;
     }
     let input_dir = root.join("input");
-    tokio::fs::create_dir_all(&input_dir).await.map_err(|e| format!("create {}: {e}", input_dir.display()))?;
+    tokio::fs::create_dir_all(&input_dir)
+        .await
+        .map_err(|e| format!("create {}: {e}", input_dir.display()))?;
     let repo = if spec.repository.is_empty() {
         None
     } else {
         let dest = root.join("repo");
         clone(&spec.repository, &spec.branch, &dest).await?;
-        sink.diag("info", "cloned", format!("cloned {} branch {}", spec.repository, if spec.branch.is_empty() { "(default)" } else { &spec.branch })).await;
+        sink.diag(
+            "info",
+            "cloned",
+            format!(
+                "cloned {} branch {}",
+                spec.repository,
+                if spec.branch.is_empty() {
+                    "(default)"
+                } else {
+                    &spec.branch
+                }
+            ),
+        )
+        .await;
         Some(dest)
     };
     let issue = format!("# {}\n\n{}\n", spec.issue_title, spec.issue_body);
-    for (name, body) in [("INPUT.md", spec.input.as_str()), ("ISSUE.md", issue.as_str()), ("INSTRUCTIONS.md", spec.instructions.as_str())] {
+    for (name, body) in [
+        ("INPUT.md", spec.input.as_str()),
+        ("ISSUE.md", issue.as_str()),
+        ("INSTRUCTIONS.md", spec.instructions.as_str()),
+    ] {
         let p = input_dir.join(name);
         journal::write_atomic(&p, body.as_bytes()).map_err(|e| format!("{e}"))?;
     }
-    Ok(TaskDir { root, repo, input_dir })
+    Ok(TaskDir {
+        root,
+        repo,
+        input_dir,
+    })
 }
 
 async fn clone(repository: &str, branch: &str, dest: &Path) -> Result<(), String> {
@@ -389,7 +482,9 @@ async fn clone(repository: &str, branch: &str, dest: &Path) -> Result<(), String
         cmd.arg("--branch").arg(branch);
     }
     cmd.arg("--").arg(repository).arg(dest);
-    cmd.env("GIT_TERMINAL_PROMPT", "0").stdin(Stdio::null()).kill_on_drop(true);
+    cmd.env("GIT_TERMINAL_PROMPT", "0")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
     let out = tokio::time::timeout(Duration::from_secs(600), cmd.output())
         .await
         .map_err(|_| "git clone timed out after 600 s".to_string())?

@@ -56,7 +56,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), config::ConfigError> {
         let bad = |m: &str| Err(config::ConfigError::Message(m.to_string()));
         if !self.host_token.starts_with("agh_") {
-            return bad("host_token (AGENTSCOPE_HOST_TOKEN) must be a host token from POST /v1/host-tokens");
+            return bad(
+                "host_token (AGENTSCOPE_HOST_TOKEN) must be a host token from POST /v1/host-tokens",
+            );
         }
         if self.pool.is_empty() {
             return bad("pool must not be empty");

@@ -100,9 +100,14 @@ impl Journal {
         for f in std::fs::read_dir(&self.dir).map_err(io("read", &self.dir))? {
             let f = f.map_err(io("read", &self.dir))?;
             if f.path().extension().is_some_and(|e| e == "json") {
-                match std::fs::read(f.path()).ok().and_then(|b| serde_json::from_slice(&b).ok()) {
+                match std::fs::read(f.path())
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                {
                     Some(e) => out.push(e),
-                    None => tracing::warn!(path = %f.path().display(), "unreadable journal entry skipped"),
+                    None => {
+                        tracing::warn!(path = %f.path().display(), "unreadable journal entry skipped")
+                    }
                 }
             }
         }

@@ -9,16 +9,16 @@ pub mod provider;
 
 pub use config::Config;
 
-use agentscope_bus::{subjects, Topology};
-use agentscope_schemas::v1::{
-    execution_event::Body, host_command, AttemptState, ClaimOffer, ClaimRequest, ExecutionEvent,
-    HostCheck, HostCommand, HostHeartbeat, HostRegistered, HostRegistration, Lifecycle,
-    ProviderDescriptor,
-};
+use agentscope_bus::{Topology, subjects};
 use agentscope_schemas::Message;
+use agentscope_schemas::v1::{
+    AttemptState, ClaimOffer, ClaimRequest, ExecutionEvent, HostCheck, HostCommand, HostHeartbeat,
+    HostRegistered, HostRegistration, Lifecycle, ProviderDescriptor, execution_event::Body,
+    host_command,
+};
 use agentscope_telemetry::health::{self, Metrics};
 use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer::pull, AckKind};
+use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::StreamExt;
 use provider::Adapter;
 use std::collections::HashMap;
@@ -55,7 +55,10 @@ struct State {
 
 impl Ctx {
     pub fn adapter(&self, name: &str) -> Option<&dyn Adapter> {
-        self.adapters.iter().find(|a| a.name() == name).map(|a| a.as_ref())
+        self.adapters
+            .iter()
+            .find(|a| a.name() == name)
+            .map(|a| a.as_ref())
     }
     pub fn lease_ttl_ms(&self) -> u64 {
         self.lease_ttl_ms.load(Ordering::Relaxed)
@@ -95,7 +98,11 @@ impl Ctx {
             detail: if problems.is_empty() {
                 format!("ready: {}", ready.join(", "))
             } else {
-                format!("ready: {}; not ready: {}", ready.join(", "), problems.join("; "))
+                format!(
+                    "ready: {}; not ready: {}",
+                    ready.join(", "),
+                    problems.join("; ")
+                )
             },
             checked_at_ms: now,
         };
@@ -106,7 +113,10 @@ impl Ctx {
             detail: if !connectivity.ok {
                 "not registered".into()
             } else if !pool_ok {
-                format!("pool `{}` does not exist in this host's workspace", self.config.pool)
+                format!(
+                    "pool `{}` does not exist in this host's workspace",
+                    self.config.pool
+                )
             } else if !discovery.ok {
                 "no provider is installed and logged in".into()
             } else {
@@ -131,7 +141,8 @@ impl App {
         let host_id = journal::identity(&state_dir).context("load host identity")?;
         let journal = journal::Journal::open(&state_dir)?;
         let tasks_dir = state_dir.join("tasks");
-        std::fs::create_dir_all(&tasks_dir).with_context(|| format!("create {}", tasks_dir.display()))?;
+        std::fs::create_dir_all(&tasks_dir)
+            .with_context(|| format!("create {}", tasks_dir.display()))?;
         let nats = agentscope_bus::connect(&config.nats_url, "svc-host").await?;
         let js = jetstream::new(nats.clone());
         let leases = Topology::open_bucket(&js, agentscope_bus::BUCKET_LEASES).await?;
@@ -218,9 +229,12 @@ impl App {
             stops.cancel.cancel();
         }
         attempts.close();
-        if tokio::time::timeout(Duration::from_millis(ctx.config.kill_grace_ms + 10_000), attempts.wait())
-            .await
-            .is_err()
+        if tokio::time::timeout(
+            Duration::from_millis(ctx.config.kill_grace_ms + 10_000),
+            attempts.wait(),
+        )
+        .await
+        .is_err()
         {
             tracing::warn!("attempts did not finish within the grace period");
         }
@@ -267,21 +281,26 @@ async fn register(ctx: &Ctx, cancel: &CancellationToken) -> anyhow::Result<HostR
         reg.checks = ctx.checks();
         let res = tokio::time::timeout(
             Duration::from_secs(5),
-            ctx.nats.request(subjects::HOST_REGISTER, reg.encode_to_vec().into()),
+            ctx.nats
+                .request(subjects::HOST_REGISTER, reg.encode_to_vec().into()),
         )
         .await;
         match res {
             Ok(Ok(msg)) => {
-                let r = HostRegistered::decode(msg.payload.as_ref()).context("decode registration reply")?;
+                let r = HostRegistered::decode(msg.payload.as_ref())
+                    .context("decode registration reply")?;
                 if !r.ok {
                     anyhow::bail!("registration refused: {} ({})", r.message, r.error_code);
                 }
-                ctx.lease_ttl_ms.store(r.lease_ttl_ms.max(1000), Ordering::Relaxed);
+                ctx.lease_ttl_ms
+                    .store(r.lease_ttl_ms.max(1000), Ordering::Relaxed);
                 tracing::info!(host_id = %ctx.host_id, workspace_id = %r.workspace_id, pool_id = %r.pool_id, "registered");
                 ctx.state.lock().expect("host state").registered = Some(r.clone());
                 return Ok(r);
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "registration: no scheduler answered; retrying"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "registration: no scheduler answered; retrying")
+            }
             Err(_) => tracing::warn!("registration timed out; retrying"),
         }
         tokio::select! {
@@ -341,7 +360,11 @@ async fn recover(ctx: &Ctx) {
     }
 }
 
-async fn heartbeat(ctx: Ctx, slots: Arc<Semaphore>, cancel: CancellationToken) -> anyhow::Result<()> {
+async fn heartbeat(
+    ctx: Ctx,
+    slots: Arc<Semaphore>,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
     let presence = Topology::open_bucket(&ctx.js, agentscope_bus::BUCKET_PRESENCE).await?;
     let key = agentscope_bus::presence_key(&ctx.host_id.to_string());
     let every = Duration::from_millis(1000);
@@ -395,7 +418,10 @@ async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
         )
         .await
         .map_err(|e| anyhow::anyhow!("create control consumer: {e}"))?;
-    let mut messages = consumer.messages().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     loop {
         let msg = tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
@@ -406,14 +432,25 @@ async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
             },
         };
         match HostCommand::decode(msg.payload.as_ref()) {
-            Ok(HostCommand { command: Some(host_command::Command::Cancel(c)), .. }) => {
-                let stops = ctx.state.lock().expect("host state").running.get(&c.attempt_id).cloned();
+            Ok(HostCommand {
+                command: Some(host_command::Command::Cancel(c)),
+                ..
+            }) => {
+                let stops = ctx
+                    .state
+                    .lock()
+                    .expect("host state")
+                    .running
+                    .get(&c.attempt_id)
+                    .cloned();
                 match stops {
                     Some(s) => {
                         tracing::info!(attempt_id = %c.attempt_id, "cancel requested");
                         s.cancel.cancel();
                     }
-                    None => tracing::debug!(attempt_id = %c.attempt_id, "cancel for an attempt not running here"),
+                    None => {
+                        tracing::debug!(attempt_id = %c.attempt_id, "cancel for an attempt not running here")
+                    }
                 }
             }
             Ok(_) => tracing::debug!("control command ignored"),
@@ -447,7 +484,8 @@ async fn claim_loop(
             };
             match tokio::time::timeout(
                 Duration::from_secs(5),
-                ctx.nats.request(subjects::HOST_CLAIM, req.encode_to_vec().into()),
+                ctx.nats
+                    .request(subjects::HOST_CLAIM, req.encode_to_vec().into()),
             )
             .await
             {
@@ -467,7 +505,11 @@ async fn claim_loop(
                                 cancel: CancellationToken::new(),
                                 lease_lost: CancellationToken::new(),
                             };
-                            ctx.state.lock().expect("host state").running.insert(a.attempt_id.clone(), stops.clone());
+                            ctx.state
+                                .lock()
+                                .expect("host state")
+                                .running
+                                .insert(a.attempt_id.clone(), stops.clone());
                             let ctx2 = ctx.clone();
                             let pool = pool_id.clone();
                             attempts.spawn(async move {
@@ -476,7 +518,10 @@ async fn claim_loop(
                                 ctx2.state.lock().expect("host state").running.remove(&id);
                                 drop(permit);
                                 // A slot is free: ask again now.
-                                let _ = ctx2.nats.publish(subjects::pool_work(&pool), bytes::Bytes::new()).await;
+                                let _ = ctx2
+                                    .nats
+                                    .publish(subjects::pool_work(&pool), bytes::Bytes::new())
+                                    .await;
                             });
                         }
                     }

@@ -3,7 +3,7 @@
 //! group, so that cancellation reaches the whole tree.
 
 use agentscope_domain::FailureClass;
-use agentscope_schemas::v1::{execution_event::Body, Output, ProviderDescriptor, TaskSpec};
+use agentscope_schemas::v1::{Output, ProviderDescriptor, TaskSpec, execution_event::Body};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
@@ -71,7 +71,11 @@ impl Adapter for CommandProvider {
     }
 
     fn launch(&self, spec: &TaskSpec, dir: &TaskDir) -> Result<Launch, Refusal> {
-        if let Some(unknown) = spec.params.keys().find(|k| !["timeout_secs"].contains(&k.as_str())) {
+        if let Some(unknown) = spec
+            .params
+            .keys()
+            .find(|k| !["timeout_secs"].contains(&k.as_str()))
+        {
             return Err(Refusal {
                 class: FailureClass::BadParameters,
                 detail: format!("unknown parameter `{unknown}` for provider command"),
@@ -80,7 +84,9 @@ impl Adapter for CommandProvider {
         if spec.command.is_empty() || spec.command[0].is_empty() {
             return Err(Refusal {
                 class: FailureClass::BadParameters,
-                detail: "`command` is empty: set params.command to an argv array on the runtime profile".into(),
+                detail:
+                    "`command` is empty: set params.command to an argv array on the runtime profile"
+                        .into(),
             });
         }
         Ok(Launch {
@@ -134,7 +140,10 @@ pub async fn read_line_bounded<R: AsyncBufRead + Unpin>(
     if buf.last() == Some(&b'\r') {
         buf.pop();
     }
-    Ok(Some((String::from_utf8_lossy(&buf).into_owned(), truncated)))
+    Ok(Some((
+        String::from_utf8_lossy(&buf).into_owned(),
+        truncated,
+    )))
 }
 
 /// Ids of live (non-zombie) processes in process group `pgid`, read from /proc.

@@ -212,12 +212,11 @@ pub(crate) async fn finish(
     exit_code: Option<i32>,
 ) -> Result<Option<Uuid>, Error> {
     debug_assert!(status.is_terminal());
-    let cancel_requested: bool = sqlx::query_scalar(
-        "SELECT cancel_requested_at IS NOT NULL FROM tasks WHERE id = $1",
-    )
-    .bind(a.task_id)
-    .fetch_one(&mut **tx)
-    .await?;
+    let cancel_requested: bool =
+        sqlx::query_scalar("SELECT cancel_requested_at IS NOT NULL FROM tasks WHERE id = $1")
+            .bind(a.task_id)
+            .fetch_one(&mut **tx)
+            .await?;
     // A task whose cancellation was requested ends cancelled, whatever else happened.
     let (status, class) = if cancel_requested && status != AttemptStatus::Succeeded {
         (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))

@@ -2,9 +2,9 @@
 //! concurrency limit (host capacity, per agent, per pool, per workspace), atomically.
 
 use crate::{Ctx, Error};
-use agentscope_bus::{lease_key, subjects, SCHEDULER_QUEUE};
-use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord, TaskSpec};
+use agentscope_bus::{SCHEDULER_QUEUE, lease_key, subjects};
 use agentscope_schemas::Message;
+use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord, TaskSpec};
 use futures::StreamExt;
 use sqlx::Row;
 use std::collections::HashMap;
@@ -22,7 +22,9 @@ pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result
             _ = cancel.cancelled() => return Ok(()),
             m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
         };
-        let Some(reply) = msg.reply.clone() else { continue };
+        let Some(reply) = msg.reply.clone() else {
+            continue;
+        };
         let offer = match ClaimRequest::decode(msg.payload.as_ref()) {
             Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
                 tracing::error!(error = ?e, "claim failed");
@@ -261,7 +263,11 @@ fn spec_from_json(v: &serde_json::Value) -> TaskSpec {
             .as_array()
             .map(|a| {
                 a.iter()
-                    .map(|x| x.as_str().map(str::to_string).unwrap_or_else(|| x.to_string()))
+                    .map(|x| {
+                        x.as_str()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| x.to_string())
+                    })
                     .collect()
             })
             .unwrap_or_default(),

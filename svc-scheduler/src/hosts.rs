@@ -1,9 +1,9 @@
 //! Host registration (request/reply) and presence (KV watch).
 
 use crate::{Ctx, Error};
-use agentscope_bus::{subjects, SCHEDULER_QUEUE};
-use agentscope_schemas::v1::{HostHeartbeat, HostRegistered, HostRegistration};
+use agentscope_bus::{SCHEDULER_QUEUE, subjects};
 use agentscope_schemas::Message;
+use agentscope_schemas::v1::{HostHeartbeat, HostRegistered, HostRegistration};
 use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -35,7 +35,9 @@ pub(crate) async fn serve_register(ctx: Ctx, cancel: CancellationToken) -> anyho
             _ = cancel.cancelled() => return Ok(()),
             m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
         };
-        let Some(reply) = msg.reply.clone() else { continue };
+        let Some(reply) = msg.reply.clone() else {
+            continue;
+        };
         let answer = match HostRegistration::decode(msg.payload.as_ref()) {
             Ok(reg) => register(&ctx, reg).await.unwrap_or_else(|e| {
                 tracing::error!(error = ?e, "host registration failed");
@@ -117,14 +119,15 @@ async fn register(ctx: &Ctx, reg: HostRegistration) -> Result<HostRegistered, Er
 }
 
 fn providers_json(p: &[agentscope_schemas::v1::ProviderDescriptor]) -> serde_json::Value {
-    json!(p
-        .iter()
-        .map(|d| json!({
-            "name": d.name, "installed": d.installed, "version": d.version,
-            "logged_in": d.logged_in, "detail": d.detail,
-            "live_stream": d.live_stream, "resume": d.resume,
-        }))
-        .collect::<Vec<_>>())
+    json!(
+        p.iter()
+            .map(|d| json!({
+                "name": d.name, "installed": d.installed, "version": d.version,
+                "logged_in": d.logged_in, "detail": d.detail,
+                "live_stream": d.live_stream, "resume": d.resume,
+            }))
+            .collect::<Vec<_>>()
+    )
 }
 
 fn checks_json(c: &[agentscope_schemas::v1::HostCheck]) -> serde_json::Value {
@@ -137,7 +140,8 @@ fn checks_json(c: &[agentscope_schemas::v1::HostCheck]) -> serde_json::Value {
 /// Mirrors host heartbeats from the presence bucket into `hosts` (last_seen_at, checks, load).
 pub(crate) async fn watch_presence(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let js = &ctx.js;
-    let presence = agentscope_bus::Topology::open_bucket(js, agentscope_bus::BUCKET_PRESENCE).await?;
+    let presence =
+        agentscope_bus::Topology::open_bucket(js, agentscope_bus::BUCKET_PRESENCE).await?;
     let mut watch = presence.watch_all().await.map_err(Error::bus)?;
     loop {
         let entry = tokio::select! {
@@ -155,7 +159,9 @@ pub(crate) async fn watch_presence(ctx: Ctx, cancel: CancellationToken) -> anyho
             tracing::warn!(key = %entry.key, "malformed heartbeat ignored");
             continue;
         };
-        let Ok(host_id) = Uuid::parse_str(&hb.host_id) else { continue };
+        let Ok(host_id) = Uuid::parse_str(&hb.host_id) else {
+            continue;
+        };
         let res = sqlx::query(
             "UPDATE hosts SET last_seen_at = now(), running = $2, checks = $3, providers = $4 WHERE id = $1",
         )

@@ -1,12 +1,14 @@
 //! Task submissions and cancellations from the gateway (stream AGENTSCOPE_TASKS).
 
-use crate::{attempts, Ctx, Error};
-use agentscope_bus::{subjects, CONSUMER_INTAKE, STREAM_TASKS};
+use crate::{Ctx, Error, attempts};
+use agentscope_bus::{CONSUMER_INTAKE, STREAM_TASKS, subjects};
 use agentscope_domain::{AttemptStatus, FailureClass};
-use agentscope_schemas::v1::{host_command, CancelAttempt, CancelRequest, HostCommand, TaskSubmitted};
 use agentscope_schemas::Message;
-use async_nats::jetstream::consumer::{pull, AckPolicy};
+use agentscope_schemas::v1::{
+    CancelAttempt, CancelRequest, HostCommand, TaskSubmitted, host_command,
+};
 use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::{AckPolicy, pull};
 use futures::StreamExt;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -49,7 +51,14 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
                 AckKind::Nak(Some(Duration::from_millis(500)))
             }
             Err(e) => {
-                crate::reject(&ctx, &subject, CONSUMER_INTAKE, &e.to_string(), &msg.payload).await;
+                crate::reject(
+                    &ctx,
+                    &subject,
+                    CONSUMER_INTAKE,
+                    &e.to_string(),
+                    &msg.payload,
+                )
+                .await;
                 AckKind::Term
             }
         };

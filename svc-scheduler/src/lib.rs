@@ -122,11 +122,20 @@ impl App {
         let cancel = self.cancel.clone();
         let mut tasks = tokio::task::JoinSet::new();
         let ctx = self.ctx.clone();
-        tasks.spawn(named("register", hosts::serve_register(ctx.clone(), cancel.clone())));
-        tasks.spawn(named("presence", hosts::watch_presence(ctx.clone(), cancel.clone())));
+        tasks.spawn(named(
+            "register",
+            hosts::serve_register(ctx.clone(), cancel.clone()),
+        ));
+        tasks.spawn(named(
+            "presence",
+            hosts::watch_presence(ctx.clone(), cancel.clone()),
+        ));
         tasks.spawn(named("claim", claim::serve(ctx.clone(), cancel.clone())));
         tasks.spawn(named("intake", intake::run(ctx.clone(), cancel.clone())));
-        tasks.spawn(named("recorder", recorder::run(ctx.clone(), cancel.clone())));
+        tasks.spawn(named(
+            "recorder",
+            recorder::run(ctx.clone(), cancel.clone()),
+        ));
         tasks.spawn(named("sweeper", sweeper::run(ctx.clone(), cancel.clone())));
         tracing::info!("svc-scheduler running");
 
@@ -178,15 +187,11 @@ pub(crate) async fn readiness(db: &PgPool, nats: &async_nats::Client) -> Result<
 }
 
 /// Records a bus message that was terminated instead of processed.
-pub(crate) async fn reject(
-    ctx: &Ctx,
-    subject: &str,
-    consumer: &str,
-    reason: &str,
-    payload: &[u8],
-) {
-    ctx.metrics
-        .inc("agentscope_rejected_messages_total", &[("consumer", consumer)]);
+pub(crate) async fn reject(ctx: &Ctx, subject: &str, consumer: &str, reason: &str, payload: &[u8]) {
+    ctx.metrics.inc(
+        "agentscope_rejected_messages_total",
+        &[("consumer", consumer)],
+    );
     tracing::warn!(subject, consumer, reason, "bus message rejected");
     let excerpt = &payload[..payload.len().min(64 * 1024)];
     if let Err(e) = sqlx::query(

@@ -2,12 +2,12 @@
 //! transitions the events carry. Fencing: an event whose lease token or host does not match the
 //! attempt's, or that arrives after the attempt ended, changes nothing and is recorded as rejected.
 
-use crate::{attempts, Ctx, Error};
-use agentscope_bus::{lease_key, CONSUMER_RECORDER, STREAM_EVENTS};
+use crate::{Ctx, Error, attempts};
+use agentscope_bus::{CONSUMER_RECORDER, STREAM_EVENTS, lease_key};
 use agentscope_domain::{AttemptStatus, FailureClass};
-use agentscope_schemas::v1::{execution_event::Body, AttemptState, ExecutionEvent};
 use agentscope_schemas::Message;
-use async_nats::jetstream::consumer::{pull, AckPolicy};
+use agentscope_schemas::v1::{AttemptState, ExecutionEvent, execution_event::Body};
+use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{AckKind, Message as JsMessage};
 use chrono::TimeZone;
 use futures::StreamExt;
@@ -76,12 +76,22 @@ async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
         let subject = msg.subject.to_string();
         let ack = match ExecutionEvent::decode(msg.payload.as_ref()) {
             Err(_) => {
-                crate::reject(&ctx, &subject, CONSUMER_RECORDER, "malformed ExecutionEvent payload", &msg.payload).await;
+                crate::reject(
+                    &ctx,
+                    &subject,
+                    CONSUMER_RECORDER,
+                    "malformed ExecutionEvent payload",
+                    &msg.payload,
+                )
+                .await;
                 AckKind::Term
             }
             Ok(ev) => {
                 let span = tracing::info_span!("record", attempt_id = %ev.attempt_id, seq = ev.seq);
-                agentscope_bus::set_parent(&span, agentscope_bus::traceparent(msg.headers.as_ref()).as_deref());
+                agentscope_bus::set_parent(
+                    &span,
+                    agentscope_bus::traceparent(msg.headers.as_ref()).as_deref(),
+                );
                 match record(&ctx, &subject, ev).instrument(span).await {
                     Ok(Outcome::Stored | Outcome::Duplicate) => AckKind::Ack,
                     Ok(Outcome::Gap) => AckKind::Nak(Some(Duration::from_millis(100))),
@@ -90,7 +100,14 @@ async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
                         AckKind::Nak(Some(Duration::from_millis(500)))
                     }
                     Err(e) => {
-                        crate::reject(&ctx, &subject, CONSUMER_RECORDER, &e.to_string(), &msg.payload).await;
+                        crate::reject(
+                            &ctx,
+                            &subject,
+                            CONSUMER_RECORDER,
+                            &e.to_string(),
+                            &msg.payload,
+                        )
+                        .await;
                         AckKind::Term
                     }
                 }
@@ -175,11 +192,13 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     match body {
         Body::Lifecycle(l) => match AttemptState::try_from(l.state).unwrap_or_default() {
             AttemptState::Running if a.status.can_move_to(AttemptStatus::Running) => {
-                sqlx::query("UPDATE attempts SET status = 'running', started_at = $2 WHERE id = $1")
-                    .bind(attempt_id)
-                    .bind(at)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query(
+                    "UPDATE attempts SET status = 'running', started_at = $2 WHERE id = $1",
+                )
+                .bind(attempt_id)
+                .bind(at)
+                .execute(&mut *tx)
+                .await?;
             }
             s @ (AttemptState::Succeeded | AttemptState::Failed | AttemptState::Cancelled) => {
                 let (status, class) = match s {
@@ -237,16 +256,37 @@ pub(crate) fn to_record(body: &Body) -> (&'static str, serde_json::Value) {
                 "exit_code": l.has_exit_code.then_some(l.exit_code),
             }),
         ),
-        Body::Output(o) => ("output", json!({"stream": o.stream, "text": o.text, "truncated": o.truncated})),
-        Body::Diagnostic(d) => ("diagnostic", json!({"level": d.level, "code": d.code, "message": d.message})),
-        Body::SessionStarted(s) => ("session_started", json!({"provider_session_id": s.provider_session_id, "model": s.model})),
+        Body::Output(o) => (
+            "output",
+            json!({"stream": o.stream, "text": o.text, "truncated": o.truncated}),
+        ),
+        Body::Diagnostic(d) => (
+            "diagnostic",
+            json!({"level": d.level, "code": d.code, "message": d.message}),
+        ),
+        Body::SessionStarted(s) => (
+            "session_started",
+            json!({"provider_session_id": s.provider_session_id, "model": s.model}),
+        ),
         Body::AssistantMessage(m) => ("assistant_message", json!({"text": m.text})),
-        Body::ToolCall(t) => ("tool_call", json!({"call_id": t.call_id, "name": t.name, "input": t.input_json})),
-        Body::ToolResult(t) => ("tool_result", json!({"call_id": t.call_id, "output": t.output, "is_error": t.is_error})),
+        Body::ToolCall(t) => (
+            "tool_call",
+            json!({"call_id": t.call_id, "name": t.name, "input": t.input_json}),
+        ),
+        Body::ToolResult(t) => (
+            "tool_result",
+            json!({"call_id": t.call_id, "output": t.output, "is_error": t.is_error}),
+        ),
         Body::FileChange(f) => ("file_change", json!({"path": f.path, "change": f.change})),
-        Body::Usage(u) => ("usage", json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cost_usd": u.cost_usd})),
+        Body::Usage(u) => (
+            "usage",
+            json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cost_usd": u.cost_usd}),
+        ),
         Body::Error(e) => ("error", json!({"message": e.message, "code": e.code})),
-        Body::Result(r) => ("result", json!({"is_error": r.is_error, "text": r.text, "turns": r.turns})),
+        Body::Result(r) => (
+            "result",
+            json!({"is_error": r.is_error, "text": r.text, "turns": r.turns}),
+        ),
         Body::Raw(r) => ("raw", json!({"provider": r.provider, "line": r.line})),
     }
 }

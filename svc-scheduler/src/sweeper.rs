@@ -2,7 +2,7 @@
 //! is gone as lost (retrying them under the policy), schedules tasks whose submission message was
 //! lost, binds attempts whose agent got a binding, and wakes pools with ready work.
 
-use crate::{attempts, Ctx};
+use crate::{Ctx, attempts};
 use agentscope_bus::lease_key;
 use agentscope_domain::{AttemptStatus, FailureClass};
 use async_nats::jetstream::kv::Operation;

@@ -1,9 +1,9 @@
 //! Whole-system harness: starts the real service binaries against a nats-server and a database
 //! of their own, and talks to them through the public API.
 
-use agentscope_testkit::{bin, free_port, wait_for, wait_http_ok, Nats, Proc, TempDir, TestDb};
-use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
+use agentscope_testkit::{Nats, Proc, TempDir, TestDb, bin, free_port, wait_for, wait_http_ok};
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -19,12 +19,23 @@ pub struct Api {
 }
 
 impl Api {
-    pub async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Result<(u16, Value)> {
-        let mut req = self.client.request(method, format!("{}{path}", self.base)).bearer_auth(&self.token);
+    pub async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(u16, Value)> {
+        let mut req = self
+            .client
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.token);
         if let Some(b) = body {
             req = req.json(&b);
         }
-        let res = req.send().await.with_context(|| format!("request {path}"))?;
+        let res = req
+            .send()
+            .await
+            .with_context(|| format!("request {path}"))?;
         let status = res.status().as_u16();
         let text = res.text().await?;
         let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
@@ -91,7 +102,10 @@ fn common_env(nats: &Nats, db: &TestDb) -> Vec<(String, String)> {
     vec![
         ("AGENTSCOPE_NATS_URL".into(), nats.url()),
         ("AGENTSCOPE_DATABASE_URL".into(), db.url()),
-        ("RUST_LOG".into(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())),
+        (
+            "RUST_LOG".into(),
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        ),
     ]
 }
 
@@ -104,34 +118,67 @@ impl Stack {
         let sched_port = free_port();
         let dp_port = free_port();
         let mut env = common_env(&nats, &db);
-        env.push(("AGENTSCOPE_HTTP_ADDR".into(), format!("127.0.0.1:{gw_port}")));
+        env.push((
+            "AGENTSCOPE_HTTP_ADDR".into(),
+            format!("127.0.0.1:{gw_port}"),
+        ));
         env.push(("AGENTSCOPE_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()));
-        env.push(("AGENTSCOPE_HOST_OFFLINE_AFTER_MS".into(), opts.heartbeat_ttl_ms.to_string()));
+        env.push((
+            "AGENTSCOPE_HOST_OFFLINE_AFTER_MS".into(),
+            opts.heartbeat_ttl_ms.to_string(),
+        ));
         // Start the scheduler first: it runs the migrations the gateway also checks.
         let mut senv = common_env(&nats, &db);
-        senv.push(("AGENTSCOPE_HEALTH_ADDR".into(), format!("127.0.0.1:{sched_port}")));
-        senv.push(("AGENTSCOPE_LEASE_TTL_MS".into(), opts.lease_ttl_ms.to_string()));
-        senv.push(("AGENTSCOPE_SWEEP_INTERVAL_MS".into(), opts.sweep_interval_ms.to_string()));
-        senv.push(("AGENTSCOPE_HEARTBEAT_TTL_MS".into(), opts.heartbeat_ttl_ms.to_string()));
+        senv.push((
+            "AGENTSCOPE_HEALTH_ADDR".into(),
+            format!("127.0.0.1:{sched_port}"),
+        ));
+        senv.push((
+            "AGENTSCOPE_LEASE_TTL_MS".into(),
+            opts.lease_ttl_ms.to_string(),
+        ));
+        senv.push((
+            "AGENTSCOPE_SWEEP_INTERVAL_MS".into(),
+            opts.sweep_interval_ms.to_string(),
+        ));
+        senv.push((
+            "AGENTSCOPE_HEARTBEAT_TTL_MS".into(),
+            opts.heartbeat_ttl_ms.to_string(),
+        ));
         let scheduler = Proc::spawn("scheduler", &bin("svc-scheduler")?, &[], &senv, &dir.path)?;
         let scheduler_health = format!("http://127.0.0.1:{sched_port}");
-        wait_http_ok(&format!("{scheduler_health}/readyz"), Duration::from_secs(60)).await?;
+        wait_http_ok(
+            &format!("{scheduler_health}/readyz"),
+            Duration::from_secs(60),
+        )
+        .await?;
         let gateway = Proc::spawn("gateway", &bin("svc-gateway")?, &[], &env, &dir.path)?;
         let mut denv = common_env(&nats, &db);
-        denv.push(("AGENTSCOPE_HEALTH_ADDR".into(), format!("127.0.0.1:{dp_port}")));
+        denv.push((
+            "AGENTSCOPE_HEALTH_ADDR".into(),
+            format!("127.0.0.1:{dp_port}"),
+        ));
         let dataplane = Proc::spawn("dataplane", &bin("svc-dataplane")?, &[], &denv, &dir.path)?;
         let base = format!("http://127.0.0.1:{gw_port}");
         wait_http_ok(&format!("{base}/readyz"), Duration::from_secs(60)).await?;
-        wait_http_ok(&format!("http://127.0.0.1:{dp_port}/readyz"), Duration::from_secs(60)).await?;
+        wait_http_ok(
+            &format!("http://127.0.0.1:{dp_port}/readyz"),
+            Duration::from_secs(60),
+        )
+        .await?;
         let pg = db.pool().await?;
         let admin = Api {
             base: base.clone(),
             token: ADMIN_TOKEN.into(),
             client: reqwest::Client::new(),
         };
-        let ws = admin.post("/v1/workspaces", json!({"name": format!("ws-{label}")})).await?;
+        let ws = admin
+            .post("/v1/workspaces", json!({"name": format!("ws-{label}")}))
+            .await?;
         let api = admin.with_token(ws["api_token"].as_str().context("api_token")?);
-        let ht = api.post("/v1/host-tokens", json!({"name": "test-hosts"})).await?;
+        let ht = api
+            .post("/v1/host-tokens", json!({"name": "test-hosts"}))
+            .await?;
         Ok(Stack {
             nats,
             db,
@@ -141,30 +188,52 @@ impl Stack {
             dataplane,
             api,
             host_token: ht["token"].as_str().context("host token")?.to_string(),
-            workspace_id: ws["workspace"]["id"].as_str().context("workspace id")?.to_string(),
+            workspace_id: ws["workspace"]["id"]
+                .as_str()
+                .context("workspace id")?
+                .to_string(),
             scheduler_health,
             dir,
         })
     }
 
     /// Spawns svc-host; `state_dir` keeps its identity across restarts.
-    pub fn spawn_host(&self, name: &str, pool: &str, capacity: u32, state_dir: &Path, extra: &[(&str, &str)]) -> Result<Proc> {
+    pub fn spawn_host(
+        &self,
+        name: &str,
+        pool: &str,
+        capacity: u32,
+        state_dir: &Path,
+        extra: &[(&str, &str)],
+    ) -> Result<Proc> {
         let mut env = vec![
             ("AGENTSCOPE_NATS_URL".to_string(), self.nats.url()),
             ("AGENTSCOPE_HEALTH_ADDR".into(), "127.0.0.1:0".into()),
-            ("AGENTSCOPE_STATE_DIR".into(), state_dir.to_string_lossy().to_string()),
+            (
+                "AGENTSCOPE_STATE_DIR".into(),
+                state_dir.to_string_lossy().to_string(),
+            ),
             ("AGENTSCOPE_HOST_TOKEN".into(), self.host_token.clone()),
             ("AGENTSCOPE_POOL".into(), pool.into()),
             ("AGENTSCOPE_CAPACITY".into(), capacity.to_string()),
             ("AGENTSCOPE_NAME".into(), name.into()),
             ("AGENTSCOPE_POLL_INTERVAL_MS".into(), "500".into()),
             ("AGENTSCOPE_KILL_GRACE_MS".into(), "2000".into()),
-            ("RUST_LOG".into(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())),
+            (
+                "RUST_LOG".into(),
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            ),
         ];
         for (k, v) in extra {
             env.push((k.to_string(), v.to_string()));
         }
-        Proc::spawn(&format!("host-{name}"), &bin("svc-host")?, &[], &env, &self.dir.path)
+        Proc::spawn(
+            &format!("host-{name}"),
+            &bin("svc-host")?,
+            &[],
+            &env,
+            &self.dir.path,
+        )
     }
 
     /// Spawns a host and waits until the API shows it online and ready for dispatch.
@@ -178,28 +247,48 @@ impl Stack {
     pub async fn wait_host_ready(&self, name: &str) -> Result<Value> {
         let api = self.api.clone();
         let name = name.to_string();
-        wait_for(&format!("host {name} ready"), Duration::from_secs(30), || {
-            let api = api.clone();
-            let name = name.clone();
-            async move {
-                let hosts = api.get("/v1/hosts").await.ok()?;
-                hosts["items"]
-                    .as_array()?
-                    .iter()
-                    .find(|h| h["name"] == name.as_str() && h["online"] == true && h["checks"]["dispatch_readiness"]["ok"] == true)
-                    .cloned()
-            }
-        })
+        wait_for(
+            &format!("host {name} ready"),
+            Duration::from_secs(30),
+            || {
+                let api = api.clone();
+                let name = name.clone();
+                async move {
+                    let hosts = api.get("/v1/hosts").await.ok()?;
+                    hosts["items"]
+                        .as_array()?
+                        .iter()
+                        .find(|h| {
+                            h["name"] == name.as_str()
+                                && h["online"] == true
+                                && h["checks"]["dispatch_readiness"]["ok"] == true
+                        })
+                        .cloned()
+                }
+            },
+        )
         .await
     }
 
     /// A pool, a command runtime profile, an agent and its binding. Returns (agent_id, pool_id).
-    pub async fn command_agent(&self, name: &str, pool: &str, command: &[&str], agent_limit: Option<i32>) -> Result<(String, String)> {
+    pub async fn command_agent(
+        &self,
+        name: &str,
+        pool: &str,
+        command: &[&str],
+        agent_limit: Option<i32>,
+    ) -> Result<(String, String)> {
         let pool_v = match self.api.post("/v1/pools", json!({"name": pool})).await {
             Ok(v) => v,
             Err(_) => {
                 let pools = self.api.get("/v1/pools").await?;
-                pools["items"].as_array().context("pools")?.iter().find(|p| p["name"] == pool).cloned().context("pool")?
+                pools["items"]
+                    .as_array()
+                    .context("pools")?
+                    .iter()
+                    .find(|p| p["name"] == pool)
+                    .cloned()
+                    .context("pool")?
             }
         };
         let profile = self
@@ -208,7 +297,10 @@ impl Stack {
             .await?;
         let agent = self
             .api
-            .post("/v1/agents", json!({"name": name, "provider": "command", "instructions": "run the command"}))
+            .post(
+                "/v1/agents",
+                json!({"name": name, "provider": "command", "instructions": "run the command"}),
+            )
             .await?;
         self.api
             .post(
@@ -217,7 +309,10 @@ impl Stack {
                        "max_concurrency": agent_limit, "max_attempts": 3, "retry_backoff_ms": 100}),
             )
             .await?;
-        Ok((agent["id"].as_str().context("agent id")?.into(), pool_v["id"].as_str().context("pool id")?.into()))
+        Ok((
+            agent["id"].as_str().context("agent id")?.into(),
+            pool_v["id"].as_str().context("pool id")?.into(),
+        ))
     }
 
     pub async fn task(&self, id: &str) -> Result<Value> {
@@ -233,30 +328,47 @@ impl Stack {
             let path = path.clone();
             async move {
                 let t = api.get(&path).await.ok()?;
-                matches!(t["status"].as_str(), Some("succeeded" | "failed" | "cancelled")).then_some(t)
+                matches!(
+                    t["status"].as_str(),
+                    Some("succeeded" | "failed" | "cancelled")
+                )
+                .then_some(t)
             }
         })
         .await?;
         if got["status"] != status {
-            bail!("task {id} ended {} instead of {status}: {got:#}", got["status"]);
+            bail!(
+                "task {id} ended {} instead of {status}: {got:#}",
+                got["status"]
+            );
         }
         Ok(got)
     }
 
-    pub async fn wait_attempt(&self, task: &str, number: usize, status: &str, within: Duration) -> Result<Value> {
+    pub async fn wait_attempt(
+        &self,
+        task: &str,
+        number: usize,
+        status: &str,
+        within: Duration,
+    ) -> Result<Value> {
         let api = self.api.clone();
         let path = format!("/v1/tasks/{task}");
         let status = status.to_string();
-        wait_for(&format!("attempt {number} of {task} to be {status}"), within, || {
-            let api = api.clone();
-            let path = path.clone();
-            let status = status.clone();
-            async move {
-                let t = api.get(&path).await.ok()?;
-                let a = t["attempts"].as_array()?.get(number - 1)?.clone();
-                (a["status"] == status.as_str()).then_some(a)
-            }
-        })
+        wait_for(
+            &format!("attempt {number} of {task} to be {status}"),
+            within,
+            || {
+                let api = api.clone();
+                let path = path.clone();
+                let status = status.clone();
+                async move {
+                    let t = api.get(&path).await.ok()?;
+                    let a = t["attempts"].as_array()?.get(number - 1)?.clone();
+                    (a["status"] == status.as_str()).then_some(a)
+                }
+            },
+        )
         .await
     }
 
@@ -290,7 +402,14 @@ pub fn git_fixture(dir: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(&repo)?;
     let git = |args: &[&str]| -> Result<()> {
         let out = std::process::Command::new("git")
-            .args(["-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "init.defaultBranch=main"])
+            .args([
+                "-c",
+                "user.name=test",
+                "-c",
+                "user.email=test@example.com",
+                "-c",
+                "init.defaultBranch=main",
+            ])
             .args(args)
             .current_dir(&repo)
             .output()?;
@@ -314,13 +433,18 @@ pub fn git_fixture(dir: &Path) -> Result<PathBuf> {
 /// Processes whose environment names this attempt: the provider's whole tree.
 pub fn processes_of_attempt(attempt_id: &str) -> Vec<u32> {
     let needle = format!("AGENTSCOPE_ATTEMPT_ID={attempt_id}");
-    let Ok(dir) = std::fs::read_dir("/proc") else { return vec![] };
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
     dir.filter_map(|e| e.ok())
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
             let state_ok = std::fs::read_to_string(format!("/proc/{pid}/stat"))
                 .ok()
-                .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.split_whitespace().next().unwrap_or("Z").to_string()))
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, r)| r.split_whitespace().next().unwrap_or("Z").to_string())
+                })
                 .is_some_and(|st| st != "Z" && st != "X");
             state_ok
                 && std::fs::read(format!("/proc/{pid}/environ"))
@@ -339,7 +463,13 @@ pub struct Sse {
 }
 
 /// Reads an SSE stream until an `end` event, `max` events, or `within` passes.
-pub async fn sse_collect(api: &Api, path: &str, last_event_id: Option<&str>, max: Option<usize>, within: Duration) -> Result<Vec<Sse>> {
+pub async fn sse_collect(
+    api: &Api,
+    path: &str,
+    last_event_id: Option<&str>,
+    max: Option<usize>,
+    within: Duration,
+) -> Result<Vec<Sse>> {
     use futures::StreamExt;
     let mut req = api
         .client
@@ -356,10 +486,16 @@ pub async fn sse_collect(api: &Api, path: &str, last_event_id: Option<&str>, max
     let mut body = res.bytes_stream();
     let mut buf = String::new();
     let mut out = Vec::new();
-    let mut cur = Sse { id: String::new(), event: String::new(), data: String::new() };
+    let mut cur = Sse {
+        id: String::new(),
+        event: String::new(),
+        data: String::new(),
+    };
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        let chunk = tokio::time::timeout_at(deadline, body.next()).await.context("SSE stream did not end in time")?;
+        let chunk = tokio::time::timeout_at(deadline, body.next())
+            .await
+            .context("SSE stream did not end in time")?;
         let Some(chunk) = chunk else { return Ok(out) };
         buf.push_str(&String::from_utf8_lossy(&chunk?));
         while let Some(i) = buf.find('\n') {
@@ -368,7 +504,14 @@ pub async fn sse_collect(api: &Api, path: &str, last_event_id: Option<&str>, max
             if line.is_empty() {
                 if !cur.event.is_empty() || !cur.data.is_empty() {
                     let done = cur.event == "end";
-                    out.push(std::mem::replace(&mut cur, Sse { id: String::new(), event: String::new(), data: String::new() }));
+                    out.push(std::mem::replace(
+                        &mut cur,
+                        Sse {
+                            id: String::new(),
+                            event: String::new(),
+                            data: String::new(),
+                        },
+                    ));
                     if done || max.is_some_and(|m| out.len() >= m) {
                         return Ok(out);
                     }

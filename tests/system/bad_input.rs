@@ -2,14 +2,22 @@
 //! sees another's data; a malformed bus message is rejected and recorded and its consumer keeps
 //! going; the OpenAPI document matches what is served.
 
-use agentscope_schemas::v1::{execution_event::Body, ExecutionEvent, Output};
+use agentscope_schemas::v1::{ExecutionEvent, Output, execution_event::Body};
 use agentscope_system_tests::*;
 use prost::Message;
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use std::time::Duration;
 
-async fn raw(api: &Api, method: &str, path: &str, token: Option<&str>, body: Option<(&str, Vec<u8>)>) -> (u16, Value) {
-    let mut req = api.client.request(method.parse().unwrap(), format!("{}{path}", api.base));
+async fn raw(
+    api: &Api,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<(&str, Vec<u8>)>,
+) -> (u16, Value) {
+    let mut req = api
+        .client
+        .request(method.parse().unwrap(), format!("{}{path}", api.base));
     if let Some(t) = token {
         req = req.bearer_auth(t);
     }
@@ -22,7 +30,10 @@ async fn raw(api: &Api, method: &str, path: &str, token: Option<&str>, body: Opt
     let res = req.send().await.unwrap();
     let st = res.status().as_u16();
     let text = res.text().await.unwrap();
-    (st, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    (
+        st,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
 }
 
 fn code(v: &Value) -> &str {
@@ -31,12 +42,22 @@ fn code(v: &Value) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_stable_error_codes_and_workspaces_are_isolated() {
-    let stack = Stack::start("badinput", StackOptions::default()).await.unwrap();
+    let stack = Stack::start("badinput", StackOptions::default())
+        .await
+        .unwrap();
     let api = &stack.api;
     let t = Some(api.token.as_str());
     let json_ct = "application/json";
 
-    let cases: Vec<(&str, &str, Option<&str>, Option<(&str, Vec<u8>)>, u16, &str)> = vec![
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        Option<&'a str>,
+        Option<(&'a str, Vec<u8>)>,
+        u16,
+        &'a str,
+    );
+    let cases: Vec<Case> = vec![
         ("POST", "/v1/pools", t, Some((json_ct, b"{not json".to_vec())), 400, "malformed_json"),
         ("POST", "/v1/pools", t, Some((json_ct, vec![b' '; 2 * 1024 * 1024])), 413, "payload_too_large"),
         ("POST", "/v1/pools", t, Some(("", br#"{"name":"x"}"#.to_vec())), 415, "unsupported_media_type"),
@@ -58,46 +79,124 @@ async fn bad_requests_get_stable_error_codes_and_workspaces_are_isolated() {
     for (method, path, token, body, status, want) in cases {
         let (st, v) = raw(api, method, path, token, body).await;
         assert_eq!((st, code(&v)), (status, want), "{method} {path}: {v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{method} {path}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{method} {path}: {v}"
+        );
     }
-    let (st, v) = raw(api, "POST", "/v1/pools", t, Some((json_ct, br#"{"name":"dup"}"#.to_vec()))).await;
+    let (st, v) = raw(
+        api,
+        "POST",
+        "/v1/pools",
+        t,
+        Some((json_ct, br#"{"name":"dup"}"#.to_vec())),
+    )
+    .await;
     assert_eq!(st, 201, "{v}");
-    let (st, v) = raw(api, "POST", "/v1/pools", t, Some((json_ct, br#"{"name":"dup"}"#.to_vec()))).await;
+    let (st, v) = raw(
+        api,
+        "POST",
+        "/v1/pools",
+        t,
+        Some((json_ct, br#"{"name":"dup"}"#.to_vec())),
+    )
+    .await;
     assert_eq!((st, code(&v)), (409, "already_exists"));
 
     // Another workspace sees none of this one's data.
-    let (agent, _) = stack.command_agent("mine", "pool", &["true"], None).await.unwrap();
-    let task = api.post("/v1/tasks", json!({"agent_id": agent, "idempotency_key": "k1"})).await.unwrap();
+    let (agent, _) = stack
+        .command_agent("mine", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let task = api
+        .post(
+            "/v1/tasks",
+            json!({"agent_id": agent, "idempotency_key": "k1"}),
+        )
+        .await
+        .unwrap();
     let task_id = task["id"].as_str().unwrap();
     let admin = api.with_token(ADMIN_TOKEN);
-    let other = admin.post("/v1/workspaces", json!({"name": "other"})).await.unwrap();
+    let other = admin
+        .post("/v1/workspaces", json!({"name": "other"}))
+        .await
+        .unwrap();
     let other = api.with_token(other["api_token"].as_str().unwrap());
-    for path in [format!("/v1/tasks/{task_id}"), format!("/v1/agents/{agent}"), format!("/v1/tasks/{task_id}/events")] {
+    for path in [
+        format!("/v1/tasks/{task_id}"),
+        format!("/v1/agents/{agent}"),
+        format!("/v1/tasks/{task_id}/events"),
+    ] {
         let (st, v) = other.send(reqwest::Method::GET, &path, None).await.unwrap();
         assert_eq!((st, code(&v)), (404, "not_found"), "{path}");
     }
-    assert_eq!(other.get("/v1/tasks").await.unwrap()["items"].as_array().unwrap().len(), 0);
-    let (st, v) = other.send(reqwest::Method::POST, "/v1/tasks", Some(json!({"agent_id": agent}))).await.unwrap();
-    assert_eq!((st, code(&v)), (422, "invalid_reference"), "cannot run another workspace's agent");
-    let (st, _) = other.send(reqwest::Method::POST, &format!("/v1/tasks/{task_id}/cancel"), Some(json!({}))).await.unwrap();
+    assert_eq!(
+        other.get("/v1/tasks").await.unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+    let (st, v) = other
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(json!({"agent_id": agent})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (st, code(&v)),
+        (422, "invalid_reference"),
+        "cannot run another workspace's agent"
+    );
+    let (st, _) = other
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{task_id}/cancel"),
+            Some(json!({})),
+        )
+        .await
+        .unwrap();
     assert_eq!(st, 404);
 
     // The same idempotency key twice is one task.
-    let again = api.post("/v1/tasks", json!({"agent_id": agent, "idempotency_key": "k1"})).await.unwrap();
+    let again = api
+        .post(
+            "/v1/tasks",
+            json!({"agent_id": agent, "idempotency_key": "k1"}),
+        )
+        .await
+        .unwrap();
     assert_eq!(again["id"], task["id"]);
 
     // Health, readiness and metrics.
     let (st, _) = raw(api, "GET", "/readyz", None, None).await;
     assert_eq!(st, 200);
-    let metrics = api.client.get(format!("{}/metrics", api.base)).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("agentscope_http_requests_total"), "{metrics}");
+    let metrics = api
+        .client
+        .get(format!("{}/metrics", api.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("agentscope_http_requests_total"),
+        "{metrics}"
+    );
 }
 
 pub const ADMIN: &str = ADMIN_TOKEN;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_documented_route_is_served_and_authenticated() {
-    let stack = Stack::start("openapi", StackOptions::default()).await.unwrap();
+    let stack = Stack::start("openapi", StackOptions::default())
+        .await
+        .unwrap();
     let (st, doc) = raw(&stack.api, "GET", "/v1/openapi.json", None, None).await;
     assert_eq!(st, 200);
     assert_eq!(doc["openapi"], "3.1.0");
@@ -119,42 +218,107 @@ async fn every_documented_route_is_served_and_authenticated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
-    let stack = Stack::start("poison", StackOptions::default()).await.unwrap();
+    let stack = Stack::start("poison", StackOptions::default())
+        .await
+        .unwrap();
     let nats = async_nats::connect(stack.nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(nats);
     let ghost = uuid::Uuid::new_v4();
     // Garbage bytes, and a well-formed event for an attempt that does not exist.
-    js.publish(format!("agentscope.events.{ghost}"), vec![0xff, 0x01, 0x02, 0x03].into()).await.unwrap().await.unwrap();
+    js.publish(
+        format!("agentscope.events.{ghost}"),
+        vec![0xff, 0x01, 0x02, 0x03].into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
     let ev = ExecutionEvent {
         attempt_id: ghost.to_string(),
         seq: 1,
         lease_token: 1,
         host_id: uuid::Uuid::new_v4().to_string(),
         at_ms: 0,
-        body: Some(Body::Output(Output { stream: "stdout".into(), text: "x".into(), truncated: false })),
+        body: Some(Body::Output(Output {
+            stream: "stdout".into(),
+            text: "x".into(),
+            truncated: false,
+        })),
     };
-    js.publish(format!("agentscope.events.{ghost}"), ev.encode_to_vec().into()).await.unwrap().await.unwrap();
-    js.publish("agentscope.tasks.submitted", b"not protobuf at all \xff".to_vec().into()).await.unwrap().await.unwrap();
-
-    let pg = stack.pg.clone();
-    let reasons: Vec<String> = kit::wait_for("three rejected messages", Duration::from_secs(30), || {
-        let pg = pg.clone();
-        async move {
-            let r: Vec<String> = sqlx::query_scalar("SELECT reason FROM rejected_messages ORDER BY id").fetch_all(&pg).await.ok()?;
-            (r.len() >= 3).then_some(r)
-        }
-    })
+    js.publish(
+        format!("agentscope.events.{ghost}"),
+        ev.encode_to_vec().into(),
+    )
+    .await
+    .unwrap()
     .await
     .unwrap();
-    assert!(reasons.iter().any(|r| r.contains("malformed ExecutionEvent")), "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.contains("unknown attempt")), "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.contains("malformed TaskSubmitted")), "{reasons:?}");
+    js.publish(
+        "agentscope.tasks.submitted",
+        b"not protobuf at all \xff".to_vec().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+
+    let pg = stack.pg.clone();
+    let reasons: Vec<String> =
+        kit::wait_for("three rejected messages", Duration::from_secs(30), || {
+            let pg = pg.clone();
+            async move {
+                let r: Vec<String> =
+                    sqlx::query_scalar("SELECT reason FROM rejected_messages ORDER BY id")
+                        .fetch_all(&pg)
+                        .await
+                        .ok()?;
+                (r.len() >= 3).then_some(r)
+            }
+        })
+        .await
+        .unwrap();
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("malformed ExecutionEvent")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("unknown attempt")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("malformed TaskSubmitted")),
+        "{reasons:?}"
+    );
 
     // Both consumers still work.
-    let (agent, _) = stack.command_agent("after", "pool", &["echo", "still-alive"], None).await.unwrap();
+    let (agent, _) = stack
+        .command_agent("after", "pool", &["echo", "still-alive"], None)
+        .await
+        .unwrap();
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let task = stack.api.post("/v1/tasks", json!({"agent_id": agent})).await.unwrap();
-    let t = stack.wait_task(task["id"].as_str().unwrap(), "succeeded", Duration::from_secs(60)).await.unwrap();
-    let events = stack.events(&format!("/v1/attempts/{}/events", t["attempts"][0]["id"].as_str().unwrap())).await.unwrap();
+    let task = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
+    let t = stack
+        .wait_task(
+            task["id"].as_str().unwrap(),
+            "succeeded",
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    let events = stack
+        .events(&format!(
+            "/v1/attempts/{}/events",
+            t["attempts"][0]["id"].as_str().unwrap()
+        ))
+        .await
+        .unwrap();
     assert!(events.iter().any(|e| e["payload"]["text"] == "still-alive"));
 }

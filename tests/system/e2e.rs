@@ -29,8 +29,14 @@ async fn an_assigned_issue_runs_to_success_with_every_event_once_in_order() {
         )
         .await
         .unwrap();
-    let task_id = issue["task_id"].as_str().expect("an assigned issue becomes a task").to_string();
-    let task = stack.wait_task(&task_id, "succeeded", Duration::from_secs(60)).await.unwrap();
+    let task_id = issue["task_id"]
+        .as_str()
+        .expect("an assigned issue becomes a task")
+        .to_string();
+    let task = stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
     let attempts = task["attempts"].as_array().unwrap();
     assert_eq!(attempts.len(), 1, "{task:#}");
     assert_eq!(attempts[0]["status"], "succeeded");
@@ -38,53 +44,114 @@ async fn an_assigned_issue_runs_to_success_with_every_event_once_in_order() {
     let attempt_id = attempts[0]["id"].as_str().unwrap().to_string();
 
     // Every event once, seq 1..=n in order.
-    let events = stack.events(&format!("/v1/attempts/{attempt_id}/events")).await.unwrap();
-    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "contiguous, ordered, no duplicates");
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM execution_events WHERE attempt_id = $1::uuid")
-        .bind(&attempt_id)
-        .fetch_one(&stack.pg)
+    let events = stack
+        .events(&format!("/v1/attempts/{attempt_id}/events"))
         .await
         .unwrap();
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "contiguous, ordered, no duplicates"
+    );
+    let stored: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM execution_events WHERE attempt_id = $1::uuid")
+            .bind(&attempt_id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
     assert_eq!(stored as usize, events.len());
     let texts: Vec<String> = events
         .iter()
         .filter(|e| e["kind"] == "output")
         .map(|e| e["payload"]["text"].as_str().unwrap().to_string())
         .collect();
-    assert!(texts.contains(&"feature-branch-marker".to_string()), "the feature branch was cloned: {texts:?}");
-    assert!(texts.contains(&"input-material-42".to_string()), "input material was written: {texts:?}");
+    assert!(
+        texts.contains(&"feature-branch-marker".to_string()),
+        "the feature branch was cloned: {texts:?}"
+    );
+    assert!(
+        texts.contains(&"input-material-42".to_string()),
+        "input material was written: {texts:?}"
+    );
     let line_order: Vec<&String> = texts.iter().filter(|t| t.starts_with("line-")).collect();
-    assert_eq!(line_order, ["line-1", "line-2", "line-3", "line-4", "line-5"]);
-    assert!(events.iter().any(|e| e["payload"]["stream"] == "stderr" && e["payload"]["text"] == "to-stderr"));
+    assert_eq!(
+        line_order,
+        ["line-1", "line-2", "line-3", "line-4", "line-5"]
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["payload"]["stream"] == "stderr" && e["payload"]["text"] == "to-stderr")
+    );
     let last = events.last().unwrap();
-    assert_eq!((last["kind"].as_str(), last["payload"]["state"].as_str()), (Some("lifecycle"), Some("succeeded")));
-    assert!(events.iter().any(|e| e["kind"] == "lifecycle" && e["payload"]["state"] == "running"));
+    assert_eq!(
+        (last["kind"].as_str(), last["payload"]["state"].as_str()),
+        (Some("lifecycle"), Some("succeeded"))
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["kind"] == "lifecycle" && e["payload"]["state"] == "running")
+    );
 
     // SSE: the whole stream, then a resume from the middle with no gap and no duplicate.
     let path = format!("/v1/attempts/{attempt_id}/events?follow=true");
-    let all = sse_collect(&stack.api, &path, None, None, Duration::from_secs(20)).await.unwrap();
+    let all = sse_collect(&stack.api, &path, None, None, Duration::from_secs(20))
+        .await
+        .unwrap();
     let (end, data) = all.split_last().unwrap();
     assert_eq!(end.event, "end");
     let ids: Vec<String> = data.iter().map(|e| e.id.clone()).collect();
     assert_eq!(ids, seqs.iter().map(|s| s.to_string()).collect::<Vec<_>>());
     let mid = &ids[ids.len() / 2];
-    let rest = sse_collect(&stack.api, &path, Some(mid), None, Duration::from_secs(20)).await.unwrap();
-    let rest_ids: Vec<String> = rest.iter().filter(|e| e.event != "end").map(|e| e.id.clone()).collect();
-    assert_eq!(rest_ids, ids[ids.len() / 2 + 1..].to_vec(), "resume after {mid}");
+    let rest = sse_collect(&stack.api, &path, Some(mid), None, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let rest_ids: Vec<String> = rest
+        .iter()
+        .filter(|e| e.event != "end")
+        .map(|e| e.id.clone())
+        .collect();
+    assert_eq!(
+        rest_ids,
+        ids[ids.len() / 2 + 1..].to_vec(),
+        "resume after {mid}"
+    );
 
     // Task-level SSE across attempts uses number:seq ids.
-    let task_stream = sse_collect(&stack.api, &format!("/v1/tasks/{task_id}/events"), None, None, Duration::from_secs(20)).await.unwrap();
+    let task_stream = sse_collect(
+        &stack.api,
+        &format!("/v1/tasks/{task_id}/events"),
+        None,
+        None,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
     assert_eq!(task_stream.len(), events.len() + 1);
     assert_eq!(task_stream[0].id, "1:1");
 
     // The CLI follows the same events.
     let out = std::process::Command::new(kit::bin("agentscope").unwrap())
-        .args(["--api", &stack.api.base, "--token", &stack.api.token, "runtime", "logs", "-f", &task_id])
+        .args([
+            "--api",
+            &stack.api.base,
+            "--token",
+            &stack.api.token,
+            "runtime",
+            "logs",
+            "-f",
+            &task_id,
+        ])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "agentscope runtime logs failed: {stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "agentscope runtime logs failed: {stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("feature-branch-marker"), "{stdout}");
     assert!(stdout.contains("line-5"), "{stdout}");
     assert!(stdout.contains("succeeded"), "{stdout}");
@@ -94,16 +161,29 @@ async fn an_assigned_issue_runs_to_success_with_every_event_once_in_order() {
 async fn a_live_follower_sees_events_as_they_happen() {
     let stack = Stack::start("live", StackOptions::default()).await.unwrap();
     let gate = stack.dir.path.join("gate");
-    let script = format!("echo before; while [ ! -e '{}' ]; do sleep 0.05; done; echo after", gate.display());
-    let (agent, _) = stack.command_agent("live", "pool", &["sh", "-c", &script], None).await.unwrap();
+    let script = format!(
+        "echo before; while [ ! -e '{}' ]; do sleep 0.05; done; echo after",
+        gate.display()
+    );
+    let (agent, _) = stack
+        .command_agent("live", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let task = stack.api.post("/v1/tasks", json!({"agent_id": agent})).await.unwrap();
+    let task = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
     let task_id = task["id"].as_str().unwrap().to_string();
 
     // Follow from the start while the task is still running.
     let api = stack.api.clone();
     let path = format!("/v1/tasks/{task_id}/events");
-    let follower = tokio::spawn(async move { sse_collect(&api, &path, None, None, Duration::from_secs(60)).await });
+    let follower =
+        tokio::spawn(
+            async move { sse_collect(&api, &path, None, None, Duration::from_secs(60)).await },
+        );
     let api = stack.api.clone();
     let tid = task_id.clone();
     kit::wait_for("the 'before' line", Duration::from_secs(30), || {
@@ -111,7 +191,11 @@ async fn a_live_follower_sees_events_as_they_happen() {
         let tid = tid.clone();
         async move {
             let ev = api.get(&format!("/v1/tasks/{tid}/events")).await.ok()?;
-            ev["items"].as_array()?.iter().any(|e| e["payload"]["text"] == "before").then_some(())
+            ev["items"]
+                .as_array()?
+                .iter()
+                .any(|e| e["payload"]["text"] == "before")
+                .then_some(())
         }
     })
     .await
@@ -121,9 +205,35 @@ async fn a_live_follower_sees_events_as_they_happen() {
     let texts: Vec<String> = got
         .iter()
         .filter(|e| e.event == "output")
-        .map(|e| serde_json::from_str::<serde_json::Value>(&e.data).unwrap()["payload"]["text"].as_str().unwrap().to_string())
+        .map(|e| {
+            serde_json::from_str::<serde_json::Value>(&e.data).unwrap()["payload"]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     assert_eq!(texts, ["before", "after"]);
     assert_eq!(got.last().unwrap().event, "end");
     assert!(got.last().unwrap().data.contains("succeeded"));
+}
+
+/// README's first command works: the demo starts everything and runs a task to success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_script_runs_a_task_end_to_end() {
+    let dir = kit::TempDir::new("demo");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let out = tokio::process::Command::new(root.join("scripts/demo.sh"))
+        .env("AGENTSCOPE_DEMO_DIR", dir.path.join("run"))
+        .env("AGENTSCOPE_DEMO_NATS_PORT", kit::free_port().to_string())
+        .env("AGENTSCOPE_DEMO_API_PORT", kit::free_port().to_string())
+        .env("AGENTSCOPE_DEMO_DB", format!("agentscope_demo_{}", uuid::Uuid::new_v4().simple()))
+        .env_remove("AGENTSCOPE_TOKEN")
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("only on the feature branch"), "{stdout}");
+    assert!(stdout.contains("-- task succeeded"), "{stdout}");
 }

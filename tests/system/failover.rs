@@ -2,7 +2,7 @@
 //! new attempt that succeeds on a second host; the first host keeps its identity after a restart
 //! and cannot change anything for the lost attempt (fencing).
 
-use agentscope_schemas::v1::{execution_event::Body, ExecutionEvent, Output};
+use agentscope_schemas::v1::{ExecutionEvent, Output, execution_event::Body};
 use agentscope_system_tests::*;
 use prost::Message;
 use serde_json::json;
@@ -10,19 +10,31 @@ use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
-    let stack = Stack::start("failover", StackOptions::default()).await.unwrap();
+    let stack = Stack::start("failover", StackOptions::default())
+        .await
+        .unwrap();
     let release = stack.dir.path.join("release");
     let script = format!(
         "if [ -e '{0}' ]; then echo released; exit 0; fi; echo waiting; sleep 60",
         release.display()
     );
-    let (agent, _) = stack.command_agent("worker", "pool", &["sh", "-c", &script], None).await.unwrap();
+    let (agent, _) = stack
+        .command_agent("worker", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
     let (mut host_a, state_a) = stack.host("a", "pool", 1).await.unwrap();
     let id_a = std::fs::read_to_string(state_a.join("host_id")).unwrap();
 
-    let task = stack.api.post("/v1/tasks", json!({"agent_id": agent})).await.unwrap();
+    let task = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
     let task_id = task["id"].as_str().unwrap().to_string();
-    let first = stack.wait_attempt(&task_id, 1, "running", Duration::from_secs(30)).await.unwrap();
+    let first = stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(first["host_id"], id_a.trim());
     let attempt1 = first["id"].as_str().unwrap().to_string();
     // Wait until the provider is mid-task (its first line is recorded).
@@ -33,7 +45,11 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
         let a1 = a1.clone();
         async move {
             let ev = api.get(&format!("/v1/attempts/{a1}/events")).await.ok()?;
-            ev["items"].as_array()?.iter().any(|e| e["payload"]["text"] == "waiting").then_some(())
+            ev["items"]
+                .as_array()?
+                .iter()
+                .any(|e| e["payload"]["text"] == "waiting")
+                .then_some(())
         }
     })
     .await
@@ -44,10 +60,16 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
     std::fs::write(&release, "go").unwrap();
     host_a.kill9_leader();
 
-    let lost = stack.wait_attempt(&task_id, 1, "lost", Duration::from_secs(30)).await.unwrap();
+    let lost = stack
+        .wait_attempt(&task_id, 1, "lost", Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(lost["failure_class"], "lease_lost");
     assert!(lost["remedy"].as_str().is_some_and(|r| !r.is_empty()));
-    let task = stack.wait_task(&task_id, "succeeded", Duration::from_secs(60)).await.unwrap();
+    let task = stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
     let attempts = task["attempts"].as_array().unwrap();
     assert_eq!(attempts.len(), 2, "a retry is a new attempt: {task:#}");
     assert_eq!(attempts[0]["status"], "lost", "the old record stays");
@@ -63,25 +85,44 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
     // Host A comes back with the same identity and reports its journaled attempt: refused.
     let _host_a2 = stack.spawn_host("a", "pool", 1, &state_a, &[]).unwrap();
     stack.wait_host_ready("a").await.unwrap();
-    assert_eq!(std::fs::read_to_string(state_a.join("host_id")).unwrap(), id_a, "identity kept on disk");
+    assert_eq!(
+        std::fs::read_to_string(state_a.join("host_id")).unwrap(),
+        id_a,
+        "identity kept on disk"
+    );
     let hosts = stack.api.get("/v1/hosts").await.unwrap();
-    let ids: Vec<&str> = hosts["items"].as_array().unwrap().iter().map(|h| h["id"].as_str().unwrap()).collect();
-    assert_eq!(ids.len(), 2, "the restart did not create a second host: {ids:?}");
+    let ids: Vec<&str> = hosts["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids.len(),
+        2,
+        "the restart did not create a second host: {ids:?}"
+    );
     assert!(ids.contains(&id_a.trim()));
     let pg = stack.pg.clone();
     let a1 = attempt1.clone();
-    let reason: String = kit::wait_for("the restarted host's stale report to be refused", Duration::from_secs(30), || {
-        let pg = pg.clone();
-        let a1 = a1.clone();
-        async move {
-            sqlx::query_scalar::<_, String>("SELECT reason FROM rejected_messages WHERE subject = $1")
+    let reason: String = kit::wait_for(
+        "the restarted host's stale report to be refused",
+        Duration::from_secs(30),
+        || {
+            let pg = pg.clone();
+            let a1 = a1.clone();
+            async move {
+                sqlx::query_scalar::<_, String>(
+                    "SELECT reason FROM rejected_messages WHERE subject = $1",
+                )
                 .bind(format!("agentscope.events.{a1}"))
                 .fetch_optional(&pg)
                 .await
                 .ok()
                 .flatten()
-        }
-    })
+            }
+        },
+    )
     .await
     .unwrap();
     assert!(reason.contains("fenced"), "{reason}");
@@ -95,26 +136,50 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
         lease_token: first["lease_token"].as_u64().unwrap(),
         host_id: id_a.trim().to_string(),
         at_ms: 0,
-        body: Some(Body::Output(Output { stream: "stdout".into(), text: "forged".into(), truncated: false })),
+        body: Some(Body::Output(Output {
+            stream: "stdout".into(),
+            text: "forged".into(),
+            truncated: false,
+        })),
     };
-    js.publish(format!("agentscope.events.{attempt1}"), forged.encode_to_vec().into()).await.unwrap().await.unwrap();
-    let pg = stack.pg.clone();
-    let a1 = attempt1.clone();
-    kit::wait_for("the forged event to be refused", Duration::from_secs(30), || {
-        let pg = pg.clone();
-        let a1 = a1.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM rejected_messages WHERE subject = $1")
-                .bind(format!("agentscope.events.{a1}"))
-                .fetch_one(&pg)
-                .await
-                .ok()?;
-            (n >= 2).then_some(())
-        }
-    })
+    js.publish(
+        format!("agentscope.events.{attempt1}"),
+        forged.encode_to_vec().into(),
+    )
+    .await
+    .unwrap()
     .await
     .unwrap();
-    let after = stack.api.get(&format!("/v1/attempts/{attempt1}")).await.unwrap();
+    let pg = stack.pg.clone();
+    let a1 = attempt1.clone();
+    kit::wait_for(
+        "the forged event to be refused",
+        Duration::from_secs(30),
+        || {
+            let pg = pg.clone();
+            let a1 = a1.clone();
+            async move {
+                let n: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM rejected_messages WHERE subject = $1")
+                        .bind(format!("agentscope.events.{a1}"))
+                        .fetch_one(&pg)
+                        .await
+                        .ok()?;
+                (n >= 2).then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let after = stack
+        .api
+        .get(&format!("/v1/attempts/{attempt1}"))
+        .await
+        .unwrap();
     assert_eq!(after["status"], "lost");
-    assert_eq!(after["events"].as_i64().unwrap(), events_before, "no event was added for the lost attempt");
+    assert_eq!(
+        after["events"].as_i64().unwrap(),
+        events_before,
+        "no event was added for the lost attempt"
+    );
 }

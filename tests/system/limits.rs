@@ -8,7 +8,10 @@ use std::time::Duration;
 
 /// The largest number of intervals open at once.
 fn max_overlap(intervals: &[(f64, f64)]) -> usize {
-    let mut points: Vec<(f64, i32)> = intervals.iter().flat_map(|&(s, e)| [(s, 1), (e, -1)]).collect();
+    let mut points: Vec<(f64, i32)> = intervals
+        .iter()
+        .flat_map(|&(s, e)| [(s, 1), (e, -1)])
+        .collect();
     // Ends sort before starts at the same instant: [s, e) intervals.
     points.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap().then(a.1.cmp(&b.1)));
     let (mut cur, mut max) = (0i32, 0i32);
@@ -27,19 +30,34 @@ fn overlap_counts_half_open_intervals() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_limits_hold_across_forty_tasks() {
-    let stack = Stack::start("limits", StackOptions::default()).await.unwrap();
-    let (agent, _) = stack.command_agent("busy", "pool", &["sh", "-c", "sleep 0.3"], Some(3)).await.unwrap();
+    let stack = Stack::start("limits", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("busy", "pool", &["sh", "-c", "sleep 0.3"], Some(3))
+        .await
+        .unwrap();
     let mut hosts = Vec::new();
     for name in ["h1", "h2", "h3"] {
         hosts.push(stack.host(name, "pool", 2).await.unwrap());
     }
     let mut ids = Vec::new();
     for i in 0..40 {
-        let t = stack.api.post("/v1/tasks", json!({"agent_id": agent, "input": format!("task {i}")})).await.unwrap();
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": format!("task {i}")}),
+            )
+            .await
+            .unwrap();
         ids.push(t["id"].as_str().unwrap().to_string());
     }
     for id in &ids {
-        stack.wait_task(id, "succeeded", Duration::from_secs(180)).await.unwrap();
+        stack
+            .wait_task(id, "succeeded", Duration::from_secs(180))
+            .await
+            .unwrap();
     }
     let rows: Vec<(String, f64, f64)> = sqlx::query_as(
         "SELECT host_id::text, EXTRACT(EPOCH FROM claimed_at)::float8, EXTRACT(EPOCH FROM finished_at)::float8
@@ -61,7 +79,14 @@ async fn concurrency_limits_hold_across_forty_tasks() {
     }
     let all: Vec<(f64, f64)> = rows.iter().map(|(_, s, e)| (*s, *e)).collect();
     let agent_max = max_overlap(&all);
-    assert!(agent_max <= 3, "the agent ran {agent_max} attempts at once (limit 3)");
+    assert!(
+        agent_max <= 3,
+        "the agent ran {agent_max} attempts at once (limit 3)"
+    );
     assert!(agent_max >= 2, "work ran in parallel (max {agent_max})");
-    assert!(per_host.len() >= 2, "work spread over hosts: {:?}", per_host.keys());
+    assert!(
+        per_host.len() >= 2,
+        "work spread over hosts: {:?}",
+        per_host.keys()
+    );
 }

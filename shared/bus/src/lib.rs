@@ -1,8 +1,8 @@
 //! The bus: subject names, stream and bucket definitions, connection with a server version check,
 //! and trace-context headers. Architecture invariant: every subject string is built here.
 
-use async_nats::jetstream::{self, kv, stream};
 use async_nats::HeaderMap;
+use async_nats::jetstream::{self, kv, stream};
 use std::time::Duration;
 
 pub mod subjects {
@@ -191,7 +191,11 @@ impl Topology {
         Self::bucket(js, BUCKET_PRESENCE, ttl).await
     }
 
-    async fn bucket(js: &jetstream::Context, name: &str, ttl: Duration) -> Result<kv::Store, Error> {
+    async fn bucket(
+        js: &jetstream::Context,
+        name: &str,
+        ttl: Duration,
+    ) -> Result<kv::Store, Error> {
         let config = kv::Config {
             bucket: name.into(),
             history: 1,
@@ -258,9 +262,9 @@ pub fn current_traceparent() -> Option<String> {
 
 /// Makes `span` a child of the remote context in `traceparent`, when there is one.
 pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
-    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
     use opentelemetry::Context;
     use opentelemetry::trace::TraceContextExt;
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     let Some(tp) = traceparent else { return };
     let parts: Vec<&str> = tp.split('-').collect();
@@ -274,7 +278,13 @@ pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
     ) else {
         return;
     };
-    let sc = SpanContext::new(trace_id, span_id, TraceFlags::new(flags), true, TraceState::default());
+    let sc = SpanContext::new(
+        trace_id,
+        span_id,
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    );
     let _ = span.set_parent(Context::new().with_remote_span_context(sc));
 }
 

@@ -63,12 +63,12 @@ impl AttemptStatus {
     /// Whether a report from the lease holder may move the attempt from `self` to `next`.
     pub fn can_move_to(self, next: AttemptStatus) -> bool {
         use AttemptStatus::*;
-        match (self, next) {
-            (Claimed, Running) => true,
-            (Claimed | Running, Succeeded | Failed | Cancelled | Lost) => true,
-            (Queued, Cancelled) => true,
-            _ => false,
-        }
+        matches!(
+            (self, next),
+            (Claimed, Running)
+                | (Claimed | Running, Succeeded | Failed | Cancelled | Lost)
+                | (Queued, Cancelled)
+        )
     }
 }
 
@@ -156,16 +156,32 @@ impl FailureClass {
 
     pub fn remedy(self) -> &'static str {
         match self {
-            Self::ProviderLogin => "log the provider CLI in on the host (or set its API key) and check `agentscope hosts`",
+            Self::ProviderLogin => {
+                "log the provider CLI in on the host (or set its API key) and check `agentscope hosts`"
+            }
             Self::BadParameters => "fix the runtime profile parameter named in the detail",
-            Self::TaskDir => "check the repository URL/path and branch named on the task, and the host's disk",
-            Self::ToolDependency => "install the missing tool on the host or add it to the binding's required capabilities",
-            Self::ProviderCrash => "read the attempt's last events; the provider process died without a result",
-            Self::ExitNonzero => "the provider exited with a failure status; read its output events",
-            Self::LeaseLost => "the host stopped renewing its lease (crash, network partition); a retry runs elsewhere",
+            Self::TaskDir => {
+                "check the repository URL/path and branch named on the task, and the host's disk"
+            }
+            Self::ToolDependency => {
+                "install the missing tool on the host or add it to the binding's required capabilities"
+            }
+            Self::ProviderCrash => {
+                "read the attempt's last events; the provider process died without a result"
+            }
+            Self::ExitNonzero => {
+                "the provider exited with a failure status; read its output events"
+            }
+            Self::LeaseLost => {
+                "the host stopped renewing its lease (crash, network partition); a retry runs elsewhere"
+            }
             Self::HostOffline => "start the host again or add capacity to the pool",
-            Self::HostRestart => "the host restarted during the attempt; a retry runs under a new lease",
-            Self::ApprovalTimeout => "decide approvals faster or raise the approval timeout in the policy",
+            Self::HostRestart => {
+                "the host restarted during the attempt; a retry runs under a new lease"
+            }
+            Self::ApprovalTimeout => {
+                "decide approvals faster or raise the approval timeout in the policy"
+            }
             Self::Cancelled => "the task was cancelled on request",
             Self::Timeout => "raise the task timeout or split the work",
             Self::NoBinding => "bind the agent to a pool: POST /v1/bindings",

@@ -1,10 +1,10 @@
 //! `/healthz`, `/readyz` and Prometheus `/metrics` for every service.
 
+use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use axum::Router;
 use futures::future::BoxFuture;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -64,7 +64,9 @@ impl Metrics {
     }
 
     pub fn set(&self, name: &str, labels: &[(&str, &str)], v: i64) {
-        self.get(name, labels, false).gauge.store(v, Ordering::Relaxed);
+        self.get(name, labels, false)
+            .gauge
+            .store(v, Ordering::Relaxed);
     }
 
     pub fn render(&self) -> String {
@@ -117,7 +119,10 @@ async fn healthz(State(s): State<HealthState>) -> impl IntoResponse {
 
 async fn readyz(State(s): State<HealthState>) -> impl IntoResponse {
     match (s.probe)().await {
-        Ok(()) => (StatusCode::OK, axum::Json(serde_json_lite(s.service, "ready", None))),
+        Ok(()) => (
+            StatusCode::OK,
+            axum::Json(serde_json_lite(s.service, "ready", None)),
+        ),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
             axum::Json(serde_json_lite(s.service, "not_ready", Some(why))),
@@ -167,7 +172,7 @@ pub async fn serve(
 
 /// Resolves on the first SIGTERM or Ctrl-C; a second one exits the process at once.
 pub async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
+    use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
     tokio::select! {
         _ = term.recv() => {}

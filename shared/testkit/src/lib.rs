@@ -3,7 +3,7 @@
 //! database: argv and env recorded, output captured to files, readiness awaited with a deadline,
 //! the whole process group killed on drop.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use std::future::Future;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -72,11 +72,17 @@ pub fn nats_server_bin() -> Result<PathBuf> {
         .map(|p| vec![PathBuf::from(p)])
         .unwrap_or_else(|| {
             std::env::var_os("PATH")
-                .map(|p| std::env::split_paths(&p).map(|d| d.join("nats-server")).collect())
+                .map(|p| {
+                    std::env::split_paths(&p)
+                        .map(|d| d.join("nats-server"))
+                        .collect()
+                })
                 .unwrap_or_default()
         });
     for c in &candidates {
-        let Ok(out) = Command::new(c).arg("--version").output() else { continue };
+        let Ok(out) = Command::new(c).arg("--version").output() else {
+            continue;
+        };
         let v = String::from_utf8_lossy(&out.stdout).to_string();
         // "nats-server: v2.15.1"
         let nums: Vec<u32> = v
@@ -91,7 +97,9 @@ pub fn nats_server_bin() -> Result<PathBuf> {
             return Ok(c.clone());
         }
     }
-    bail!("no nats-server 2.11+ found (checked {candidates:?}); run scripts/ensure-deps.sh or set AGENTSCOPE_NATS_SERVER")
+    bail!(
+        "no nats-server 2.11+ found (checked {candidates:?}); run scripts/ensure-deps.sh or set AGENTSCOPE_NATS_SERVER"
+    )
 }
 
 fn kill_group(child: &mut Child, signal: i32) {
@@ -110,10 +118,19 @@ pub struct Proc {
 }
 
 impl Proc {
-    pub fn spawn(name: &str, program: &Path, args: &[&str], envs: &[(String, String)], dir: &Path) -> Result<Proc> {
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[&str],
+        envs: &[(String, String)],
+        dir: &Path,
+    ) -> Result<Proc> {
         use std::os::unix::process::CommandExt;
         let log = dir.join(format!("{name}.log"));
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
         let mut cmd = Command::new(program);
         cmd.args(args)
             .envs(envs.iter().map(|(k, v)| (k, v)))
@@ -176,7 +193,9 @@ impl Proc {
     }
 
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     pub fn log_text(&self) -> String {
@@ -206,7 +225,12 @@ impl Nats {
         let port = free_port();
         let store = dir.join("nats-store");
         let proc = Self::spawn(port, &store, dir)?;
-        let nats = Nats { port, store, proc, dir: dir.to_path_buf() };
+        let nats = Nats {
+            port,
+            store,
+            proc,
+            dir: dir.to_path_buf(),
+        };
         nats.wait_ready().await?;
         Ok(nats)
     }
@@ -215,14 +239,27 @@ impl Nats {
         let bin = nats_server_bin()?;
         let port_s = port.to_string();
         let store_s = store.to_string_lossy().to_string();
-        Proc::spawn("nats", &bin, &["-a", "127.0.0.1", "-p", &port_s, "-js", "-sd", &store_s], &[], dir)
+        Proc::spawn(
+            "nats",
+            &bin,
+            &["-a", "127.0.0.1", "-p", &port_s, "-js", "-sd", &store_s],
+            &[],
+            dir,
+        )
     }
 
     async fn wait_ready(&self) -> Result<()> {
         let port = self.port;
-        wait_for("nats-server to accept connections", Duration::from_secs(20), || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok().map(|_| ())
-        })
+        wait_for(
+            "nats-server to accept connections",
+            Duration::from_secs(20),
+            || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .ok()
+                    .map(|_| ())
+            },
+        )
         .await
     }
 
@@ -250,7 +287,8 @@ pub struct TestDb {
 
 impl TestDb {
     pub fn admin_url() -> String {
-        std::env::var("AGENTSCOPE_TEST_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+        std::env::var("AGENTSCOPE_TEST_PG")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
     }
 
     pub async fn create() -> Result<TestDb> {
@@ -260,7 +298,9 @@ impl TestDb {
         let mut conn = sqlx::PgConnection::connect(&admin_url)
             .await
             .with_context(|| format!("connect to {admin_url}; run scripts/ensure-deps.sh"))?;
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await?;
         Ok(TestDb { name, admin_url })
     }
 
@@ -272,7 +312,10 @@ impl TestDb {
     }
 
     pub async fn pool(&self) -> Result<sqlx::PgPool> {
-        Ok(sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&self.url()).await?)
+        Ok(sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&self.url())
+            .await?)
     }
 }
 
@@ -286,14 +329,17 @@ impl Drop for TestDb {
         let admin = self.admin_url.clone();
         // Drop needs async I/O; do it on a thread of its own so any runtime state is fine.
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
             if let Ok(rt) = rt {
                 rt.block_on(async move {
                     use sqlx::Connection;
                     if let Ok(mut c) = sqlx::PgConnection::connect(&admin).await {
-                        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                            .execute(&mut c)
-                            .await;
+                        let _ =
+                            sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                                .execute(&mut c)
+                                .await;
                     }
                 });
             }
@@ -309,13 +355,19 @@ pub fn bin_dir() -> PathBuf {
     }
     let exe = std::env::current_exe().expect("current exe");
     // target/debug/deps/system-xxxx -> target/debug
-    exe.parent().and_then(|p| p.parent()).expect("target dir").to_path_buf()
+    exe.parent()
+        .and_then(|p| p.parent())
+        .expect("target dir")
+        .to_path_buf()
 }
 
 pub fn bin(name: &str) -> Result<PathBuf> {
     let p = bin_dir().join(name);
     if !p.exists() {
-        bail!("{} is missing: build the workspace's binaries first (cargo build --workspace --bins)", p.display());
+        bail!(
+            "{} is missing: build the workspace's binaries first (cargo build --workspace --bins)",
+            p.display()
+        );
     }
     Ok(p)
 }

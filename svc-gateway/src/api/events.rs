@@ -4,17 +4,17 @@
 //! in commit order, and a follow-up attempt exists only after the previous one ended, so a cursor
 //! (attempt number, seq) never skips a row that commits later.
 
+use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Id};
-use crate::AppState;
 use agentscope_domain::AttemptStatus;
+use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use sqlx::Row;
 use std::convert::Infallible;
 use std::time::Duration;
@@ -72,11 +72,12 @@ pub async fn attempt_events(
     headers: HeaderMap,
     q: Result<Query<EventQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
-    let owned: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM attempts WHERE id = $1 AND workspace_id = $2")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .fetch_optional(&s.db)
-        .await?;
+    let owned: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM attempts WHERE id = $1 AND workspace_id = $2")
+            .bind(id)
+            .bind(auth.workspace_id)
+            .fetch_optional(&s.db)
+            .await?;
     owned.ok_or_else(|| ApiError::not_found("attempt"))?;
     events(s, Scope::Attempt(id), headers, q?.0).await
 }
@@ -88,16 +89,22 @@ pub async fn task_events(
     headers: HeaderMap,
     q: Result<Query<EventQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
-    let owned: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM tasks WHERE id = $1 AND workspace_id = $2")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .fetch_optional(&s.db)
-        .await?;
+    let owned: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM tasks WHERE id = $1 AND workspace_id = $2")
+            .bind(id)
+            .bind(auth.workspace_id)
+            .fetch_optional(&s.db)
+            .await?;
     owned.ok_or_else(|| ApiError::not_found("task"))?;
     events(s, Scope::Task(id), headers, q?.0).await
 }
 
-async fn events(s: AppState, scope: Scope, headers: HeaderMap, q: EventQuery) -> ApiResult<Response> {
+async fn events(
+    s: AppState,
+    scope: Scope,
+    headers: HeaderMap,
+    q: EventQuery,
+) -> ApiResult<Response> {
     let wants_sse = q.follow.unwrap_or(false)
         || headers
             .get(axum::http::header::ACCEPT)
@@ -111,7 +118,10 @@ async fn events(s: AppState, scope: Scope, headers: HeaderMap, q: EventQuery) ->
     let cursor = match raw_cursor {
         None => Cursor::default(),
         Some(c) => Cursor::parse(&c, scope).ok_or_else(|| {
-            ApiError::bad_request("invalid_cursor", format!("`{c}` is not an event id of this stream"))
+            ApiError::bad_request(
+                "invalid_cursor",
+                format!("`{c}` is not an event id of this stream"),
+            )
         })?,
     };
     if !wants_sse {
@@ -133,7 +143,12 @@ async fn events(s: AppState, scope: Scope, headers: HeaderMap, q: EventQuery) ->
 }
 
 /// Feeds one SSE client until the stream's work is over or the client goes away.
-async fn follow(s: AppState, scope: Scope, mut cursor: Cursor, tx: tokio::sync::mpsc::Sender<Event>) {
+async fn follow(
+    s: AppState,
+    scope: Scope,
+    mut cursor: Cursor,
+    tx: tokio::sync::mpsc::Sender<Event>,
+) {
     loop {
         // Subscribe before reading, so a commit between the read and the wait still wakes us.
         let mut wake = s.recorded.subscribe();
@@ -141,14 +156,23 @@ async fn follow(s: AppState, scope: Scope, mut cursor: Cursor, tx: tokio::sync::
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(error = ?e, "read events for a live stream");
-                let _ = tx.send(Event::default().event("error").data(r#"{"code":"internal"}"#)).await;
+                let _ = tx
+                    .send(
+                        Event::default()
+                            .event("error")
+                            .data(r#"{"code":"internal"}"#),
+                    )
+                    .await;
                 return;
             }
         };
         let empty = page.is_empty();
         for (c, v) in page {
             let kind = v["kind"].as_str().unwrap_or("event").to_string();
-            let ev = Event::default().id(c.render(scope)).event(kind).data(v.to_string());
+            let ev = Event::default()
+                .id(c.render(scope))
+                .event(kind)
+                .data(v.to_string());
             if tx.send(ev).await.is_err() {
                 return;
             }
@@ -160,7 +184,11 @@ async fn follow(s: AppState, scope: Scope, mut cursor: Cursor, tx: tokio::sync::
         match finished(&s, scope, cursor).await {
             Ok(Some(status)) => {
                 let _ = tx
-                    .send(Event::default().event("end").data(json!({"status": status}).to_string()))
+                    .send(
+                        Event::default()
+                            .event("end")
+                            .data(json!({"status": status}).to_string()),
+                    )
                     .await;
                 return;
             }
@@ -185,7 +213,12 @@ async fn follow(s: AppState, scope: Scope, mut cursor: Cursor, tx: tokio::sync::
     }
 }
 
-async fn fetch(s: &AppState, scope: Scope, c: Cursor, limit: i64) -> ApiResult<Vec<(Cursor, Value)>> {
+async fn fetch(
+    s: &AppState,
+    scope: Scope,
+    c: Cursor,
+    limit: i64,
+) -> ApiResult<Vec<(Cursor, Value)>> {
     let rows = match scope {
         Scope::Attempt(id) => {
             sqlx::query(
@@ -252,7 +285,9 @@ async fn finished(s: &AppState, scope: Scope, c: Cursor) -> ApiResult<Option<Str
         .fetch_optional(&s.db)
         .await?,
     };
-    let Some((number, status, last_seq)) = row else { return Ok(None) };
+    let Some((number, status, last_seq)) = row else {
+        return Ok(None);
+    };
     let terminal = AttemptStatus::parse(&status).is_some_and(|st| st.is_terminal());
     let caught_up = match scope {
         Scope::Attempt(_) => c.seq >= last_seq,

@@ -6,8 +6,8 @@ pub mod resources;
 pub mod work;
 
 use crate::AppState;
-use axum::routing::{get, post, MethodRouter};
-use serde_json::{json, Map, Value};
+use axum::routing::{MethodRouter, get, post};
+use serde_json::{Map, Value, json};
 
 pub struct Route {
     pub method: &'static str,
@@ -22,10 +22,24 @@ pub struct Route {
 
 macro_rules! route {
     (GET $path:literal, $h:path, $auth:literal, $summary:literal) => {
-        Route { method: "get", path: $path, summary: $summary, auth: $auth, status: 200, handler: get($h) }
+        Route {
+            method: "get",
+            path: $path,
+            summary: $summary,
+            auth: $auth,
+            status: 200,
+            handler: get($h),
+        }
     };
     (POST $path:literal, $h:path, $auth:literal, $status:literal, $summary:literal) => {
-        Route { method: "post", path: $path, summary: $summary, auth: $auth, status: $status, handler: post($h) }
+        Route {
+            method: "post",
+            path: $path,
+            summary: $summary,
+            auth: $auth,
+            status: $status,
+            handler: post($h),
+        }
     };
 }
 
@@ -70,9 +84,7 @@ pub fn routes() -> Vec<Route> {
 pub fn openapi(routes: &[Route]) -> Value {
     let mut paths = Map::new();
     for r in routes {
-        let entry = paths
-            .entry(r.path.to_string())
-            .or_insert_with(|| json!({}));
+        let entry = paths.entry(r.path.to_string()).or_insert_with(|| json!({}));
         let mut op = json!({
             "summary": r.summary,
             "operationId": format!("{}_{}", r.method, r.path.trim_start_matches("/v1/").replace(['/', '{', '}', '-'], "_")),

@@ -1,14 +1,14 @@
 //! Workspaces, tokens, agents and versions, runtime profiles, pools, bindings and hosts.
 
+use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Admin, Auth, Body, Id};
-use crate::AppState;
-use agentscope_domain::{new_token, TokenKind, KNOWN_PROVIDERS};
+use agentscope_domain::{KNOWN_PROVIDERS, TokenKind, new_token};
+use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use sqlx::Row;
 use uuid::Uuid;
 
@@ -26,7 +26,10 @@ fn check_provider(p: &str) -> ApiResult<()> {
     if !KNOWN_PROVIDERS.contains(&p) {
         return Err(ApiError::bad_request(
             "invalid_field",
-            format!("unknown provider `{p}`; known: {}", KNOWN_PROVIDERS.join(", ")),
+            format!(
+                "unknown provider `{p}`; known: {}",
+                KNOWN_PROVIDERS.join(", ")
+            ),
         ));
     }
     Ok(())
@@ -87,7 +90,9 @@ pub async fn create_workspace(
     let (_, token) = issue_token(&s.db, id, TokenKind::Api, "initial").await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"workspace": {"id": id, "name": b.name, "max_concurrency": b.max_concurrency}, "api_token": token})),
+        Json(
+            json!({"workspace": {"id": id, "name": b.name, "max_concurrency": b.max_concurrency}, "api_token": token}),
+        ),
     ))
 }
 
@@ -97,7 +102,9 @@ pub async fn get_workspace(State(s): State<AppState>, auth: Auth) -> ApiResult<J
             .bind(auth.workspace_id)
             .fetch_one(&s.db)
             .await?;
-    Ok(Json(json!({"id": auth.workspace_id, "name": name, "max_concurrency": max})))
+    Ok(Json(
+        json!({"id": auth.workspace_id, "name": name, "max_concurrency": max}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -113,7 +120,10 @@ pub async fn create_api_token(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     check_name("name", &b.name)?;
     let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Api, &b.name).await?;
-    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "token": token}))))
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "name": b.name, "token": token})),
+    ))
 }
 
 pub async fn create_host_token(
@@ -123,7 +133,10 @@ pub async fn create_host_token(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     check_name("name", &b.name)?;
     let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Host, &b.name).await?;
-    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "token": token}))))
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "name": b.name, "token": token})),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -154,10 +167,16 @@ fn check_version(v: &NewVersion) -> ApiResult<()> {
     check_provider(&v.provider)?;
     check_limit("max_iters", v.max_iters)?;
     if v.instructions.len() > 256 * 1024 {
-        return Err(ApiError::bad_request("invalid_field", "`instructions` is longer than 256 KiB"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`instructions` is longer than 256 KiB",
+        ));
     }
     if v.capability_files.as_ref().is_some_and(|c| !c.is_object()) {
-        return Err(ApiError::bad_request("invalid_field", "`capability_files` must be an object of file name to content"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`capability_files` must be an object of file name to content",
+        ));
     }
     Ok(())
 }
@@ -192,7 +211,9 @@ async fn insert_version(
     .bind(v.max_iters)
     .execute(&mut **tx)
     .await?;
-    Ok(json!({"id": id, "agent_id": agent_id, "version": next, "provider": v.provider, "model": v.model, "instructions": v.instructions}))
+    Ok(
+        json!({"id": id, "agent_id": agent_id, "version": next, "provider": v.provider, "model": v.model, "instructions": v.instructions}),
+    )
 }
 
 pub async fn create_agent(
@@ -212,7 +233,10 @@ pub async fn create_agent(
         .await?;
     let version = insert_version(&mut tx, auth.workspace_id, id, &b.version).await?;
     tx.commit().await?;
-    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "current_version": version}))))
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "name": b.name, "current_version": version})),
+    ))
 }
 
 const AGENT_SELECT: &str = r#"
@@ -233,31 +257,42 @@ fn agent_json(r: &sqlx::postgres::PgRow) -> ApiResult<Value> {
 }
 
 pub async fn list_agents(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let rows = sqlx::query(&format!("{AGENT_SELECT} WHERE a.workspace_id = $1 ORDER BY a.name"))
-        .bind(auth.workspace_id)
-        .fetch_all(&s.db)
-        .await?;
+    let rows = sqlx::query(&format!(
+        "{AGENT_SELECT} WHERE a.workspace_id = $1 ORDER BY a.name"
+    ))
+    .bind(auth.workspace_id)
+    .fetch_all(&s.db)
+    .await?;
     let items = rows.iter().map(agent_json).collect::<ApiResult<Vec<_>>>()?;
     Ok(Json(json!({"items": items})))
 }
 
-pub async fn get_agent(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
-    let row = sqlx::query(&format!("{AGENT_SELECT} WHERE a.workspace_id = $1 AND a.id = $2"))
-        .bind(auth.workspace_id)
-        .bind(id)
-        .fetch_optional(&s.db)
-        .await?
-        .ok_or_else(|| ApiError::not_found("agent"))?;
+pub async fn get_agent(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<Value>> {
+    let row = sqlx::query(&format!(
+        "{AGENT_SELECT} WHERE a.workspace_id = $1 AND a.id = $2"
+    ))
+    .bind(auth.workspace_id)
+    .bind(id)
+    .fetch_optional(&s.db)
+    .await?
+    .ok_or_else(|| ApiError::not_found("agent"))?;
     Ok(Json(agent_json(&row)?))
 }
 
 async fn own_agent(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
-    let found: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .fetch_optional(&s.db)
-        .await?;
-    found.map(|_| ()).ok_or_else(|| ApiError::not_found("agent"))
+    let found: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
+            .bind(id)
+            .bind(auth.workspace_id)
+            .fetch_optional(&s.db)
+            .await?;
+    found
+        .map(|_| ())
+        .ok_or_else(|| ApiError::not_found("agent"))
 }
 
 /// Saving an agent makes a new immutable version; running work keeps the version it started with.
@@ -280,7 +315,11 @@ pub async fn create_version(
     Ok((StatusCode::CREATED, Json(v)))
 }
 
-pub async fn list_versions(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn list_versions(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<Value>> {
     own_agent(&s, auth, id).await?;
     let items: Vec<(Value,)> = sqlx::query_as(
         "SELECT json_build_object('id', id, 'version', version, 'provider', provider, 'model', model,
@@ -291,7 +330,9 @@ pub async fn list_versions(State(s): State<AppState>, auth: Auth, Id(id): Id) ->
     .bind(id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -312,12 +353,20 @@ pub async fn create_profile(
     check_provider(&b.provider)?;
     let params = b.params.unwrap_or_else(|| json!({}));
     let Some(obj) = params.as_object() else {
-        return Err(ApiError::bad_request("invalid_field", "`params` must be an object"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`params` must be an object",
+        ));
     };
     if let Some(cmd) = obj.get("command") {
-        let ok = cmd.as_array().is_some_and(|a| !a.is_empty() && a.iter().all(|x| x.is_string()));
+        let ok = cmd
+            .as_array()
+            .is_some_and(|a| !a.is_empty() && a.iter().all(|x| x.is_string()));
         if !ok {
-            return Err(ApiError::bad_request("invalid_field", "`params.command` must be a non-empty array of strings"));
+            return Err(ApiError::bad_request(
+                "invalid_field",
+                "`params.command` must be a non-empty array of strings",
+            ));
         }
     }
     let id = Uuid::now_v7();
@@ -329,7 +378,10 @@ pub async fn create_profile(
         .bind(&params)
         .execute(&s.db)
         .await?;
-    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "provider": b.provider, "params": params}))))
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "name": b.name, "provider": b.provider, "params": params})),
+    ))
 }
 
 pub async fn list_profiles(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
@@ -340,7 +392,9 @@ pub async fn list_profiles(State(s): State<AppState>, auth: Auth) -> ApiResult<J
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -358,14 +412,19 @@ pub async fn create_pool(
     check_name("name", &b.name)?;
     check_limit("max_concurrency", b.max_concurrency)?;
     let id = Uuid::now_v7();
-    sqlx::query("INSERT INTO pools (id, workspace_id, name, max_concurrency) VALUES ($1, $2, $3, $4)")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .bind(&b.name)
-        .bind(b.max_concurrency)
-        .execute(&s.db)
-        .await?;
-    Ok((StatusCode::CREATED, Json(json!({"id": id, "name": b.name, "max_concurrency": b.max_concurrency}))))
+    sqlx::query(
+        "INSERT INTO pools (id, workspace_id, name, max_concurrency) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(id)
+    .bind(auth.workspace_id)
+    .bind(&b.name)
+    .bind(b.max_concurrency)
+    .execute(&s.db)
+    .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "name": b.name, "max_concurrency": b.max_concurrency})),
+    ))
 }
 
 pub async fn list_pools(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
@@ -376,7 +435,9 @@ pub async fn list_pools(State(s): State<AppState>, auth: Auth) -> ApiResult<Json
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -401,8 +462,13 @@ pub async fn create_binding(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     check_limit("max_concurrency", b.max_concurrency)?;
     check_limit("max_attempts", b.max_attempts)?;
-    if b.retry_backoff_ms.is_some_and(|v| !(0..=3_600_000).contains(&v)) {
-        return Err(ApiError::bad_request("invalid_field", "`retry_backoff_ms` must be between 0 and 3600000"));
+    if b.retry_backoff_ms
+        .is_some_and(|v| !(0..=3_600_000).contains(&v))
+    {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`retry_backoff_ms` must be between 0 and 3600000",
+        ));
     }
     for p in &b.fallback_providers {
         check_provider(p)?;
@@ -423,7 +489,11 @@ pub async fn create_binding(
     .fetch_one(&s.db)
     .await?;
     if !ok {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_reference", "agent, pool or runtime profile not found in this workspace"));
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_reference",
+            "agent, pool or runtime profile not found in this workspace",
+        ));
     }
     let id = Uuid::now_v7();
     sqlx::query(
@@ -453,17 +523,22 @@ async fn binding_by_id(s: &AppState, id: Uuid) -> ApiResult<Value> {
     Ok(v)
 }
 
-const BINDING_SELECT: &str = "SELECT json_build_object('id', id, 'agent_id', agent_id, 'pool_id', pool_id,
+const BINDING_SELECT: &str =
+    "SELECT json_build_object('id', id, 'agent_id', agent_id, 'pool_id', pool_id,
     'runtime_profile_id', runtime_profile_id, 'required_capabilities', required_capabilities,
     'max_concurrency', max_concurrency, 'max_attempts', max_attempts,
     'retry_backoff_ms', retry_backoff_ms, 'fallback_providers', fallback_providers) FROM bindings";
 
 pub async fn list_bindings(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let items: Vec<(Value,)> = sqlx::query_as(&format!("{BINDING_SELECT} WHERE workspace_id = $1 ORDER BY created_at"))
-        .bind(auth.workspace_id)
-        .fetch_all(&s.db)
-        .await?;
-    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+        "{BINDING_SELECT} WHERE workspace_id = $1 ORDER BY created_at"
+    ))
+    .bind(auth.workspace_id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
 }
 
 fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<Value> {
@@ -480,7 +555,8 @@ fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<Valu
     // Connectivity is judged from the heartbeat's age as well as what the host reports.
     let mut connectivity = find("connectivity");
     if !online {
-        connectivity = json!({"ok": false, "detail": format!("no heartbeat for {:.0} s", age_ms / 1000.0)});
+        connectivity =
+            json!({"ok": false, "detail": format!("no heartbeat for {:.0} s", age_ms / 1000.0)});
     }
     let mut dispatch = find("dispatch_readiness");
     if !online {
@@ -510,10 +586,12 @@ const HOST_SELECT: &str = "SELECT id, name, pool_name, pool_id, capacity, runnin
     last_seen_at, checks, EXTRACT(EPOCH FROM (now() - last_seen_at))::float8 * 1000 AS age_ms FROM hosts";
 
 pub async fn list_hosts(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let rows = sqlx::query(&format!("{HOST_SELECT} WHERE workspace_id = $1 ORDER BY name, id"))
-        .bind(auth.workspace_id)
-        .fetch_all(&s.db)
-        .await?;
+    let rows = sqlx::query(&format!(
+        "{HOST_SELECT} WHERE workspace_id = $1 ORDER BY name, id"
+    ))
+    .bind(auth.workspace_id)
+    .fetch_all(&s.db)
+    .await?;
     let items = rows
         .iter()
         .map(|r| host_json(r, s.config.host_offline_after_ms))
@@ -522,11 +600,13 @@ pub async fn list_hosts(State(s): State<AppState>, auth: Auth) -> ApiResult<Json
 }
 
 pub async fn get_host(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
-    let row = sqlx::query(&format!("{HOST_SELECT} WHERE workspace_id = $1 AND id = $2"))
-        .bind(auth.workspace_id)
-        .bind(id)
-        .fetch_optional(&s.db)
-        .await?
-        .ok_or_else(|| ApiError::not_found("host"))?;
+    let row = sqlx::query(&format!(
+        "{HOST_SELECT} WHERE workspace_id = $1 AND id = $2"
+    ))
+    .bind(auth.workspace_id)
+    .bind(id)
+    .fetch_optional(&s.db)
+    .await?
+    .ok_or_else(|| ApiError::not_found("host"))?;
     Ok(Json(host_json(&row, s.config.host_offline_after_ms)?))
 }

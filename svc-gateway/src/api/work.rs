@@ -1,18 +1,18 @@
 //! Issues, comments, tasks (submission, cancellation) and attempts.
 
+use crate::AppState;
 use crate::api::resources::check_name;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body, Id};
-use crate::AppState;
 use agentscope_bus::subjects;
-use agentscope_domain::{task_status, AttemptStatus};
-use agentscope_schemas::v1::{CancelRequest, TaskSubmitted};
+use agentscope_domain::{AttemptStatus, task_status};
 use agentscope_schemas::Message;
+use agentscope_schemas::v1::{CancelRequest, TaskSubmitted};
+use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use sqlx::Row;
 use uuid::Uuid;
 
@@ -31,19 +31,29 @@ pub struct NewIssue {
 }
 
 fn check_source(repository: &Option<String>, branch: &Option<String>) -> ApiResult<()> {
-    if let Some(r) = repository {
-        if r.is_empty() || r.len() > 2048 || r.starts_with('-') || r.chars().any(|c| c.is_control()) {
-            return Err(ApiError::bad_request("invalid_field", "`repository` must be a path or URL (at most 2048 characters, not starting with '-')"));
-        }
+    if let Some(r) = repository
+        && (r.is_empty()
+            || r.len() > 2048
+            || r.starts_with('-')
+            || r.chars().any(|c| c.is_control()))
+    {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`repository` must be a path or URL (at most 2048 characters, not starting with '-')",
+        ));
     }
     if let Some(b) = branch {
         let bad = b.is_empty()
             || b.len() > 255
             || b.starts_with('-')
             || b.contains("..")
-            || b.chars().any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\".contains(c));
+            || b.chars()
+                .any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\".contains(c));
         if bad {
-            return Err(ApiError::bad_request("invalid_field", "`branch` is not a valid git branch name"));
+            return Err(ApiError::bad_request(
+                "invalid_field",
+                "`branch` is not a valid git branch name",
+            ));
         }
     }
     Ok(())
@@ -57,17 +67,25 @@ pub async fn create_issue(
     check_name("title", &b.title)?;
     check_source(&b.repository, &b.branch)?;
     if b.body.len() > 256 * 1024 || b.input.len() > 256 * 1024 {
-        return Err(ApiError::bad_request("invalid_field", "`body` and `input` are limited to 256 KiB"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`body` and `input` are limited to 256 KiB",
+        ));
     }
     let mut tx = s.db.begin().await?;
     if let Some(agent) = b.assignee_agent_id {
-        let own: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
-            .bind(agent)
-            .bind(auth.workspace_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+        let own: Option<(Uuid,)> =
+            sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
+                .bind(agent)
+                .bind(auth.workspace_id)
+                .fetch_optional(&mut *tx)
+                .await?;
         if own.is_none() {
-            return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_reference", "assignee agent not found in this workspace"));
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_reference",
+                "assignee agent not found in this workspace",
+            ));
         }
     }
     let id = Uuid::now_v7();
@@ -82,7 +100,18 @@ pub async fn create_issue(
     // An Issue assigned to an agent becomes a Task in the same transaction.
     let task_id = match b.assignee_agent_id {
         Some(agent) => Some(
-            insert_task(&mut tx, auth.workspace_id, agent, Some(id), &b.repository, &b.branch, &b.input, None, None).await?,
+            insert_task(
+                &mut tx,
+                auth.workspace_id,
+                agent,
+                Some(id),
+                &b.repository,
+                &b.branch,
+                &b.input,
+                None,
+                None,
+            )
+            .await?,
         ),
         None => None,
     };
@@ -90,7 +119,12 @@ pub async fn create_issue(
     if let Some(t) = task_id {
         submit(&s, auth.workspace_id, t).await;
     }
-    Ok((StatusCode::CREATED, Json(json!({"id": id, "title": b.title, "body": b.body, "assignee_agent_id": b.assignee_agent_id, "task_id": task_id}))))
+    Ok((
+        StatusCode::CREATED,
+        Json(
+            json!({"id": id, "title": b.title, "body": b.body, "assignee_agent_id": b.assignee_agent_id, "task_id": task_id}),
+        ),
+    ))
 }
 
 pub async fn list_issues(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
@@ -101,10 +135,16 @@ pub async fn list_issues(State(s): State<AppState>, auth: Auth) -> ApiResult<Jso
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
 }
 
-pub async fn get_issue(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn get_issue(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<Value>> {
     let row: Option<(Value,)> = sqlx::query_as(
         "SELECT json_build_object('id', i.id, 'title', i.title, 'body', i.body, 'status', i.status,
             'assignee_agent_id', i.assignee_agent_id, 'created_at', i.created_at,
@@ -115,15 +155,17 @@ pub async fn get_issue(State(s): State<AppState>, auth: Auth, Id(id): Id) -> Api
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    row.map(|r| Json(r.0)).ok_or_else(|| ApiError::not_found("issue"))
+    row.map(|r| Json(r.0))
+        .ok_or_else(|| ApiError::not_found("issue"))
 }
 
 async fn own_issue(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
-    let own: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .fetch_optional(&s.db)
-        .await?;
+    let own: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
+            .bind(id)
+            .bind(auth.workspace_id)
+            .fetch_optional(&s.db)
+            .await?;
     own.map(|_| ()).ok_or_else(|| ApiError::not_found("issue"))
 }
 
@@ -142,7 +184,10 @@ pub async fn create_comment(
     Body(b): Body<NewComment>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     if b.body.trim().is_empty() || b.body.len() > 64 * 1024 {
-        return Err(ApiError::bad_request("invalid_field", "`body` must be 1 byte to 64 KiB"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`body` must be 1 byte to 64 KiB",
+        ));
     }
     let author = b.author.unwrap_or_else(|| "api".into());
     check_name("author", &author)?;
@@ -156,10 +201,17 @@ pub async fn create_comment(
         .bind(&b.body)
         .execute(&s.db)
         .await?;
-    Ok((StatusCode::CREATED, Json(json!({"id": id, "issue_id": issue, "author": author, "body": b.body}))))
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "issue_id": issue, "author": author, "body": b.body})),
+    ))
 }
 
-pub async fn list_comments(State(s): State<AppState>, auth: Auth, Id(issue): Id) -> ApiResult<Json<Value>> {
+pub async fn list_comments(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(issue): Id,
+) -> ApiResult<Json<Value>> {
     own_issue(&s, auth, issue).await?;
     let items: Vec<(Value,)> = sqlx::query_as(
         "SELECT json_build_object('id', id, 'author', author, 'body', body, 'created_at', created_at)
@@ -168,7 +220,9 @@ pub async fn list_comments(State(s): State<AppState>, auth: Auth, Id(issue): Id)
     .bind(issue)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()})))
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -237,7 +291,9 @@ async fn submit(s: &AppState, workspace_id: Uuid, task_id: Uuid) {
     .await;
     match res {
         Ok(_) => s.metrics.inc("agentscope_tasks_submitted_total", &[]),
-        Err(e) => tracing::warn!(error = %e, %task_id, "publish task submission; the scheduler's sweep will pick it up"),
+        Err(e) => {
+            tracing::warn!(error = %e, %task_id, "publish task submission; the scheduler's sweep will pick it up")
+        }
     }
 }
 
@@ -248,18 +304,25 @@ pub async fn create_task(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     check_source(&b.repository, &b.branch)?;
     if b.input.len() > 256 * 1024 {
-        return Err(ApiError::bad_request("invalid_field", "`input` is limited to 256 KiB"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`input` is limited to 256 KiB",
+        ));
     }
     if b.timeout_secs.is_some_and(|t| t <= 0) {
-        return Err(ApiError::bad_request("invalid_field", "`timeout_secs` must be positive"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`timeout_secs` must be positive",
+        ));
     }
     if let Some(k) = &b.idempotency_key {
         check_name("idempotency_key", k)?;
-        let existing: Option<(Uuid,)> = sqlx::query_as("SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2")
-            .bind(auth.workspace_id)
-            .bind(k)
-            .fetch_optional(&s.db)
-            .await?;
+        let existing: Option<(Uuid,)> =
+            sqlx::query_as("SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2")
+                .bind(auth.workspace_id)
+                .bind(k)
+                .fetch_optional(&s.db)
+                .await?;
         if let Some((id,)) = existing {
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
@@ -274,19 +337,37 @@ pub async fn create_task(
     .fetch_one(&s.db)
     .await?;
     if !refs_ok {
-        return Err(ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_reference", "agent or issue not found in this workspace"));
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_reference",
+            "agent or issue not found in this workspace",
+        ));
     }
     let mut tx = s.db.begin().await?;
-    let id = match insert_task(&mut tx, auth.workspace_id, b.agent_id, b.issue_id, &b.repository, &b.branch, &b.input, b.timeout_secs, b.idempotency_key.as_deref()).await {
+    let id = match insert_task(
+        &mut tx,
+        auth.workspace_id,
+        b.agent_id,
+        b.issue_id,
+        &b.repository,
+        &b.branch,
+        &b.input,
+        b.timeout_secs,
+        b.idempotency_key.as_deref(),
+    )
+    .await
+    {
         Ok(id) => id,
         Err(ApiError::Db(sqlx::Error::Database(e))) if e.is_unique_violation() => {
             // A concurrent request with the same key won the race.
             drop(tx);
-            let (id,): (Uuid,) = sqlx::query_as("SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2")
-                .bind(auth.workspace_id)
-                .bind(b.idempotency_key.as_deref())
-                .fetch_one(&s.db)
-                .await?;
+            let (id,): (Uuid,) = sqlx::query_as(
+                "SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2",
+            )
+            .bind(auth.workspace_id)
+            .bind(b.idempotency_key.as_deref())
+            .fetch_one(&s.db)
+            .await?;
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
         Err(e) => return Err(e),
@@ -319,12 +400,17 @@ pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<V
     .fetch_optional(&s.db)
     .await?
     .ok_or_else(|| ApiError::not_found("task"))?;
-    let attempts: Vec<(Value,)> = sqlx::query_as(&format!("SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"))
-        .bind(id)
-        .fetch_all(&s.db)
-        .await?;
+    let attempts: Vec<(Value,)> = sqlx::query_as(&format!(
+        "SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"
+    ))
+    .bind(id)
+    .fetch_all(&s.db)
+    .await?;
     let attempts: Vec<Value> = attempts.into_iter().map(|r| with_remedy(r.0)).collect();
-    let newest = attempts.last().and_then(|a| a["status"].as_str()).and_then(AttemptStatus::parse);
+    let newest = attempts
+        .last()
+        .and_then(|a| a["status"].as_str())
+        .and_then(AttemptStatus::parse);
     Ok(json!({
         "id": id,
         "status": task_status(newest),
@@ -400,12 +486,21 @@ pub async fn cancel_task(
     let body: CancelBody = if body.iter().all(|b| b.is_ascii_whitespace()) {
         CancelBody::default()
     } else {
-        serde_json::from_slice(&body)
-            .map_err(|_| ApiError::bad_request("malformed_json", "request body is not a valid cancel request"))?
+        serde_json::from_slice(&body).map_err(|_| {
+            ApiError::bad_request(
+                "malformed_json",
+                "request body is not a valid cancel request",
+            )
+        })?
     };
-    let reason = body.reason.unwrap_or_else(|| "cancelled through the API".into());
+    let reason = body
+        .reason
+        .unwrap_or_else(|| "cancelled through the API".into());
     if reason.len() > 1024 {
-        return Err(ApiError::bad_request("invalid_field", "`reason` is limited to 1024 bytes"));
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`reason` is limited to 1024 bytes",
+        ));
     }
     let updated: Option<(Uuid,)> = sqlx::query_as(
         "UPDATE tasks SET cancel_requested_at = COALESCE(cancel_requested_at, now())
@@ -423,20 +518,23 @@ pub async fn cancel_task(
         workspace_id: auth.workspace_id.to_string(),
         reason,
     };
-    s.js
-        .publish_with_headers(
-            subjects::TASK_CANCEL,
-            agentscope_bus::headers(&format!("cancel:{id}")),
-            m.encode_to_vec().into(),
-        )
-        .await
-        .map_err(ApiError::bus)?
-        .await
-        .map_err(ApiError::bus)?;
+    s.js.publish_with_headers(
+        subjects::TASK_CANCEL,
+        agentscope_bus::headers(&format!("cancel:{id}")),
+        m.encode_to_vec().into(),
+    )
+    .await
+    .map_err(ApiError::bus)?
+    .await
+    .map_err(ApiError::bus)?;
     Ok((StatusCode::ACCEPTED, Json(task_json(&s, auth, id).await?)))
 }
 
-pub async fn get_attempt(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn get_attempt(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<Value>> {
     let row: Option<(Value,)> = sqlx::query_as(&format!(
         "SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.workspace_id = $1 AND a.id = $2"
     ))
@@ -444,5 +542,6 @@ pub async fn get_attempt(State(s): State<AppState>, auth: Auth, Id(id): Id) -> A
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    row.map(|r| Json(with_remedy(r.0))).ok_or_else(|| ApiError::not_found("attempt"))
+    row.map(|r| Json(with_remedy(r.0)))
+        .ok_or_else(|| ApiError::not_found("attempt"))
 }
