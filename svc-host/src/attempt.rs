@@ -105,17 +105,17 @@ impl EventSink {
             }
         }
         self.entry.last_seq = seq;
-        self.checkpoint();
+        self.checkpoint(false);
         true
     }
 
     pub fn set_state(&mut self, state: &str) {
         self.entry.state = state.into();
-        self.checkpoint();
+        self.checkpoint(true);
     }
 
-    fn checkpoint(&self) {
-        if let Err(e) = self.ctx.journal.save(&self.entry) {
+    fn checkpoint(&self, durable: bool) {
+        if let Err(e) = self.ctx.journal.save(&self.entry, durable) {
             tracing::error!(error = ?e, "write journal checkpoint");
         }
     }
@@ -463,7 +463,7 @@ async fn prepare(
         ("INSTRUCTIONS.md", spec.instructions.as_str()),
     ] {
         let p = input_dir.join(name);
-        journal::write_atomic(&p, body.as_bytes()).map_err(|e| format!("{e}"))?;
+        journal::write_atomic(&p, body.as_bytes(), false).map_err(|e| format!("{e}"))?;
     }
     Ok(TaskDir {
         root,

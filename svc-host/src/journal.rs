@@ -26,13 +26,16 @@ fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
     }
 }
 
-/// Writes `bytes` to `path` atomically and durably.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Error> {
+/// Writes `bytes` to `path` atomically: a reader (or a restarted host after a crash of this
+/// process) sees the old or the new content, never a mix. `durable` also survives power loss.
+pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> Result<(), Error> {
     use std::io::Write;
     let tmp = path.with_extension("tmp");
     let mut f = std::fs::File::create(&tmp).map_err(io("create", &tmp))?;
     f.write_all(bytes).map_err(io("write", &tmp))?;
-    f.sync_all().map_err(io("sync", &tmp))?;
+    if durable {
+        f.sync_all().map_err(io("sync", &tmp))?;
+    }
     std::fs::rename(&tmp, path).map_err(io("rename", path))?;
     Ok(())
 }
@@ -45,7 +48,7 @@ pub fn identity(state_dir: &Path) -> Result<Uuid, Error> {
         Ok(s) => Uuid::parse_str(s.trim()).map_err(|_| Error::BadIdentity(path)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let id = Uuid::new_v4();
-            write_atomic(&path, id.to_string().as_bytes())?;
+            write_atomic(&path, id.to_string().as_bytes(), true)?;
             Ok(id)
         }
         Err(e) => Err(io("read", &path)(e)),
@@ -81,9 +84,11 @@ impl Journal {
         self.dir.join(format!("{attempt_id}.json"))
     }
 
-    pub fn save(&self, e: &Entry) -> Result<(), Error> {
+    /// Checkpoints survive a crash of the host process (the case they exist for); `durable`
+    /// adds an fsync for state changes that must survive the machine too.
+    pub fn save(&self, e: &Entry, durable: bool) -> Result<(), Error> {
         let bytes = serde_json::to_vec_pretty(e).expect("journal entry serializes");
-        write_atomic(&self.path(&e.attempt_id), &bytes)
+        write_atomic(&self.path(&e.attempt_id), &bytes, durable)
     }
 
     pub fn remove(&self, attempt_id: &str) -> Result<(), Error> {
@@ -141,7 +146,7 @@ mod tests {
             state: "running".into(),
             provider_session_id: String::new(),
         };
-        j.save(&e).unwrap();
+        j.save(&e, true).unwrap();
         let got = j.entries().unwrap();
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].lease_token, 7);

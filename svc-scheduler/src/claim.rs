@@ -12,28 +12,31 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
-    let mut sub = ctx
+    let sub = ctx
         .nats
         .queue_subscribe(subjects::HOST_CLAIM, SCHEDULER_QUEUE.into())
         .await
         .map_err(Error::bus)?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
-        };
-        let Some(reply) = msg.reply.clone() else {
-            continue;
-        };
-        let offer = match ClaimRequest::decode(msg.payload.as_ref()) {
-            Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
-                tracing::error!(error = ?e, "claim failed");
-                refused("internal", "claim failed; retry")
-            }),
-            Err(_) => refused("malformed", "ClaimRequest payload does not decode"),
-        };
-        let _ = ctx.nats.publish(reply, offer.encode_to_vec().into()).await;
-    }
+    // Claims run concurrently; those of one workspace serialize on its advisory lock.
+    sub.take_until(cancel.cancelled_owned())
+        .for_each_concurrent(16, |msg| {
+            let ctx = ctx.clone();
+            async move {
+                let Some(reply) = msg.reply.clone() else {
+                    return;
+                };
+                let offer = match ClaimRequest::decode(msg.payload.as_ref()) {
+                    Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
+                        tracing::error!(error = ?e, "claim failed");
+                        refused("internal", "claim failed; retry")
+                    }),
+                    Err(_) => refused("malformed", "ClaimRequest payload does not decode"),
+                };
+                let _ = ctx.nats.publish(reply, offer.encode_to_vec().into()).await;
+            }
+        })
+        .await;
+    Ok(())
 }
 
 fn refused(code: &str, message: &str) -> ClaimOffer {

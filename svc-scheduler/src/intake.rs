@@ -29,43 +29,50 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
         )
         .await
         .map_err(Error::bus)?;
-    let mut messages = consumer.messages().await.map_err(Error::bus)?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = messages.next() => match m {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => { tracing::warn!(error = ?e, "intake consumer"); continue }
-                None => return Ok(()),
-            },
-        };
-        let subject = msg.subject.to_string();
-        let parent = agentscope_bus::traceparent(msg.headers.as_ref());
-        let span = tracing::info_span!("intake", %subject);
-        agentscope_bus::set_parent(&span, parent.as_deref());
-        let res = handle(&ctx, &subject, &msg.payload).instrument(span).await;
-        let ack = match res {
-            Ok(()) => AckKind::Ack,
-            Err(e) if e.retryable() => {
-                tracing::warn!(error = ?e, %subject, "intake failed; will retry");
-                AckKind::Nak(Some(Duration::from_millis(500)))
+    let messages = consumer.messages().await.map_err(Error::bus)?;
+    // Handlers are idempotent and independent per task, so messages are handled concurrently.
+    messages
+        .take_until(cancel.cancelled_owned())
+        .for_each_concurrent(16, |msg| {
+            let ctx = ctx.clone();
+            async move {
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(e) => {
+                        tracing::warn!(error = ?e, "intake consumer");
+                        return;
+                    }
+                };
+                let subject = msg.subject.to_string();
+                let parent = agentscope_bus::traceparent(msg.headers.as_ref());
+                let span = tracing::info_span!("intake", %subject, task_id = tracing::field::Empty);
+                agentscope_bus::set_parent(&span, parent.as_deref());
+                let res = handle(&ctx, &subject, &msg.payload).instrument(span).await;
+                let ack = match res {
+                    Ok(()) => AckKind::Ack,
+                    Err(e) if e.retryable() => {
+                        tracing::warn!(error = ?e, %subject, "intake failed; will retry");
+                        AckKind::Nak(Some(Duration::from_millis(500)))
+                    }
+                    Err(e) => {
+                        crate::reject(
+                            &ctx,
+                            &subject,
+                            CONSUMER_INTAKE,
+                            &e.to_string(),
+                            &msg.payload,
+                        )
+                        .await;
+                        AckKind::Term
+                    }
+                };
+                if let Err(e) = msg.ack_with(ack).await {
+                    tracing::warn!(error = ?e, "ack intake message");
+                }
             }
-            Err(e) => {
-                crate::reject(
-                    &ctx,
-                    &subject,
-                    CONSUMER_INTAKE,
-                    &e.to_string(),
-                    &msg.payload,
-                )
-                .await;
-                AckKind::Term
-            }
-        };
-        if let Err(e) = msg.ack_with(ack).await {
-            tracing::warn!(error = ?e, "ack intake message");
-        }
-    }
+        })
+        .await;
+    Ok(())
 }
 
 async fn handle(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), Error> {

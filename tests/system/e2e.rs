@@ -221,19 +221,28 @@ async fn a_live_follower_sees_events_as_they_happen() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_script_runs_a_task_end_to_end() {
     let dir = kit::TempDir::new("demo");
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap();
     let out = tokio::process::Command::new(root.join("scripts/demo.sh"))
         .env("AGENTSCOPE_DEMO_DIR", dir.path.join("run"))
         .env("AGENTSCOPE_DEMO_NATS_PORT", kit::free_port().to_string())
         .env("AGENTSCOPE_DEMO_API_PORT", kit::free_port().to_string())
-        .env("AGENTSCOPE_DEMO_DB", format!("agentscope_demo_{}", uuid::Uuid::new_v4().simple()))
+        .env(
+            "AGENTSCOPE_DEMO_DB",
+            format!("agentscope_demo_{}", uuid::Uuid::new_v4().simple()),
+        )
         .env_remove("AGENTSCOPE_TOKEN")
         .kill_on_drop(true)
         .output()
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "demo failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("only on the feature branch"), "{stdout}");
     assert!(stdout.contains("-- task succeeded"), "{stdout}");
 }

@@ -354,11 +354,13 @@ pub fn bin_dir() -> PathBuf {
         return PathBuf::from(d);
     }
     let exe = std::env::current_exe().expect("current exe");
-    // target/debug/deps/system-xxxx -> target/debug
-    exe.parent()
-        .and_then(|p| p.parent())
-        .expect("target dir")
-        .to_path_buf()
+    // target/debug/deps/system-xxxx (a test) or target/debug/agentscope-bench (a binary)
+    let dir = exe.parent().expect("executable's directory");
+    if dir.ends_with("deps") {
+        dir.parent().expect("target dir").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
 }
 
 pub fn bin(name: &str) -> Result<PathBuf> {
