@@ -26,6 +26,8 @@ pub struct Stops {
     pub cancel: CancellationToken,
     /// The lease is gone: nothing more may be reported.
     pub lease_lost: CancellationToken,
+    /// The host is shutting down: stop, and let the scheduler retry elsewhere.
+    pub shutdown: CancellationToken,
 }
 
 /// Publishes the events of one attempt with consecutive seq numbers and its fencing token.
@@ -270,6 +272,12 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
             None,
         );
     }
+    if stops.shutdown.is_cancelled() {
+        return failed(
+            FailureClass::HostRestart,
+            "the host shut down before the provider started",
+        );
+    }
     let launch = match adapter.launch(&spec, &dir) {
         Ok(l) => l,
         Err(r) => return failed(r.class, r.detail),
@@ -368,6 +376,11 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
                 } else {
                     failed(FailureClass::Internal, format!("cancel left processes {left:?}"))
                 });
+            }
+            _ = stops.shutdown.cancelled(), if stop.is_none() => {
+                sink.diag("warn", "host_shutdown", "the host is shutting down; stopping the provider").await;
+                let left = provider::terminate_group(pgid, grace).await;
+                stop = Some(failed(FailureClass::HostRestart, format!("the host shut down during the attempt ({} processes left)", left.len())));
             }
             _ = &mut deadline, if stop.is_none() => {
                 let left = provider::terminate_group(pgid, grace).await;

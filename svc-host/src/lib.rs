@@ -51,6 +51,10 @@ struct State {
     registered: Option<HostRegistered>,
     providers: Vec<ProviderDescriptor>,
     running: HashMap<String, attempt::Stops>,
+    /// Attempts of a previous run of this host, already reported as interrupted.
+    reported: Vec<String>,
+    /// Attempts this run finished recently (bounded), so none is ever taken for a lost offer.
+    finished: std::collections::VecDeque<String>,
 }
 
 impl Ctx {
@@ -223,10 +227,10 @@ impl App {
                 if let Ok(Err(e)) = res { tracing::error!(error = ?e, "host task failed; stopping"); }
             }
         }
-        // Stop claiming; cancel what runs so it reports a terminal state before we leave.
+        // Stop claiming; stop what runs so it reports a retryable end before we leave.
         cancel.cancel();
         for stops in ctx.state.lock().expect("host state").running.values() {
-            stops.cancel.cancel();
+            stops.shutdown.cancel();
         }
         attempts.close();
         if tokio::time::timeout(
@@ -351,6 +355,11 @@ async fn recover(ctx: &Ctx) {
                 .map_err(async_nats::Error::from)
         }
         .await;
+        ctx.state
+            .lock()
+            .expect("host state")
+            .reported
+            .push(e.attempt_id.clone());
         match sent {
             Ok(_) => {
                 let _ = ctx.journal.remove(&e.attempt_id);
@@ -477,13 +486,25 @@ async fn claim_loop(
         let free = slots.available_permits() as u32;
         let mut got_work = false;
         if free > 0 {
+            let held_attempts = {
+                let st = ctx.state.lock().expect("host state");
+                st.running
+                    .keys()
+                    .chain(st.reported.iter())
+                    .chain(st.finished.iter())
+                    .cloned()
+                    .collect()
+            };
             let req = ClaimRequest {
                 host_id: ctx.host_id.to_string(),
                 host_token: ctx.config.host_token.clone(),
                 free_slots: free,
+                held_attempts,
             };
+            // Well inside the lease TTL, so a lost reply is offered again before its lease lapses.
+            let wait = Duration::from_millis((ctx.lease_ttl_ms() / 3).clamp(500, 5_000));
             match tokio::time::timeout(
-                Duration::from_secs(5),
+                wait,
                 ctx.nats
                     .request(subjects::HOST_CLAIM, req.encode_to_vec().into()),
             )
@@ -504,6 +525,7 @@ async fn claim_loop(
                             let stops = attempt::Stops {
                                 cancel: CancellationToken::new(),
                                 lease_lost: CancellationToken::new(),
+                                shutdown: CancellationToken::new(),
                             };
                             ctx.state
                                 .lock()
@@ -515,7 +537,14 @@ async fn claim_loop(
                             attempts.spawn(async move {
                                 let id = a.attempt_id.clone();
                                 attempt::run(ctx2.clone(), a, stops).await;
-                                ctx2.state.lock().expect("host state").running.remove(&id);
+                                {
+                                    let mut st = ctx2.state.lock().expect("host state");
+                                    st.running.remove(&id);
+                                    st.finished.push_back(id);
+                                    if st.finished.len() > 256 {
+                                        st.finished.pop_front();
+                                    }
+                                }
                                 drop(permit);
                                 // A slot is free: ask again now.
                                 let _ = ctx2

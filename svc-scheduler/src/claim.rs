@@ -98,16 +98,24 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         .execute(&mut *tx)
         .await?;
 
+    // Attempts leased to this host whose claim reply never arrived: offer them again, under
+    // the same lease, instead of letting the lease lapse into a retry.
+    let mut assignments = reoffer(ctx, &mut tx, host_id, workspace_id, &req.held_attempts).await?;
+
     let host_active: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM attempts WHERE host_id = $1 AND status IN ('claimed','running')",
     )
     .bind(host_id)
     .fetch_one(&mut *tx)
     .await?;
-    let mut slots = (capacity as i64 - host_active).min(req.free_slots as i64);
+    let mut slots =
+        (capacity as i64 - host_active).min(req.free_slots as i64 - assignments.len() as i64);
     if slots <= 0 {
         tx.commit().await?;
-        return Ok(ClaimOffer::default());
+        return Ok(ClaimOffer {
+            assignments,
+            ..Default::default()
+        });
     }
 
     let rows = sqlx::query(
@@ -129,7 +137,10 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     .await?;
     if rows.is_empty() {
         tx.commit().await?;
-        return Ok(ClaimOffer::default());
+        return Ok(ClaimOffer {
+            assignments,
+            ..Default::default()
+        });
     }
     let candidates = rows
         .iter()
@@ -188,7 +199,6 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     }
 
     // Lease first, then record: a lease whose row never commits just expires.
-    let mut assignments = Vec::with_capacity(taken.len());
     let mut created_keys = Vec::new();
     for c in &taken {
         let key = lease_key(&c.id.to_string());
@@ -242,6 +252,59 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         assignments,
         ..Default::default()
     })
+}
+
+async fn reoffer(
+    ctx: &Ctx,
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    host_id: Uuid,
+    workspace_id: Uuid,
+    held: &[String],
+) -> Result<Vec<AttemptAssignment>, Error> {
+    let rows = sqlx::query(
+        "SELECT id, task_id, number, spec, lease_token FROM attempts
+         WHERE host_id = $1 AND status = 'claimed' AND NOT (id::text = ANY($2)) FOR UPDATE",
+    )
+    .bind(host_id)
+    .bind(held)
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut out = Vec::new();
+    for r in rows {
+        let id: Uuid = r.try_get("id")?;
+        let token: Option<i64> = r.try_get("lease_token")?;
+        // The host got the first offer if it reported anything; never run an attempt twice.
+        if crate::last_published(ctx, id).await?.is_some() {
+            continue;
+        }
+        let key = lease_key(&id.to_string());
+        let Ok(Some(entry)) = ctx.leases.entry(&key).await else {
+            continue;
+        };
+        if entry.operation != async_nats::jetstream::kv::Operation::Put {
+            continue;
+        }
+        let holder = LeaseRecord::decode(entry.value.as_ref())
+            .map(|l| l.host_id)
+            .unwrap_or_default();
+        if holder != host_id.to_string() {
+            continue;
+        }
+        tracing::warn!(attempt_id = %id, %host_id, "claim reply was lost; offering the attempt again");
+        let spec: serde_json::Value = r.try_get("spec")?;
+        out.push(AttemptAssignment {
+            attempt_id: id.to_string(),
+            task_id: r.try_get::<Uuid, _>("task_id")?.to_string(),
+            workspace_id: workspace_id.to_string(),
+            attempt_number: r.try_get::<i32, _>("number")? as u32,
+            lease_key: key,
+            lease_token: token.unwrap_or_default() as u64,
+            lease_revision: entry.revision,
+            spec: Some(spec_from_json(&spec)),
+            traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
+        });
+    }
+    Ok(out)
 }
 
 fn spec_from_json(v: &serde_json::Value) -> TaskSpec {

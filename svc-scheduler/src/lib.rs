@@ -51,6 +51,7 @@ pub(crate) struct Ctx {
     pub nats: async_nats::Client,
     pub js: jetstream::Context,
     pub leases: jetstream::kv::Store,
+    pub events: jetstream::stream::Stream,
     pub config: Arc<Config>,
     pub metrics: Metrics,
 }
@@ -70,7 +71,7 @@ impl App {
         agentscope_store::migrate(&db).await?;
         let nats = agentscope_bus::connect(&config.nats_url, "svc-scheduler").await?;
         let js = jetstream::new(nats.clone());
-        Topology::events(&js).await?;
+        let events = Topology::events(&js).await?;
         Topology::control(&js).await?;
         Topology::tasks(&js).await?;
         let leases = Topology::leases(&js, Duration::from_millis(config.lease_ttl_ms)).await?;
@@ -101,6 +102,7 @@ impl App {
                 nats,
                 js,
                 leases,
+                events,
                 config: Arc::new(config),
                 metrics,
             },
@@ -184,6 +186,27 @@ pub(crate) async fn readiness(db: &PgPool, nats: &async_nats::Client) -> Result<
         .await
         .map_err(|e| format!("postgres: {e}"))?;
     Ok(())
+}
+
+/// The newest event the host has published for an attempt, as the stream holds it (the
+/// recorder may not have caught up): its seq and the host's timestamp (ms). None when the host
+/// never reported anything.
+pub(crate) async fn last_published(
+    ctx: &Ctx,
+    attempt_id: uuid::Uuid,
+) -> Result<Option<(u64, i64)>, Error> {
+    use agentscope_schemas::Message;
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let subject = agentscope_bus::subjects::events(&attempt_id.to_string());
+    match ctx.events.get_last_raw_message_by_subject(&subject).await {
+        Ok(m) => Ok(Some(
+            agentscope_schemas::v1::ExecutionEvent::decode(m.payload.as_ref())
+                .map(|e| (e.seq, e.at_ms))
+                .unwrap_or((0, 0)),
+        )),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(Error::bus(e)),
+    }
 }
 
 /// Records a bus message that was terminated instead of processed.

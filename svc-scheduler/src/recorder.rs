@@ -29,7 +29,9 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
             pull::Config {
                 durable_name: Some(CONSUMER_RECORDER.into()),
                 ack_policy: AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(30),
+                // Short, so events in flight when a scheduler dies are redelivered soon; a slow
+                // redelivery of a message still being handled is a harmless duplicate.
+                ack_wait: Duration::from_secs(5),
                 max_ack_pending: 4096,
                 ..Default::default()
             },

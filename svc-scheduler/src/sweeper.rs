@@ -25,6 +25,11 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
 }
 
 async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
+    sweep_leases(ctx).await?;
+    sweep_rest(ctx).await
+}
+
+async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
     // 1. Active attempts whose lease key is gone (expired or purged) are lost.
     let active: Vec<(Uuid, i64)> = sqlx::query_as(
         "SELECT id, lease_token FROM attempts WHERE status IN ('claimed','running') AND lease_token IS NOT NULL",
@@ -45,7 +50,24 @@ async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
             mark_lost(ctx, attempt_id, token).await?;
         }
     }
+    Ok(())
+}
 
+/// Whether the host published events the recorder has not stored yet, recently enough that
+/// they are still on their way (a message that can never be recorded must not block forever).
+async fn unrecorded_events(
+    ctx: &Ctx,
+    attempt_id: Uuid,
+    last_seq: i64,
+) -> Result<bool, crate::Error> {
+    Ok(crate::last_published(ctx, attempt_id)
+        .await?
+        .is_some_and(|(seq, at_ms)| {
+            seq as i64 > last_seq && agentscope_bus::now_ms() - at_ms < 60_000
+        }))
+}
+
+async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
     // 2. Tasks whose submission never produced an attempt (lost message, scheduler crash).
     let orphans: Vec<(Uuid,)> = sqlx::query_as(
         "SELECT t.id FROM tasks t WHERE NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id)
@@ -90,6 +112,12 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
         return Ok(());
     };
     if !a.status.is_active() || a.lease_token != Some(token) {
+        return Ok(());
+    }
+    // The host's last words may still be on their way to the recorder (a scheduler restart
+    // delays redelivery): an attempt is lost only once everything it published is recorded.
+    if unrecorded_events(ctx, attempt_id, a.last_seq).await? {
+        tracing::debug!(%attempt_id, "lease gone but events are still unrecorded; waiting");
         return Ok(());
     }
     let retry = attempts::finish(

@@ -94,6 +94,7 @@ pub struct Stack {
     pub host_token: String,
     pub workspace_id: String,
     pub scheduler_health: String,
+    scheduler_env: Vec<(String, String)>,
     // Dropped last: keeps logs of a failed test.
     pub dir: TempDir,
 }
@@ -193,8 +194,30 @@ impl Stack {
                 .context("workspace id")?
                 .to_string(),
             scheduler_health,
+            scheduler_env: senv,
             dir,
         })
+    }
+
+    /// Stops the scheduler (SIGKILL when `crash`, else SIGTERM) and starts a new one.
+    pub async fn restart_scheduler(&mut self, crash: bool) -> Result<()> {
+        if crash {
+            self.scheduler.kill9();
+        } else {
+            self.scheduler.terminate(Duration::from_secs(20));
+        }
+        self.scheduler = Proc::spawn(
+            "scheduler",
+            &bin("svc-scheduler")?,
+            &[],
+            &self.scheduler_env,
+            &self.dir.path,
+        )?;
+        wait_http_ok(
+            &format!("{}/readyz", self.scheduler_health),
+            Duration::from_secs(60),
+        )
+        .await
     }
 
     /// Spawns svc-host; `state_dir` keeps its identity across restarts.

@@ -7,3 +7,4 @@ mod compose;
 mod e2e;
 mod failover;
 mod limits;
+mod restart;

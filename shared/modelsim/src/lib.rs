@@ -1,0 +1,1 @@
+//! Scripted model server (see README in this crate).
