@@ -13,6 +13,8 @@ pub struct Config {
     pub admin_token: String,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// Largest Artifact an executor may upload.
+    pub max_artifact_bytes: usize,
     /// A host whose last heartbeat is older than this shows as offline.
     pub host_offline_after_ms: u64,
     pub db_max_connections: u32,
@@ -31,6 +33,7 @@ impl Config {
             .set_default("http_addr", "127.0.0.1:8080")?
             .set_default("admin_token", "")?
             .set_default("max_body_bytes", 1024 * 1024)?
+            .set_default("max_artifact_bytes", 10 * 1024 * 1024)?
             .set_default("host_offline_after_ms", 10_000)?
             .set_default("db_max_connections", 16)?
             .set_default("log_format", "")?;
@@ -54,6 +57,9 @@ impl Config {
         }
         if self.max_body_bytes < 1024 {
             return bad("max_body_bytes must be at least 1024");
+        }
+        if self.max_artifact_bytes < 1024 || self.max_artifact_bytes > 512 * 1024 * 1024 {
+            return bad("max_artifact_bytes must be between 1024 and 536870912");
         }
         if self.db_max_connections == 0 {
             return bad("db_max_connections must be positive");

@@ -92,3 +92,49 @@ impl FromRequestParts<AppState> for Admin {
         }
     }
 }
+
+/// An executor authenticated by a task-scoped token: it reaches only its own task, and only
+/// while its attempt is claimed or running.
+#[derive(Debug, Clone, Copy)]
+pub struct TaskAuth {
+    pub workspace_id: Uuid,
+    pub task_id: Uuid,
+    pub attempt_id: Uuid,
+    pub issue_id: Option<Uuid>,
+    pub agent_id: Uuid,
+}
+
+impl FromRequestParts<AppState> for TaskAuth {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let refused = || {
+            ApiError::new(
+                axum::http::StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "task credential is not valid: unknown, or its attempt has ended",
+            )
+        };
+        let token = bearer(parts).ok_or_else(refused)?;
+        if !token.starts_with(agentscope_domain::TokenKind::Task.prefix()) || token.len() > 256 {
+            return Err(refused());
+        }
+        let row: Option<(Uuid, Uuid, Uuid, Option<Uuid>, Uuid)> = sqlx::query_as(
+            "SELECT a.workspace_id, a.task_id, a.id, t.issue_id, a.agent_id FROM attempts a
+             JOIN tasks t ON t.id = a.task_id
+             WHERE a.task_token_hash = $1 AND a.status IN ('claimed', 'running')",
+        )
+        .bind(agentscope_domain::hash_token(token))
+        .fetch_optional(&state.db)
+        .await?;
+        let (workspace_id, task_id, attempt_id, issue_id, agent_id) = row.ok_or_else(refused)?;
+        let span = tracing::Span::current();
+        span.record("workspace_id", tracing::field::display(workspace_id));
+        Ok(TaskAuth {
+            workspace_id,
+            task_id,
+            attempt_id,
+            issue_id,
+            agent_id,
+        })
+    }
+}

@@ -125,7 +125,7 @@ async fn fan_out_recorded(s: AppState, cancel: CancellationToken) {
 }
 
 pub fn router(state: AppState) -> Router {
-    let routes = api::routes();
+    let routes = api::routes(&state.config);
     let doc = Arc::new(api::openapi(&routes));
     let mut r: Router<AppState> = Router::new();
     for route in routes {

@@ -25,6 +25,12 @@ pub struct Config {
     pub kill_grace_ms: u64,
     /// Longest stdout/stderr line kept in one event; longer lines are truncated.
     pub max_line_bytes: usize,
+    /// The API executors reach with their task credential (the gateway's address as seen from
+    /// this host).
+    pub api_url: String,
+    /// Directory holding the `agentscope` CLI executors use; default: next to svc-host.
+    #[serde(default)]
+    pub cli_dir: String,
     #[serde(default)]
     pub log_format: String,
 }
@@ -41,6 +47,7 @@ impl Config {
             .set_default("poll_interval_ms", 2_000)?
             .set_default("kill_grace_ms", 5_000)?
             .set_default("max_line_bytes", 64 * 1024)?
+            .set_default("api_url", "http://127.0.0.1:8080")?
             .set_default("log_format", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));

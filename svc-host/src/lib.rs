@@ -6,6 +6,7 @@ pub mod attempt;
 mod config;
 pub mod journal;
 pub mod provider;
+pub mod providers;
 
 pub use config::Config;
 
@@ -64,6 +65,21 @@ impl Ctx {
             .find(|a| a.name() == name)
             .map(|a| a.as_ref())
     }
+    /// PATH for executors: the `agentscope` CLI's directory first.
+    pub fn executor_path(&self) -> std::ffi::OsString {
+        let cli_dir = if self.config.cli_dir.is_empty() {
+            std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(|p| p.to_path_buf()))
+                .unwrap_or_default()
+        } else {
+            PathBuf::from(&self.config.cli_dir)
+        };
+        let rest = std::env::var_os("PATH").unwrap_or_default();
+        std::env::join_paths(std::iter::once(cli_dir).chain(std::env::split_paths(&rest)))
+            .unwrap_or(rest)
+    }
+
     pub fn lease_ttl_ms(&self) -> u64 {
         self.lease_ttl_ms.load(Ordering::Relaxed)
     }

@@ -218,12 +218,15 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
             }
         };
         created_keys.push(key.clone());
+        let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
         sqlx::query(
-            "UPDATE attempts SET status = 'claimed', host_id = $2, lease_token = $3, claimed_at = clock_timestamp() WHERE id = $1 AND status = 'queued'",
+            "UPDATE attempts SET status = 'claimed', host_id = $2, lease_token = $3, claimed_at = clock_timestamp(),
+                task_token_hash = $4 WHERE id = $1 AND status = 'queued'",
         )
         .bind(c.id)
         .bind(host_id)
         .bind(revision as i64)
+        .bind(agentscope_domain::hash_token(&task_token))
         .execute(&mut *tx)
         .await?;
         assignments.push(AttemptAssignment {
@@ -236,6 +239,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
             lease_revision: revision,
             spec: Some(spec_from_json(&c.spec)),
             traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
+            task_token,
         });
     }
     if let Err(e) = tx.commit().await {
@@ -291,6 +295,13 @@ async fn reoffer(
             continue;
         }
         tracing::warn!(attempt_id = %id, %host_id, "claim reply was lost; offering the attempt again");
+        // Only its hash is stored, so the re-offer carries a fresh credential.
+        let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
+        sqlx::query("UPDATE attempts SET task_token_hash = $2 WHERE id = $1")
+            .bind(id)
+            .bind(agentscope_domain::hash_token(&task_token))
+            .execute(&mut **tx)
+            .await?;
         let spec: serde_json::Value = r.try_get("spec")?;
         out.push(AttemptAssignment {
             attempt_id: id.to_string(),
@@ -302,6 +313,7 @@ async fn reoffer(
             lease_revision: entry.revision,
             spec: Some(spec_from_json(&spec)),
             traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
+            task_token,
         });
     }
     Ok(out)

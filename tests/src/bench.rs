@@ -44,6 +44,7 @@ async fn main() -> Result<()> {
             lease_ttl_ms: 15_000,
             sweep_interval_ms: 1_000,
             heartbeat_ttl_ms: 10_000,
+            ..Default::default()
         },
     )
     .await?;

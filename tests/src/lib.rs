@@ -70,6 +70,8 @@ pub struct StackOptions {
     pub lease_ttl_ms: u64,
     pub sweep_interval_ms: u64,
     pub heartbeat_ttl_ms: u64,
+    /// Extra AGENTSCOPE_* settings for the gateway.
+    pub gateway_env: Vec<(String, String)>,
 }
 
 impl Default for StackOptions {
@@ -78,6 +80,7 @@ impl Default for StackOptions {
             lease_ttl_ms: 3_000,
             sweep_interval_ms: 250,
             heartbeat_ttl_ms: 3_000,
+            gateway_env: vec![],
         }
     }
 }
@@ -128,6 +131,7 @@ impl Stack {
             "AGENTSCOPE_HOST_OFFLINE_AFTER_MS".into(),
             opts.heartbeat_ttl_ms.to_string(),
         ));
+        env.extend(opts.gateway_env.iter().cloned());
         // Start the scheduler first: it runs the migrations the gateway also checks.
         let mut senv = common_env(&nats, &db);
         senv.push((
@@ -242,6 +246,7 @@ impl Stack {
             ("AGENTSCOPE_NAME".into(), name.into()),
             ("AGENTSCOPE_POLL_INTERVAL_MS".into(), "500".into()),
             ("AGENTSCOPE_KILL_GRACE_MS".into(), "2000".into()),
+            ("AGENTSCOPE_API_URL".into(), self.api.base.clone()),
             (
                 "RUST_LOG".into(),
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),

@@ -27,7 +27,10 @@ async fn raw(
         }
         req = req.body(b);
     }
-    let res = req.send().await.unwrap_or_else(|e| panic!("{method} {path}: {e:?}"));
+    let res = req
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{method} {path}: {e:?}"));
     let st = res.status().as_u16();
     let text = res.text().await.unwrap();
     (

@@ -5,6 +5,7 @@ mod bad_input;
 mod cancel;
 mod compose;
 mod e2e;
+mod executor;
 mod failover;
 mod limits;
 mod restart;

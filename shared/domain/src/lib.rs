@@ -244,6 +244,8 @@ pub enum TokenKind {
     Api,
     /// Host registration token: `agh_...`.
     Host,
+    /// Task-scoped executor credential: `agt_...`.
+    Task,
 }
 
 impl TokenKind {
@@ -251,12 +253,14 @@ impl TokenKind {
         match self {
             Self::Api => "ags_",
             Self::Host => "agh_",
+            Self::Task => "agt_",
         }
     }
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Api => "api",
             Self::Host => "host",
+            Self::Task => "task",
         }
     }
 }

@@ -1,8 +1,10 @@
 //! The `/v1` API. One table lists every route; the router and the OpenAPI document are both
 //! built from it, so the document always matches what is served.
 
+pub mod artifacts;
 pub mod events;
 pub mod resources;
+pub mod task_api;
 pub mod work;
 
 use crate::AppState;
@@ -13,7 +15,8 @@ pub struct Route {
     pub method: &'static str,
     pub path: &'static str,
     pub summary: &'static str,
-    /// "bearer" (workspace API token), "admin" (deployment admin token) or "none".
+    /// "bearer" (workspace API token), "task" (task-scoped executor credential), "admin"
+    /// (deployment admin token) or "none".
     pub auth: &'static str,
     /// Success status.
     pub status: u16,
@@ -43,10 +46,11 @@ macro_rules! route {
     };
 }
 
-pub fn routes() -> Vec<Route> {
+pub fn routes(config: &crate::Config) -> Vec<Route> {
     use events::*;
     use resources::*;
     use work::*;
+    let upload_limit = axum::extract::DefaultBodyLimit::max(config.max_artifact_bytes);
     vec![
         route!(POST "/v1/workspaces", create_workspace, "admin", 201, "Create a workspace and its first API token"),
         route!(GET "/v1/workspace", get_workspace, "bearer", "The caller's workspace"),
@@ -77,6 +81,20 @@ pub fn routes() -> Vec<Route> {
         route!(GET "/v1/tasks/{id}/events", task_events, "bearer", "A task's events across attempts (JSON, or SSE with follow)"),
         route!(GET "/v1/attempts/{id}", get_attempt, "bearer", "Show an attempt"),
         route!(GET "/v1/attempts/{id}/events", attempt_events, "bearer", "An attempt's events (JSON, or SSE with follow)"),
+        route!(GET "/v1/issues/{id}/artifacts", artifacts::list_for_issue, "bearer", "List an issue's Artifacts"),
+        route!(GET "/v1/tasks/{id}/artifacts", artifacts::list_for_task, "bearer", "List a task's Artifacts"),
+        route!(GET "/v1/artifacts/{id}", artifacts::get, "bearer", "Show an Artifact's metadata"),
+        route!(GET "/v1/artifacts/{id}/content", artifacts::content, "bearer", "Download an Artifact"),
+        route!(GET "/v1/task", task_api::context, "task", "Executor: the task, its Issue, comments, input and Artifacts"),
+        route!(POST "/v1/task/comments", task_api::comment, "task", 201, "Executor: comment on the task's Issue"),
+        Route {
+            method: "post",
+            path: "/v1/task/artifacts",
+            summary: "Executor: upload an Artifact (raw body, ?name=FILE, Content-Type kept)",
+            auth: "task",
+            status: 201,
+            handler: post(artifacts::upload).layer(upload_limit),
+        },
     ]
 }
 
@@ -99,12 +117,16 @@ pub fn openapi(routes: &[Route]) -> Value {
         if r.path.ends_with("/events") {
             op["responses"][r.status.to_string()]["content"]["text/event-stream"] = json!({});
         }
-        if r.method == "post" {
+        if r.path == "/v1/task/artifacts" {
+            op["parameters"] = json!([{"name": "name", "in": "query", "required": true, "schema": {"type": "string"}}]);
+            op["requestBody"] = json!({"required": true, "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}});
+        } else if r.method == "post" {
             op["requestBody"] = json!({"required": !r.path.ends_with("/cancel"), "content": {"application/json": {"schema": {"type": "object"}}}});
         }
         op["security"] = match r.auth {
             "none" => json!([]),
             "admin" => json!([{"admin": []}]),
+            "task" => json!([{"task": []}]),
             _ => json!([{"bearer": []}]),
         };
         entry[r.method] = op;
@@ -117,6 +139,7 @@ pub fn openapi(routes: &[Route]) -> Value {
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "workspace API token (ags_...)"},
                 "admin": {"type": "http", "scheme": "bearer", "description": "the deployment's admin token"},
+                "task": {"type": "http", "scheme": "bearer", "description": "task-scoped executor credential (agt_...), valid while its attempt runs"},
             },
             "responses": {
                 "Error": {

@@ -16,6 +16,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 use uuid::Uuid;
 
+#[path = "agentscope/executor.rs"]
+mod executor;
+
 #[derive(Parser)]
 #[command(
     name = "agentscope",
@@ -102,6 +105,30 @@ enum Command {
     },
     /// Check the gateway's readiness (GET /readyz); exits 1 when not ready.
     Health,
+    /// Executor commands, with the task-scoped credential in AGENTSCOPE_TASK_TOKEN.
+    Task {
+        #[command(subcommand)]
+        cmd: TaskCmd,
+    },
+    /// Serve the executor commands as an MCP server over stdio (AGENTSCOPE_TASK_TOKEN).
+    Mcp,
+}
+
+#[derive(Subcommand)]
+enum TaskCmd {
+    /// The task, its Issue, comments, input material and Artifacts.
+    Show,
+    /// Comment on the task's Issue.
+    Comment { body: String },
+    /// Upload a file of the task directory as an Artifact.
+    Upload {
+        file: String,
+        /// Artifact name (default: the file's name).
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        content_type: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -701,6 +728,7 @@ fn print_event(ev: &Value, json: bool) {
 // Commands
 
 async fn run(cli: Cli) -> Result<ExitCode> {
+    let cli_api = cli.api.clone();
     let api = Api::new(&cli.api, cli.token)?;
     let json = cli.json;
     match cli.command {
@@ -781,6 +809,32 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             cmd: RuntimeCmd::Logs { follow, id },
         } => logs(&api, &id, follow, json).await?,
         Command::Health => return health(&api, json).await,
+        Command::Task { cmd } => {
+            let task = executor::TaskApi::from_env(&cli_api)?;
+            let v = match cmd {
+                TaskCmd::Show => task.context().await?,
+                TaskCmd::Comment { body } => task.comment(&body).await?,
+                TaskCmd::Upload {
+                    file,
+                    name,
+                    content_type,
+                } => {
+                    let path = executor::local_file(&file)?;
+                    let name = name.unwrap_or_else(|| {
+                        path.file_name()
+                            .map(|n| n.to_string_lossy().into_owned())
+                            .unwrap_or_else(|| file.clone())
+                    });
+                    let ct = content_type
+                        .unwrap_or_else(|| executor::guess_content_type(&name).to_string());
+                    let bytes =
+                        std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
+                    task.upload(&name, &ct, bytes).await?
+                }
+            };
+            print_json(&v);
+        }
+        Command::Mcp => executor::serve_mcp(executor::TaskApi::from_env(&cli_api)?).await?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,201 @@
+//! Artifacts: deliverables uploaded by executors (through their task credential) and read by
+//! people. Content is stored in PostgreSQL with its metadata: one transaction, one backup, and
+//! size-limited (`max_artifact_bytes`). Files left in a task directory are not Artifacts.
+
+use crate::AppState;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Auth, Id, TaskAuth};
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sha2::Digest;
+use uuid::Uuid;
+
+/// A plain file name: no directories, no `..`, no control characters.
+pub(crate) fn check_artifact_name(name: &str) -> ApiResult<()> {
+    let bad = name.is_empty()
+        || name.len() > 255
+        || name == "."
+        || name == ".."
+        || name.contains(['/', '\\'])
+        || name.chars().any(|c| c.is_control());
+    if bad {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "artifact `name` must be a plain file name (no path separators or `..`, at most 255 bytes)",
+        ));
+    }
+    Ok(())
+}
+
+fn check_content_type(ct: &str) -> ApiResult<()> {
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    let ok = essence.len() <= 127
+        && essence.split_once('/').is_some_and(|(t, s)| {
+            let part = |p: &str| {
+                !p.is_empty()
+                    && p.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "!#$&-^_.+".contains(c))
+            };
+            part(t) && part(s)
+        });
+    if !ok {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "Content-Type must be a media type such as text/plain",
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UploadQuery {
+    name: String,
+}
+
+/// `POST /v1/task/artifacts?name=FILE`: the raw body is the content; its Content-Type is kept.
+pub async fn upload(
+    State(s): State<AppState>,
+    task: TaskAuth,
+    q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let Query(q) = q?;
+    check_artifact_name(&q.name)?;
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!(
+                    "artifacts are limited to {} bytes",
+                    s.config.max_artifact_bytes
+                ),
+            )
+        } else {
+            ApiError::bad_request("bad_request", e.body_text())
+        }
+    })?;
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/octet-stream")
+        .to_string();
+    check_content_type(&content_type)?;
+    let id = Uuid::now_v7();
+    let sha = hex::encode(sha2::Sha256::digest(&body));
+    let author = format!("agent:{}", task.agent_id);
+    sqlx::query(
+        "INSERT INTO artifacts (id, workspace_id, issue_id, task_id, attempt_id, name, content_type, size_bytes, sha256, content, author)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+    )
+    .bind(id)
+    .bind(task.workspace_id)
+    .bind(task.issue_id)
+    .bind(task.task_id)
+    .bind(task.attempt_id)
+    .bind(&q.name)
+    .bind(&content_type)
+    .bind(body.len() as i64)
+    .bind(&sha)
+    .bind(body.as_ref())
+    .bind(&author)
+    .execute(&s.db)
+    .await?;
+    s.metrics.inc("agentscope_artifacts_uploaded_total", &[]);
+    tracing::info!(artifact_id = %id, task_id = %task.task_id, attempt_id = %task.attempt_id, size = body.len(), "artifact uploaded");
+    Ok((
+        StatusCode::CREATED,
+        Json(
+            json!({"id": id, "name": q.name, "content_type": content_type, "size_bytes": body.len(), "sha256": sha,
+                    "issue_id": task.issue_id, "task_id": task.task_id, "attempt_id": task.attempt_id}),
+        ),
+    ))
+}
+
+const META: &str = "json_build_object('id', id, 'name', name, 'content_type', content_type, 'size_bytes', size_bytes,
+    'sha256', sha256, 'issue_id', issue_id, 'task_id', task_id, 'attempt_id', attempt_id, 'author', author,
+    'created_at', created_at)";
+
+pub async fn list_for_issue(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(issue): Id,
+) -> ApiResult<Json<Value>> {
+    let owned: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
+            .bind(issue)
+            .bind(auth.workspace_id)
+            .fetch_optional(&s.db)
+            .await?;
+    owned.ok_or_else(|| ApiError::not_found("issue"))?;
+    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+        "SELECT {META} FROM artifacts WHERE issue_id = $1 ORDER BY created_at, id"
+    ))
+    .bind(issue)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
+}
+
+pub async fn list_for_task(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(task): Id,
+) -> ApiResult<Json<Value>> {
+    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+        "SELECT {META} FROM artifacts WHERE task_id = $1 AND workspace_id = $2 ORDER BY created_at, id"
+    ))
+    .bind(task)
+    .bind(auth.workspace_id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
+}
+
+pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    let row: Option<(Value,)> = sqlx::query_as(&format!(
+        "SELECT {META} FROM artifacts WHERE id = $1 AND workspace_id = $2"
+    ))
+    .bind(id)
+    .bind(auth.workspace_id)
+    .fetch_optional(&s.db)
+    .await?;
+    row.map(|r| Json(r.0))
+        .ok_or_else(|| ApiError::not_found("artifact"))
+}
+
+pub async fn content(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Response> {
+    let row: Option<(String, String, Vec<u8>)> = sqlx::query_as(
+        "SELECT name, content_type, content FROM artifacts WHERE id = $1 AND workspace_id = $2",
+    )
+    .bind(id)
+    .bind(auth.workspace_id)
+    .fetch_optional(&s.db)
+    .await?;
+    let (name, ct, bytes) = row.ok_or_else(|| ApiError::not_found("artifact"))?;
+    // The name was checked at upload; quote it and drop quotes/backslashes all the same.
+    let safe: String = name.chars().filter(|c| *c != '"' && *c != '\\').collect();
+    Ok((
+        [
+            (header::CONTENT_TYPE, ct),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{safe}\""),
+            ),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_string()),
+        ],
+        bytes,
+    )
+        .into_response())
+}

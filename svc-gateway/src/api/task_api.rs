@@ -1,0 +1,99 @@
+//! The executor's API (`/v1/task/...`), reached with a task-scoped credential: read the work
+//! (the task, its Issue, comments, input material, Artifacts), post a comment, upload an
+//! Artifact. Nothing else accepts that credential.
+
+use crate::AppState;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Body, TaskAuth};
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sqlx::Row;
+use uuid::Uuid;
+
+pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Json<Value>> {
+    let row = sqlx::query(
+        "SELECT t.repository, t.branch, t.input, a.number, i.title, i.body
+         FROM tasks t JOIN attempts a ON a.id = $2 LEFT JOIN issues i ON i.id = t.issue_id
+         WHERE t.id = $1",
+    )
+    .bind(task.task_id)
+    .bind(task.attempt_id)
+    .fetch_one(&s.db)
+    .await?;
+    let comments: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', id, 'author', author, 'body', body, 'created_at', created_at)
+         FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+    )
+    .bind(task.issue_id)
+    .fetch_all(&s.db)
+    .await?;
+    let artifacts: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', id, 'name', name, 'content_type', content_type, 'size_bytes', size_bytes, 'task_id', task_id)
+         FROM artifacts WHERE workspace_id = $1 AND (issue_id = $2 OR task_id = $3) ORDER BY created_at, id",
+    )
+    .bind(task.workspace_id)
+    .bind(task.issue_id)
+    .bind(task.task_id)
+    .fetch_all(&s.db)
+    .await?;
+    let issue = match task.issue_id {
+        Some(id) => {
+            json!({"id": id, "title": row.try_get::<Option<String>, _>("title")?, "body": row.try_get::<Option<String>, _>("body")?})
+        }
+        None => Value::Null,
+    };
+    Ok(Json(json!({
+        "task_id": task.task_id,
+        "attempt_id": task.attempt_id,
+        "attempt_number": row.try_get::<i32, _>("number")?,
+        "repository": row.try_get::<Option<String>, _>("repository")?,
+        "branch": row.try_get::<Option<String>, _>("branch")?,
+        "input": row.try_get::<String, _>("input")?,
+        "issue": issue,
+        "comments": comments.into_iter().map(|r| r.0).collect::<Vec<_>>(),
+        "artifacts": artifacts.into_iter().map(|r| r.0).collect::<Vec<_>>(),
+    })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewComment {
+    body: String,
+}
+
+pub async fn comment(
+    State(s): State<AppState>,
+    task: TaskAuth,
+    Body(b): Body<NewComment>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    if b.body.trim().is_empty() || b.body.len() > 64 * 1024 {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`body` must be 1 byte to 64 KiB",
+        ));
+    }
+    let Some(issue) = task.issue_id else {
+        return Err(ApiError::conflict(
+            "no_issue",
+            "this task has no Issue to comment on",
+        ));
+    };
+    let id = Uuid::now_v7();
+    let author = format!("agent:{}", task.agent_id);
+    sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
+        .bind(id)
+        .bind(task.workspace_id)
+        .bind(issue)
+        .bind(&author)
+        .bind(&b.body)
+        .execute(&s.db)
+        .await?;
+    tracing::info!(comment_id = %id, task_id = %task.task_id, attempt_id = %task.attempt_id, "executor commented");
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "issue_id": issue, "author": author, "body": b.body})),
+    ))
+}
