@@ -55,6 +55,10 @@ impl EventSink {
         if self.lease_lost.is_cancelled() {
             return false;
         }
+        if let Body::SessionStarted(s) = &body {
+            // Kept in the journal for recovery (resume needs it).
+            self.entry.provider_session_id = s.provider_session_id.clone();
+        }
         let seq = self.entry.last_seq + 1;
         let ev = ExecutionEvent {
             attempt_id: self.entry.attempt_id.clone(),
@@ -278,13 +282,51 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
             "the host shut down before the provider started",
         );
     }
-    let launch = match adapter.launch(&spec, &dir) {
+    let launch_ctx = provider::LaunchCtx {
+        spec: &spec,
+        dir: &dir,
+        attempt_id: &a.attempt_id,
+        api_url: &ctx.config.api_url,
+        task_token: &a.task_token,
+        cli: ctx.cli_path(),
+    };
+    let launch = match adapter.launch(&launch_ctx) {
         Ok(l) => l,
         Err(r) => return failed(r.class, r.detail),
     };
+    for (rel, content) in &launch.files {
+        let path = dir.root.join(rel);
+        if !path.starts_with(&dir.root)
+            || rel
+                .components()
+                .any(|c| c == std::path::Component::ParentDir)
+        {
+            return failed(
+                FailureClass::Internal,
+                format!("adapter file {} escapes the task directory", rel.display()),
+            );
+        }
+        if let Some(parent) = path.parent() {
+            if let Err(e) = tokio::fs::create_dir_all(parent).await {
+                return failed(
+                    FailureClass::TaskDir,
+                    format!("create {}: {e}", parent.display()),
+                );
+            }
+        }
+        if let Err(e) = tokio::fs::write(&path, content).await {
+            return failed(
+                FailureClass::TaskDir,
+                format!("write {}: {e}", path.display()),
+            );
+        }
+    }
     let mut cmd = tokio::process::Command::new(&launch.argv[0]);
     cmd.args(&launch.argv[1..])
         .current_dir(&launch.cwd)
+        // Nothing of the host's own environment (its token, its credentials) leaks through.
+        .env_clear()
+        .envs(launch.env.iter().map(|(k, v)| (k, v)))
         .env("AGENTSCOPE_TASK_ID", &a.task_id)
         .env("AGENTSCOPE_ATTEMPT_ID", &a.attempt_id)
         .env("AGENTSCOPE_WORKSPACE_ID", &a.workspace_id)
@@ -293,8 +335,11 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
         .env("AGENTSCOPE_API", &ctx.config.api_url)
         .env("AGENTSCOPE_TASK_TOKEN", &a.task_token)
         .env("PATH", ctx.executor_path())
-        .envs(launch.env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
+        .stdin(if launch.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
@@ -315,6 +360,14 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
         }
     };
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
+    if let (Some(text), Some(mut stdin)) = (launch.stdin.clone(), child.stdin.take()) {
+        tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            let _ = stdin.write_all(text.as_bytes()).await;
+            let _ = stdin.shutdown().await;
+        });
+    }
+    let mut parser = adapter.parser();
     sink.lifecycle(
         AttemptState::Running,
         None,
@@ -325,10 +378,10 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
 
     // Both output streams feed one channel so events keep their arrival order.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(&'static str, String, bool)>(256);
-    let max = ctx.config.max_line_bytes;
-    for (name, pipe) in [
+    for (name, max, pipe) in [
         (
             "stdout",
+            adapter.max_line_bytes(),
             child
                 .stdout
                 .take()
@@ -336,6 +389,7 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
         ),
         (
             "stderr",
+            ctx.config.max_line_bytes,
             child
                 .stderr
                 .take()
@@ -390,16 +444,24 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
                 stop = Some(failed(FailureClass::Timeout, format!("timed out after {} s ({} processes left)", timeout.as_secs(), left.len())));
             }
             line = rx.recv(), if output_open => match line {
-                Some((stream, text, truncated)) => {
-                    for body in adapter.parse_line(stream, text, truncated) {
+                Some(("stdout", text, truncated)) => {
+                    for body in parser.line(&text, truncated) {
                         sink.emit(body).await;
                     }
+                }
+                Some((stream, text, truncated)) => {
+                    sink.emit(Body::Output(agentscope_schemas::v1::Output { stream: stream.into(), text, truncated })).await;
                 }
                 None => output_open = false,
             },
             st = child.wait(), if !output_open || stop.is_some() => break st,
         }
     };
+    if !stops.lease_lost.is_cancelled() {
+        for body in parser.finish() {
+            sink.emit(body).await;
+        }
+    }
     if let Some(outcome) = stop {
         return outcome;
     }
@@ -448,6 +510,13 @@ async fn prepare(
             .map_err(|e| format!("clear {}: {e}", root.display()))?;
     }
     let input_dir = root.join("input");
+    let home = root.join("home");
+    let tmp = root.join("tmp");
+    for d in [&home, &tmp] {
+        tokio::fs::create_dir_all(d)
+            .await
+            .map_err(|e| format!("create {}: {e}", d.display()))?;
+    }
     tokio::fs::create_dir_all(&input_dir)
         .await
         .map_err(|e| format!("create {}: {e}", input_dir.display()))?;
@@ -485,6 +554,8 @@ async fn prepare(
         root,
         repo,
         input_dir,
+        home,
+        tmp,
     })
 }
 

@@ -65,16 +65,25 @@ impl Ctx {
             .find(|a| a.name() == name)
             .map(|a| a.as_ref())
     }
-    /// PATH for executors: the `agentscope` CLI's directory first.
-    pub fn executor_path(&self) -> std::ffi::OsString {
-        let cli_dir = if self.config.cli_dir.is_empty() {
+    fn cli_dir(&self) -> PathBuf {
+        if self.config.cli_dir.is_empty() {
             std::env::current_exe()
                 .ok()
                 .and_then(|e| e.parent().map(|p| p.to_path_buf()))
                 .unwrap_or_default()
         } else {
             PathBuf::from(&self.config.cli_dir)
-        };
+        }
+    }
+
+    /// The `agentscope` CLI executors use (and whose `mcp` subcommand serves MCP).
+    pub fn cli_path(&self) -> PathBuf {
+        self.cli_dir().join("agentscope")
+    }
+
+    /// PATH for executors: the `agentscope` CLI's directory first.
+    pub fn executor_path(&self) -> std::ffi::OsString {
+        let cli_dir = self.cli_dir();
         let rest = std::env::var_os("PATH").unwrap_or_default();
         std::env::join_paths(std::iter::once(cli_dir).chain(std::env::split_paths(&rest)))
             .unwrap_or(rest)

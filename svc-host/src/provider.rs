@@ -2,6 +2,7 @@
 //! Architecture invariant: only svc-host spawns provider processes, always in their own process
 //! group, so that cancellation reaches the whole tree.
 
+use crate::providers::StreamParser;
 use agentscope_domain::FailureClass;
 use agentscope_schemas::v1::{Output, ProviderDescriptor, TaskSpec, execution_event::Body};
 use std::path::{Path, PathBuf};
@@ -9,11 +10,18 @@ use std::time::Duration;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
 /// How to start a provider process.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Launch {
     pub argv: Vec<String>,
     pub cwd: PathBuf,
+    /// The provider's whole environment besides the platform's own variables: the host's
+    /// environment is not inherited (it holds the host token).
     pub env: Vec<(String, String)>,
+    /// Files to write before starting (config, translated instructions), relative to the task
+    /// directory's root or absolute inside it.
+    pub files: Vec<(PathBuf, String)>,
+    /// Written to the provider's stdin, which is then closed; None: stdin is /dev/null.
+    pub stdin: Option<String>,
 }
 
 /// A failure found before anything ran, with its class and the offending field.
@@ -23,15 +31,40 @@ pub struct Refusal {
     pub detail: String,
 }
 
-/// The interface every provider adapter implements (command now; real agent CLIs next).
+impl Refusal {
+    pub fn bad_parameter(detail: impl Into<String>) -> Self {
+        Refusal {
+            class: FailureClass::BadParameters,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// What an adapter needs to know to start its provider for one Attempt.
+pub struct LaunchCtx<'a> {
+    pub spec: &'a TaskSpec,
+    pub dir: &'a TaskDir,
+    pub attempt_id: &'a str,
+    /// The API and credential executors use for the platform's tools.
+    pub api_url: &'a str,
+    pub task_token: &'a str,
+    /// The `agentscope` CLI (its `mcp` subcommand is the platform's MCP server).
+    pub cli: PathBuf,
+}
+
+/// The interface every provider adapter implements.
 pub trait Adapter: Send + Sync {
     fn name(&self) -> &'static str;
     /// Discovery: installed, version, logged in, streaming and resume support.
     fn discover(&self) -> ProviderDescriptor;
-    /// Turns the task spec into a command line in the prepared task directory.
-    fn launch(&self, spec: &TaskSpec, dir: &TaskDir) -> Result<Launch, Refusal>;
-    /// Converts one line of provider output into events. Never panics, whatever the input.
-    fn parse_line(&self, stream: &'static str, line: String, truncated: bool) -> Vec<Body>;
+    /// Turns the task spec into a command line, environment and files in the task directory.
+    fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal>;
+    /// A fresh parser of this provider's stdout for one run.
+    fn parser(&self) -> Box<dyn StreamParser>;
+    /// Longest stdout line read as one unit (agent CLIs put whole tool results on one line).
+    fn max_line_bytes(&self) -> usize {
+        4 * 1024 * 1024
+    }
 }
 
 /// The prepared directory of one Attempt.
@@ -41,6 +74,9 @@ pub struct TaskDir {
     /// The cloned repository, when the task names one.
     pub repo: Option<PathBuf>,
     pub input_dir: PathBuf,
+    /// Per-task HOME and TMPDIR: tasks never share provider state.
+    pub home: PathBuf,
+    pub tmp: PathBuf,
 }
 
 impl TaskDir {
@@ -49,9 +85,85 @@ impl TaskDir {
     }
 }
 
+/// Environment every provider gets: a PATH, a locale, its own HOME and TMPDIR.
+pub fn base_env(dir: &TaskDir) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("HOME".to_string(), dir.home.to_string_lossy().into_owned()),
+        ("TMPDIR".to_string(), dir.tmp.to_string_lossy().into_owned()),
+        ("LANG".to_string(), "C.UTF-8".to_string()),
+    ];
+    for k in ["TERM", "TZ"] {
+        if let Ok(v) = std::env::var(k) {
+            env.push((k.to_string(), v));
+        }
+    }
+    env
+}
+
+/// Copies the named variables from the host's environment when set.
+pub fn pass_through(env: &mut Vec<(String, String)>, names: &[&str]) {
+    for n in names {
+        if let Ok(v) = std::env::var(n) {
+            env.push((n.to_string(), v));
+        }
+    }
+}
+
+/// `binary --version`'s first line, or why it could not run.
+pub fn probe_version(bin: &Path) -> Result<String, String> {
+    match std::process::Command::new(bin)
+        .arg("--version")
+        .stdin(std::process::Stdio::null())
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+        .env("DISABLE_AUTOUPDATER", "1")
+        .output()
+    {
+        Ok(out) if out.status.success() => Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string()),
+        Ok(out) => Err(format!(
+            "`{} --version` failed: {}",
+            bin.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) => Err(format!("`{}` cannot run: {e}", bin.display())),
+    }
+}
+
+/// A binary named by `env_var`, else found on PATH under `name`.
+pub fn locate(env_var: &str, name: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
 /// Runs a configured command line in the task directory; each output line is an event and the
 /// exit status decides success.
 pub struct CommandProvider;
+
+struct CommandParser;
+
+impl StreamParser for CommandParser {
+    fn line(&mut self, line: &str, truncated: bool) -> Vec<Body> {
+        vec![Body::Output(Output {
+            stream: "stdout".into(),
+            text: line.to_string(),
+            truncated,
+        })]
+    }
+    fn finish(&mut self) -> Vec<Body> {
+        vec![]
+    }
+    fn session_id(&self) -> Option<&str> {
+        None
+    }
+}
 
 impl Adapter for CommandProvider {
     fn name(&self) -> &'static str {
@@ -70,38 +182,36 @@ impl Adapter for CommandProvider {
         }
     }
 
-    fn launch(&self, spec: &TaskSpec, dir: &TaskDir) -> Result<Launch, Refusal> {
+    fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal> {
+        let spec = ctx.spec;
         if let Some(unknown) = spec
             .params
             .keys()
             .find(|k| !["timeout_secs"].contains(&k.as_str()))
         {
-            return Err(Refusal {
-                class: FailureClass::BadParameters,
-                detail: format!("unknown parameter `{unknown}` for provider command"),
-            });
+            return Err(Refusal::bad_parameter(format!(
+                "unknown parameter `{unknown}` for provider command"
+            )));
         }
         if spec.command.is_empty() || spec.command[0].is_empty() {
-            return Err(Refusal {
-                class: FailureClass::BadParameters,
-                detail:
-                    "`command` is empty: set params.command to an argv array on the runtime profile"
-                        .into(),
-            });
+            return Err(Refusal::bad_parameter(
+                "`command` is empty: set params.command to an argv array on the runtime profile",
+            ));
         }
         Ok(Launch {
             argv: spec.command.clone(),
-            cwd: dir.workdir().to_path_buf(),
-            env: vec![],
+            cwd: ctx.dir.workdir().to_path_buf(),
+            env: base_env(ctx.dir),
+            ..Default::default()
         })
     }
 
-    fn parse_line(&self, stream: &'static str, line: String, truncated: bool) -> Vec<Body> {
-        vec![Body::Output(Output {
-            stream: stream.into(),
-            text: line,
-            truncated,
-        })]
+    fn parser(&self) -> Box<dyn StreamParser> {
+        Box::new(CommandParser)
+    }
+
+    fn max_line_bytes(&self) -> usize {
+        64 * 1024
     }
 }
 
@@ -238,13 +348,23 @@ mod tests {
             root: "/tmp".into(),
             repo: None,
             input_dir: "/tmp".into(),
+            home: "/tmp".into(),
+            tmp: "/tmp".into(),
         };
         let mut spec = TaskSpec {
             command: vec!["true".into()],
             ..Default::default()
         };
         spec.params.insert("colour".into(), "blue".into());
-        let err = CommandProvider.launch(&spec, &dir).unwrap_err();
+        let ctx = LaunchCtx {
+            spec: &spec,
+            dir: &dir,
+            attempt_id: "a",
+            api_url: "http://x",
+            task_token: "agt_x",
+            cli: "/bin/agentscope".into(),
+        };
+        let err = CommandProvider.launch(&ctx).unwrap_err();
         assert_eq!(err.class, FailureClass::BadParameters);
         assert!(err.detail.contains("colour"));
     }
