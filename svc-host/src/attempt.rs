@@ -306,13 +306,13 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
                 format!("adapter file {} escapes the task directory", rel.display()),
             );
         }
-        if let Some(parent) = path.parent() {
-            if let Err(e) = tokio::fs::create_dir_all(parent).await {
-                return failed(
-                    FailureClass::TaskDir,
-                    format!("create {}: {e}", parent.display()),
-                );
-            }
+        if let Some(parent) = path.parent()
+            && let Err(e) = tokio::fs::create_dir_all(parent).await
+        {
+            return failed(
+                FailureClass::TaskDir,
+                format!("create {}: {e}", parent.display()),
+            );
         }
         if let Err(e) = tokio::fs::write(&path, content).await {
             return failed(
@@ -368,6 +368,30 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
         });
     }
     let mut parser = adapter.parser();
+    if let Some(d) = ctx.descriptor(adapter.name()) {
+        if !d.live_stream {
+            sink.diag(
+                "info",
+                "no_live_stream",
+                format!(
+                    "{} has no live event stream: its events arrive when the run ends",
+                    d.name
+                ),
+            )
+            .await;
+        }
+        if !d.resume {
+            sink.diag(
+                "info",
+                "no_resume",
+                format!(
+                    "{} has no session resume: a retry starts a fresh session",
+                    d.name
+                ),
+            )
+            .await;
+        }
+    }
     sink.lifecycle(
         AttemptState::Running,
         None,

@@ -28,6 +28,8 @@ pub struct Config {
     /// The API executors reach with their task credential (the gateway's address as seen from
     /// this host).
     pub api_url: String,
+    /// Comma-separated providers this host offers (each is discovered at start-up).
+    pub providers: String,
     /// Directory holding the `agentscope` CLI executors use; default: next to svc-host.
     #[serde(default)]
     pub cli_dir: String,
@@ -48,6 +50,7 @@ impl Config {
             .set_default("kill_grace_ms", 5_000)?
             .set_default("max_line_bytes", 64 * 1024)?
             .set_default("api_url", "http://127.0.0.1:8080")?
+            .set_default("providers", "command,claude-code,codex,opencode,openclaw")?
             .set_default("log_format", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
@@ -76,10 +79,27 @@ impl Config {
         if self.poll_interval_ms == 0 {
             return bad("poll_interval_ms must be positive");
         }
+        for p in self.provider_list() {
+            if !agentscope_domain::KNOWN_PROVIDERS.contains(&p.as_str()) {
+                return Err(config::ConfigError::Message(format!(
+                    "providers: unknown provider `{p}` (known: {})",
+                    agentscope_domain::KNOWN_PROVIDERS.join(", ")
+                )));
+            }
+        }
         if self.max_line_bytes < 1024 {
             return bad("max_line_bytes must be at least 1024");
         }
         Ok(())
+    }
+
+    pub fn provider_list(&self) -> Vec<String> {
+        self.providers
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect()
     }
 
     pub fn capability_list(&self) -> Vec<String> {

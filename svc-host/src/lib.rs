@@ -2,6 +2,7 @@
 //! checks, claims work under KV leases, runs providers in fresh task directories and reports
 //! their events. Architecture invariant: the host talks only to NATS, never to Postgres.
 
+pub mod agents;
 pub mod attempt;
 mod config;
 pub mod journal;
@@ -79,6 +80,17 @@ impl Ctx {
     /// The `agentscope` CLI executors use (and whose `mcp` subcommand serves MCP).
     pub fn cli_path(&self) -> PathBuf {
         self.cli_dir().join("agentscope")
+    }
+
+    /// What discovery found out about a provider.
+    pub fn descriptor(&self, name: &str) -> Option<ProviderDescriptor> {
+        self.state
+            .lock()
+            .expect("host state")
+            .providers
+            .iter()
+            .find(|p| p.name == name)
+            .cloned()
     }
 
     /// PATH for executors: the `agentscope` CLI's directory first.
@@ -175,7 +187,20 @@ impl App {
         let nats = agentscope_bus::connect(&config.nats_url, "svc-host").await?;
         let js = jetstream::new(nats.clone());
         let leases = Topology::open_bucket(&js, agentscope_bus::BUCKET_LEASES).await?;
-        let adapters: Vec<Box<dyn Adapter>> = vec![Box::new(provider::CommandProvider)];
+        let adapters: Vec<Box<dyn Adapter>> = config
+            .provider_list()
+            .iter()
+            .filter_map(|p| -> Option<Box<dyn Adapter>> {
+                match p.as_str() {
+                    "command" => Some(Box::new(provider::CommandProvider)),
+                    "claude-code" => Some(Box::new(agents::ClaudeCode)),
+                    "codex" => Some(Box::new(agents::Codex)),
+                    "opencode" => Some(Box::new(agents::Opencode)),
+                    "openclaw" => Some(Box::new(agents::Openclaw)),
+                    _ => None,
+                }
+            })
+            .collect();
         let ctx = Ctx {
             host_id,
             config: Arc::new(config),
@@ -188,7 +213,7 @@ impl App {
             lease_ttl_ms: Arc::new(AtomicU64::new(15_000)),
             state: Arc::new(Mutex::new(State::default())),
         };
-        discover(&ctx);
+        discover(&ctx).await;
         let cancel = CancellationToken::new();
         let probe_ctx = ctx.clone();
         let probe: health::Probe = Arc::new(move || {
@@ -275,9 +300,21 @@ impl App {
     }
 }
 
-fn discover(ctx: &Ctx) {
-    let providers: Vec<ProviderDescriptor> = ctx.adapters.iter().map(|a| a.discover()).collect();
-    ctx.state.lock().expect("host state").providers = providers;
+/// Provider discovery (H1, H4): each adapter probes its CLI (installed, version, credentials).
+async fn discover(ctx: &Ctx) {
+    let adapters = ctx.adapters.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        adapters
+            .iter()
+            .map(|a| a.discover())
+            .collect::<Vec<ProviderDescriptor>>()
+    })
+    .await
+    .unwrap_or_default();
+    for p in &found {
+        tracing::info!(provider = %p.name, installed = p.installed, logged_in = p.logged_in, version = %p.version, detail = %p.detail, "provider discovered");
+    }
+    ctx.state.lock().expect("host state").providers = found;
 }
 
 fn registration(ctx: &Ctx) -> HostRegistration {

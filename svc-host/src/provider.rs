@@ -136,7 +136,8 @@ pub fn probe_version(bin: &Path) -> Result<String, String> {
 /// A binary named by `env_var`, else found on PATH under `name`.
 pub fn locate(env_var: &str, name: &str) -> Option<PathBuf> {
     if let Some(p) = std::env::var_os(env_var).filter(|p| !p.is_empty()) {
-        return Some(PathBuf::from(p));
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
     }
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .map(|d| d.join(name))

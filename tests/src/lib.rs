@@ -247,6 +247,8 @@ impl Stack {
             ("AGENTSCOPE_POLL_INTERVAL_MS".into(), "500".into()),
             ("AGENTSCOPE_KILL_GRACE_MS".into(), "2000".into()),
             ("AGENTSCOPE_API_URL".into(), self.api.base.clone()),
+            // Agent CLIs are discovered only where a test asks for them (`extra`).
+            ("AGENTSCOPE_PROVIDERS".into(), "command".into()),
             (
                 "RUST_LOG".into(),
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),

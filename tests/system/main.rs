@@ -1,6 +1,7 @@
 //! Whole-system tests: the real service binaries against a real nats-server and PostgreSQL.
 //! One binary for all of them (link time); each test has its own NATS, database and services.
 
+mod agents;
 mod bad_input;
 mod cancel;
 mod compose;

@@ -1,0 +1,479 @@
+//! Adapters for the real agent CLIs: Claude Code, Codex, opencode and OpenClaw.
+//! Each turns a Runtime Profile into the CLI's own flags and config files, translates the agent's
+//! instructions into the CLI's format, wires the platform's MCP server (`agentscope mcp`) with
+//! the task credential, and switches off telemetry and update checks. Recipes:
+//! docs/providers.md.
+
+use crate::provider::{
+    Adapter, Launch, LaunchCtx, Refusal, base_env, locate, pass_through, probe_version,
+};
+use crate::providers::{self, StreamParser};
+use agentscope_schemas::v1::ProviderDescriptor;
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Parameters every agent CLI accepts.
+const COMMON_PARAMS: [&str; 3] = ["model", "timeout_secs", "extra_args"];
+
+fn check_params(
+    provider: &str,
+    params: &HashMap<String, String>,
+    extra: &[&str],
+) -> Result<(), Refusal> {
+    if let Some(k) = params
+        .keys()
+        .find(|k| !COMMON_PARAMS.contains(&k.as_str()) && !extra.contains(&k.as_str()))
+    {
+        return Err(Refusal::bad_parameter(format!(
+            "unknown parameter `{k}` for provider {provider} (accepted: {})",
+            COMMON_PARAMS
+                .iter()
+                .chain(extra)
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    Ok(())
+}
+
+fn extra_args(params: &HashMap<String, String>) -> Vec<String> {
+    params
+        .get("extra_args")
+        .map(|s| s.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// The task as a prompt: the Issue, the input material, and how to use the platform's tools.
+fn prompt(ctx: &LaunchCtx) -> String {
+    let s = ctx.spec;
+    let mut p = String::new();
+    if !s.issue_title.is_empty() {
+        p.push_str(&format!(
+            "You are working on the Issue \"{}\".\n\n{}\n\n",
+            s.issue_title, s.issue_body
+        ));
+    }
+    if !s.input.is_empty() {
+        p.push_str(&format!("Input material:\n{}\n\n", s.input));
+    }
+    p.push_str(
+        "The agentscope tools let you read the Issue and its comments (read_issue), read the task's \
+         input (read_input), post a comment (post_comment) and upload deliverables as Artifacts \
+         (upload_artifact). Files you leave in this directory are not shared; upload what others need.",
+    );
+    p
+}
+
+/// Instructions of the agent version, in Markdown.
+fn instructions(ctx: &LaunchCtx) -> String {
+    format!("# Agent instructions\n\n{}\n", ctx.spec.instructions)
+}
+
+fn mcp_env(ctx: &LaunchCtx) -> serde_json::Value {
+    json!({"AGENTSCOPE_API": ctx.api_url, "AGENTSCOPE_TASK_TOKEN": ctx.task_token})
+}
+
+fn rel(ctx: &LaunchCtx, p: &Path) -> PathBuf {
+    p.strip_prefix(&ctx.dir.root)
+        .map(|r| r.to_path_buf())
+        .unwrap_or_else(|_| p.to_path_buf())
+}
+
+fn descriptor(
+    name: &str,
+    env_var: &str,
+    bin_name: &str,
+    key_vars: &[&str],
+    live_stream: bool,
+    resume: bool,
+) -> ProviderDescriptor {
+    let mut d = ProviderDescriptor {
+        name: name.into(),
+        live_stream,
+        resume,
+        ..Default::default()
+    };
+    let Some(bin) = locate(env_var, bin_name) else {
+        d.detail = format!(
+            "`{bin_name}` not found: install it (scripts/install-providers.sh) or set {env_var}"
+        );
+        return d;
+    };
+    match probe_version(&bin) {
+        Ok(v) => {
+            d.installed = true;
+            d.version = v;
+        }
+        Err(e) => {
+            d.detail = e;
+            return d;
+        }
+    }
+    d.logged_in = key_vars
+        .iter()
+        .any(|k| std::env::var(k).is_ok_and(|v| !v.is_empty()));
+    d.detail = if d.logged_in {
+        format!("{} at {}", bin_name, bin.display())
+    } else {
+        format!(
+            "no credentials: set {} in the host's environment",
+            key_vars.join(" or ")
+        )
+    };
+    if !live_stream {
+        d.detail
+            .push_str("; no live event stream (one result at the end)");
+    }
+    if !resume {
+        d.detail.push_str("; no session resume");
+    }
+    d
+}
+
+fn binary(env_var: &str, name: &str) -> Result<String, Refusal> {
+    locate(env_var, name)
+        .map(|p| p.to_string_lossy().into_owned())
+        .ok_or_else(|| Refusal {
+            class: agentscope_domain::FailureClass::ToolDependency,
+            detail: format!("`{name}` is not installed on this host"),
+        })
+}
+
+// ------------------------------------------------------------------------------------ Claude
+
+pub struct ClaudeCode;
+
+impl Adapter for ClaudeCode {
+    fn name(&self) -> &'static str {
+        providers::claude::PROVIDER
+    }
+
+    fn discover(&self) -> ProviderDescriptor {
+        descriptor(
+            self.name(),
+            "AGENTSCOPE_CLAUDE_BIN",
+            "claude",
+            &["ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"],
+            true,
+            true,
+        )
+    }
+
+    fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal> {
+        let p = &ctx.spec.params;
+        check_params(
+            self.name(),
+            p,
+            &["permission_mode", "max_turns", "allowed_tools"],
+        )?;
+        let bin = binary("AGENTSCOPE_CLAUDE_BIN", "claude")?;
+        let mcp_path = ctx.dir.root.join("claude-mcp.json");
+        let allowed = p
+            .get("allowed_tools")
+            .cloned()
+            .unwrap_or_else(|| "Bash,Edit,Write,Read,Glob,Grep,mcp__agentscope__*".into());
+        let mut argv = vec![
+            bin,
+            "-p".into(),
+            prompt(ctx),
+            "--output-format".into(),
+            "stream-json".into(),
+            "--verbose".into(),
+            "--mcp-config".into(),
+            mcp_path.to_string_lossy().into_owned(),
+            "--strict-mcp-config".into(),
+            "--allowedTools".into(),
+            allowed,
+        ];
+        if let Some(mode) = p.get("permission_mode") {
+            if !["default", "acceptEdits", "plan", "bypassPermissions"].contains(&mode.as_str()) {
+                return Err(Refusal::bad_parameter(format!(
+                    "`permission_mode` must be default, acceptEdits, plan or bypassPermissions, not `{mode}`"
+                )));
+            }
+            argv.extend(["--permission-mode".into(), mode.clone()]);
+        }
+        if let Some(t) = p.get("max_turns") {
+            let n: u32 = t.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                Refusal::bad_parameter(format!("`max_turns` must be a positive integer, not `{t}`"))
+            })?;
+            argv.extend(["--max-turns".into(), n.to_string()]);
+        }
+        if let Some(m) = p.get("model") {
+            argv.extend(["--model".into(), m.clone()]);
+        }
+        argv.extend(extra_args(p));
+        let mut env = base_env(ctx.dir);
+        pass_through(
+            &mut env,
+            &[
+                "ANTHROPIC_API_KEY",
+                "ANTHROPIC_AUTH_TOKEN",
+                "ANTHROPIC_BASE_URL",
+            ],
+        );
+        for (k, v) in [
+            ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
+            ("DISABLE_TELEMETRY", "1"),
+            ("DISABLE_AUTOUPDATER", "1"),
+            ("DISABLE_ERROR_REPORTING", "1"),
+            // MCP tools declared directly instead of behind a tool search.
+            ("ENABLE_TOOL_SEARCH", "false"),
+        ] {
+            env.push((k.into(), v.into()));
+        }
+        let mcp = json!({"mcpServers": {"agentscope": {
+            "type": "stdio", "command": ctx.cli, "args": ["mcp"], "env": mcp_env(ctx)}}});
+        // CLAUDE.md is read from the working directory and its parents: the task root holds
+        // ours, so a repository's own CLAUDE.md is left as it is.
+        let settings = json!({"permissions": {"allow": ["Bash", "Edit", "Write", "Read", "mcp__agentscope__*"]},
+                              "includeCoAuthoredBy": false});
+        Ok(Launch {
+            argv,
+            cwd: ctx.dir.workdir().to_path_buf(),
+            env,
+            files: vec![
+                (rel(ctx, &mcp_path), mcp.to_string()),
+                ("CLAUDE.md".into(), instructions(ctx)),
+                (
+                    rel(ctx, &ctx.dir.home.join(".claude/settings.json")),
+                    settings.to_string(),
+                ),
+            ],
+            stdin: None,
+        })
+    }
+
+    fn parser(&self) -> Box<dyn StreamParser> {
+        Box::new(providers::claude::ClaudeParser::new())
+    }
+}
+
+// ------------------------------------------------------------------------------------- Codex
+
+/// The OpenAI-compatible endpoint a host's providers use: OPENAI_BASE_URL, default OpenAI's.
+fn openai_base() -> String {
+    std::env::var("OPENAI_BASE_URL").unwrap_or_else(|_| "https://api.openai.com/v1".into())
+}
+
+pub struct Codex;
+
+impl Adapter for Codex {
+    fn name(&self) -> &'static str {
+        providers::codex::PROVIDER
+    }
+
+    fn discover(&self) -> ProviderDescriptor {
+        descriptor(
+            self.name(),
+            "AGENTSCOPE_CODEX_BIN",
+            "codex",
+            &["OPENAI_API_KEY"],
+            true,
+            true,
+        )
+    }
+
+    fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal> {
+        let p = &ctx.spec.params;
+        check_params(self.name(), p, &["sandbox"])?;
+        let bin = binary("AGENTSCOPE_CODEX_BIN", "codex")?;
+        let sandbox = p
+            .get("sandbox")
+            .map(String::as_str)
+            .unwrap_or("workspace-write");
+        if !["read-only", "workspace-write", "danger-full-access"].contains(&sandbox) {
+            return Err(Refusal::bad_parameter(format!(
+                "`sandbox` must be read-only, workspace-write or danger-full-access, not `{sandbox}`"
+            )));
+        }
+        let model = p.get("model").cloned().unwrap_or_else(|| "gpt-5.5".into());
+        let codex_home = ctx.dir.root.join("codex-home");
+        let toml_str = |s: &str| serde_json::to_string(s).unwrap_or_default();
+        let config = format!(
+            "model = {model}\nmodel_provider = \"agentscope\"\ncheck_for_update_on_startup = false\n\n\
+             [model_providers.agentscope]\nname = \"agentscope\"\nbase_url = {base}\nwire_api = \"responses\"\nenv_key = \"OPENAI_API_KEY\"\n\n\
+             [analytics]\nenabled = false\n\n[features]\nplugins = false\nremote_plugin = false\napps = false\n\n\
+             [mcp_servers.agentscope]\ncommand = {cli}\nargs = [\"mcp\"]\ndefault_tools_approval_mode = \"approve\"\n\n\
+             [mcp_servers.agentscope.env]\nAGENTSCOPE_API = {api}\nAGENTSCOPE_TASK_TOKEN = {token}\n",
+            model = toml_str(&model),
+            base = toml_str(&openai_base()),
+            cli = toml_str(&ctx.cli.to_string_lossy()),
+            api = toml_str(ctx.api_url),
+            token = toml_str(ctx.task_token),
+        );
+        let mut argv = vec![
+            bin,
+            "exec".into(),
+            "--json".into(),
+            "--skip-git-repo-check".into(),
+            "-s".into(),
+            sandbox.into(),
+        ];
+        argv.extend(extra_args(p));
+        argv.push(prompt(ctx));
+        let mut env = base_env(ctx.dir);
+        pass_through(&mut env, &["OPENAI_API_KEY"]);
+        env.push((
+            "CODEX_HOME".into(),
+            codex_home.to_string_lossy().into_owned(),
+        ));
+        Ok(Launch {
+            argv,
+            cwd: ctx.dir.workdir().to_path_buf(),
+            env,
+            files: vec![
+                (rel(ctx, &codex_home.join("config.toml")), config),
+                // Codex reads global instructions from $CODEX_HOME/AGENTS.md, besides the repo's.
+                (rel(ctx, &codex_home.join("AGENTS.md")), instructions(ctx)),
+            ],
+            stdin: None,
+        })
+    }
+
+    fn parser(&self) -> Box<dyn StreamParser> {
+        Box::new(providers::codex::CodexParser::new())
+    }
+}
+
+// ---------------------------------------------------------------------------------- opencode
+
+pub struct Opencode;
+
+impl Adapter for Opencode {
+    fn name(&self) -> &'static str {
+        providers::opencode::PROVIDER
+    }
+
+    fn discover(&self) -> ProviderDescriptor {
+        descriptor(
+            self.name(),
+            "AGENTSCOPE_OPENCODE_BIN",
+            "opencode",
+            &["OPENAI_API_KEY"],
+            true,
+            true,
+        )
+    }
+
+    fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal> {
+        let p = &ctx.spec.params;
+        check_params(self.name(), p, &[])?;
+        let bin = binary("AGENTSCOPE_OPENCODE_BIN", "opencode")?;
+        let model = p.get("model").cloned().unwrap_or_else(|| "gpt-5.5".into());
+        let key = std::env::var("OPENAI_API_KEY").unwrap_or_default();
+        let mut cmd = vec![ctx.cli.to_string_lossy().into_owned()];
+        cmd.push("mcp".into());
+        let config = json!({
+            "autoupdate": false,
+            "share": "disabled",
+            "model": format!("agentscope/{model}"),
+            "small_model": format!("agentscope/{model}"),
+            "provider": {"agentscope": {
+                "npm": "@ai-sdk/openai-compatible", "name": "agentscope",
+                "options": {"baseURL": openai_base(), "apiKey": key},
+                "models": {model.clone(): {"name": model, "tool_call": true}}}},
+            "mcp": {"agentscope": {"type": "local", "command": cmd, "environment": mcp_env(ctx), "enabled": true}},
+            "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny"},
+        });
+        let mut argv = vec![bin, "run".into(), "--format".into(), "json".into()];
+        argv.extend(extra_args(p));
+        argv.push(prompt(ctx));
+        let mut env = base_env(ctx.dir);
+        for (k, v) in [
+            ("OPENCODE_DISABLE_MODELS_FETCH", "1"),
+            ("OPENCODE_DISABLE_AUTOUPDATE", "1"),
+            // Its plugin install look-up goes nowhere instead of to a registry.
+            ("npm_config_registry", "http://127.0.0.1:9/"),
+        ] {
+            env.push((k.into(), v.into()));
+        }
+        env.push(("OPENCODE_CONFIG_CONTENT".into(), config.to_string()));
+        Ok(Launch {
+            argv,
+            cwd: ctx.dir.workdir().to_path_buf(),
+            env,
+            // opencode reads global rules from ~/.config/opencode/AGENTS.md.
+            files: vec![(
+                rel(ctx, &ctx.dir.home.join(".config/opencode/AGENTS.md")),
+                instructions(ctx),
+            )],
+            stdin: None,
+        })
+    }
+
+    fn parser(&self) -> Box<dyn StreamParser> {
+        Box::new(providers::opencode::OpencodeParser::new())
+    }
+}
+
+// ---------------------------------------------------------------------------------- OpenClaw
+
+pub struct Openclaw;
+
+impl Adapter for Openclaw {
+    fn name(&self) -> &'static str {
+        providers::openclaw::PROVIDER
+    }
+
+    fn discover(&self) -> ProviderDescriptor {
+        descriptor(
+            self.name(),
+            "AGENTSCOPE_OPENCLAW_BIN",
+            "openclaw",
+            &["OPENAI_API_KEY"],
+            false,
+            false,
+        )
+    }
+
+    fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal> {
+        let p = &ctx.spec.params;
+        check_params(self.name(), p, &[])?;
+        let bin = binary("AGENTSCOPE_OPENCLAW_BIN", "openclaw")?;
+        let model = p.get("model").cloned().unwrap_or_else(|| "gpt-5.5".into());
+        let work = ctx.dir.workdir().to_string_lossy().into_owned();
+        let config = json!({
+            "agents": {"defaults": {"model": {"primary": format!("agentscope/{model}")}, "workspace": work, "skipBootstrap": true}},
+            "models": {"mode": "merge", "providers": {"agentscope": {
+                "baseUrl": openai_base(), "apiKey": std::env::var("OPENAI_API_KEY").unwrap_or_default(),
+                "api": "openai-completions",
+                "models": [{"id": model, "name": model, "reasoning": false, "input": ["text"],
+                            "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+                            "contextWindow": 128000, "maxTokens": 8192}]}}},
+            "tools": {"toolSearch": false},
+            "update": {"checkOnStart": false},
+            "telemetry": {"enabled": false},
+            "mcp": {"servers": {"agentscope": {"command": ctx.cli, "args": ["mcp"], "env": mcp_env(ctx)}}},
+        });
+        let mut argv = vec![
+            bin,
+            "agent".into(),
+            "exec".into(),
+            "--json".into(),
+            "--cwd".into(),
+            work,
+        ];
+        argv.extend(extra_args(p));
+        argv.push(format!("{}\n\n{}", instructions(ctx), prompt(ctx)));
+        let mut env = base_env(ctx.dir);
+        env.push(("OPENCLAW_NO_AUTO_UPDATE".into(), "1".into()));
+        env.push(("DO_NOT_TRACK".into(), "1".into()));
+        Ok(Launch {
+            argv,
+            cwd: ctx.dir.workdir().to_path_buf(),
+            env,
+            files: vec![(
+                rel(ctx, &ctx.dir.home.join(".openclaw/openclaw.json")),
+                config.to_string(),
+            )],
+            stdin: None,
+        })
+    }
+
+    fn parser(&self) -> Box<dyn StreamParser> {
+        Box::new(providers::openclaw::OpenclawParser::new())
+    }
+}

@@ -1,0 +1,482 @@
+//! The real agent CLIs, installed from npm, run unmodified on the Runtime Host against the
+//! scripted model server: they read the Issue through the platform's MCP tools, edit a file in
+//! the cloned repository, run a shell command, comment and upload an Artifact.
+
+use agentscope_system_tests::*;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+/// The provider CLIs installed by scripts/install-providers.sh.
+fn provider_env() -> Vec<(String, String)> {
+    let names = [
+        "AGENTSCOPE_CLAUDE_BIN",
+        "AGENTSCOPE_CODEX_BIN",
+        "AGENTSCOPE_OPENCODE_BIN",
+        "AGENTSCOPE_OPENCLAW_BIN",
+    ];
+    let mut out: Vec<(String, String)> = names
+        .iter()
+        .filter_map(|n| std::env::var(n).ok().map(|v| (n.to_string(), v)))
+        .collect();
+    if out.len() < names.len() {
+        let dir = std::env::var("AGENTSCOPE_PROVIDERS_DIR").unwrap_or_else(|_| {
+            format!(
+                "{}/.cache/agentscope/providers",
+                std::env::var("HOME").unwrap_or_default()
+            )
+        });
+        let env = std::fs::read_to_string(format!("{dir}/env")).unwrap_or_else(|_| {
+            panic!(
+                "provider CLIs are not installed: run scripts/install-providers.sh (no {dir}/env)"
+            )
+        });
+        out = env
+            .lines()
+            .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.trim_matches('"').to_string()))
+            .collect();
+    }
+    out
+}
+
+/// The scripted model server on a free port; returns its process and base URL.
+async fn modelsim(
+    dir: &std::path::Path,
+    script: &Value,
+) -> (kit::Proc, String, std::path::PathBuf) {
+    let script_path = dir.join("script.json");
+    std::fs::write(&script_path, script.to_string()).unwrap();
+    let log = dir.join("model-requests.jsonl");
+    let proc = kit::Proc::spawn(
+        "modelsim",
+        &kit::bin("agentscope-modelsim").unwrap(),
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--script",
+            script_path.to_str().unwrap(),
+            "--log",
+            log.to_str().unwrap(),
+        ],
+        &[],
+        dir,
+    )
+    .unwrap();
+    let log_file = proc.log.clone();
+    let url = kit::wait_for("modelsim to listen", Duration::from_secs(20), || {
+        let log_file = log_file.clone();
+        async move {
+            let text = std::fs::read_to_string(&log_file).ok()?;
+            let line = text.lines().find(|l| l.starts_with("listening on "))?;
+            Some(line.trim_start_matches("listening on ").trim().to_string())
+        }
+    })
+    .await
+    .unwrap();
+    (proc, url, log)
+}
+
+fn script(provider: &str) -> Value {
+    json!({
+        "turns": [
+            {"say": "Reading the issue.", "tool": "mcp:read_issue", "args": {}, "expect": "Fix the greeting"},
+            {"say": "Editing the greeting.", "tool": "shell",
+             "args": {"command": "echo 'hello, fixed' > GREETING.txt && cat FEATURE.txt && git status --short"},
+             "expect": "GREETING.txt"},
+            {"say": "Reporting.", "tool": "mcp:post_comment", "args": {"body": format!("Fixed the greeting with {provider}")}, "expect": "agent:"},
+            {"tool": "mcp:upload_artifact", "args": {"name": "summary.md", "content": "# Summary\nThe greeting is fixed.\n"}, "expect": "summary.md"}
+        ],
+        "final": "Done: the greeting is fixed."
+    })
+}
+
+/// Runs one Issue through `provider` and checks everything the platform records.
+async fn run_provider(provider: &str) -> (Stack, Value, Vec<Value>) {
+    let stack = Stack::start(&format!("agent-{provider}"), StackOptions::default())
+        .await
+        .unwrap();
+    let (_sim, url, log) = modelsim(&stack.dir.path, &script(provider)).await;
+    let repo = git_fixture(&stack.dir.path).unwrap();
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "agents"}))
+        .await
+        .unwrap();
+    let profile = stack
+        .api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": provider, "provider": provider}),
+        )
+        .await
+        .unwrap();
+    let agent = stack
+        .api
+        .post("/v1/agents", json!({"name": format!("{provider}-agent"), "provider": provider, "instructions": "Keep changes small."}))
+        .await
+        .unwrap();
+    stack
+        .api
+        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
+        .await
+        .unwrap();
+    let mut env: Vec<(String, String)> = provider_env();
+    env.extend([
+        (
+            "AGENTSCOPE_PROVIDERS".to_string(),
+            format!("command,{provider}"),
+        ),
+        ("ANTHROPIC_BASE_URL".to_string(), url.clone()),
+        ("ANTHROPIC_API_KEY".to_string(), "sk-modelsim".to_string()),
+        ("OPENAI_BASE_URL".to_string(), format!("{url}/v1")),
+        ("OPENAI_API_KEY".to_string(), "sk-modelsim".to_string()),
+    ]);
+    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let state = stack.dir.path.join("host-state");
+    let _host = stack
+        .spawn_host("agent-host", "agents", 1, &state, &extra)
+        .unwrap();
+    let host = stack.wait_host_ready("agent-host").await.unwrap();
+    let d = host["providers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == provider)
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (d["installed"].as_bool(), d["logged_in"].as_bool()),
+        (Some(true), Some(true)),
+        "{d}"
+    );
+
+    let issue = stack
+        .api
+        .post(
+            "/v1/issues",
+            json!({"title": "Fix the greeting", "body": "GREETING.txt must say hello.", "assignee_agent_id": agent["id"],
+                   "repository": repo.to_string_lossy(), "branch": "feature"}),
+        )
+        .await
+        .unwrap();
+    let task_id = issue["task_id"].as_str().unwrap().to_string();
+    let task = match stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(240))
+        .await
+    {
+        Ok(t) => t,
+        Err(e) => panic!(
+            "{e}\nmodel requests:\n{}\nhost log:\n{}",
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .map(|l| l.chars().take(400).collect::<String>())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            stack.log("host-agent-host")
+        ),
+    };
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !requests.contains("\"expectation_failed\"") && !requests.contains("\"tool_missing\""),
+        "the script ran as written:\n{requests}"
+    );
+
+    let issue_id = issue["id"].as_str().unwrap();
+    let comments = stack
+        .api
+        .get(&format!("/v1/issues/{issue_id}/comments"))
+        .await
+        .unwrap();
+    let want = format!("Fixed the greeting with {provider}");
+    assert!(
+        comments["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["body"] == want.as_str()),
+        "{comments}"
+    );
+    let arts = stack
+        .api
+        .get(&format!("/v1/issues/{issue_id}/artifacts"))
+        .await
+        .unwrap();
+    let art = arts["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "summary.md")
+        .cloned()
+        .expect("summary.md uploaded");
+    let content = stack
+        .api
+        .client
+        .get(format!(
+            "{}/v1/artifacts/{}/content",
+            stack.api.base,
+            art["id"].as_str().unwrap()
+        ))
+        .bearer_auth(&stack.api.token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(content, "# Summary\nThe greeting is fixed.\n");
+    let attempt = task["attempts"][0].clone();
+    let events = stack
+        .events(&format!(
+            "/v1/attempts/{}/events",
+            attempt["id"].as_str().unwrap()
+        ))
+        .await
+        .unwrap();
+    (stack, attempt, events)
+}
+
+/// The position of the first event after `from` that matches.
+fn find(events: &[Value], from: usize, what: &str, pred: impl Fn(&Value) -> bool) -> usize {
+    events
+        .iter()
+        .enumerate()
+        .skip(from)
+        .find(|(_, e)| pred(e))
+        .map(|(i, _)| i)
+        .unwrap_or_else(|| {
+            panic!(
+                "no {what} after event {from}: {}",
+                serde_json::to_string_pretty(events).unwrap()
+            )
+        })
+}
+
+fn kind(e: &Value, k: &str) -> bool {
+    e["kind"] == k
+}
+
+fn tool_named(e: &Value, part: &str) -> bool {
+    e["kind"] == "tool_call"
+        && e["payload"]["name"]
+            .as_str()
+            .is_some_and(|n| n.contains(part))
+}
+
+/// Session, the four tool steps in order with their results, usage and the result.
+fn assert_steps(attempt: &Value, events: &[Value], shell_tool: &str) {
+    let s = find(events, 0, "session start", |e| kind(e, "session_started"));
+    let session = events[s]["payload"]["provider_session_id"]
+        .as_str()
+        .unwrap();
+    assert!(!session.is_empty());
+    assert_eq!(
+        attempt["provider_session_id"], session,
+        "the session id is recorded on the attempt"
+    );
+    let read = find(events, s, "read_issue call", |e| {
+        tool_named(e, "read_issue")
+    });
+    let read_res = find(events, read, "read_issue result", |e| {
+        kind(e, "tool_result")
+            && e["payload"]["output"]
+                .as_str()
+                .is_some_and(|o| o.contains("Fix the greeting"))
+    });
+    let shell = find(events, read_res, "shell call", |e| {
+        tool_named(e, shell_tool)
+    });
+    let shell_res = find(events, shell, "shell result", |e| {
+        kind(e, "tool_result")
+            && e["payload"]["output"]
+                .as_str()
+                .is_some_and(|o| o.contains("GREETING.txt") && o.contains("feature-branch-marker"))
+    });
+    let comment = find(events, shell_res, "post_comment call", |e| {
+        tool_named(e, "post_comment")
+    });
+    let upload = find(events, comment, "upload_artifact call", |e| {
+        tool_named(e, "upload_artifact")
+    });
+    let usage = find(events, upload, "usage", |e| {
+        kind(e, "usage") && e["payload"]["input_tokens"].as_u64().unwrap_or(0) > 0
+    });
+    let result = find(events, usage.min(upload), "result", |e| {
+        kind(e, "result") && e["payload"]["is_error"] == false
+    });
+    assert!(result > upload);
+    assert_eq!(events.last().unwrap()["payload"]["state"], "succeeded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_works_an_issue_through_the_platform_tools() {
+    let (_stack, attempt, events) = run_provider("claude-code").await;
+    assert_steps(&attempt, &events, "Bash");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_works_an_issue_through_the_platform_tools() {
+    let (_stack, attempt, events) = run_provider("codex").await;
+    assert_steps(&attempt, &events, "shell");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_works_an_issue_through_the_platform_tools() {
+    let (_stack, attempt, events) = run_provider("opencode").await;
+    assert_steps(&attempt, &events, "bash");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openclaw_works_an_issue_and_says_it_has_no_stream_and_no_resume() {
+    let (stack, attempt, events) = run_provider("openclaw").await;
+    let codes: Vec<&str> = events
+        .iter()
+        .filter(|e| kind(e, "diagnostic"))
+        .filter_map(|e| e["payload"]["code"].as_str())
+        .collect();
+    assert!(
+        codes.contains(&"no_live_stream") && codes.contains(&"no_resume"),
+        "{codes:?}"
+    );
+    let s = find(&events, 0, "session start", |e| kind(e, "session_started"));
+    assert_eq!(
+        attempt["provider_session_id"],
+        events[s]["payload"]["provider_session_id"]
+    );
+    find(&events, s, "usage", |e| kind(e, "usage"));
+    find(&events, s, "result", |e| {
+        kind(e, "result") && e["payload"]["is_error"] == false
+    });
+    let hosts = stack.api.get("/v1/hosts").await.unwrap();
+    let d = hosts["items"][0]["providers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "openclaw")
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (d["live_stream"].as_bool(), d["resume"].as_bool()),
+        (Some(false), Some(false)),
+        "{d}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_missing_or_without_credentials_gets_no_work() {
+    let stack = Stack::start("discovery", StackOptions::default())
+        .await
+        .unwrap();
+    let env = provider_env();
+    let codex_bin = env
+        .iter()
+        .find(|(k, _)| k == "AGENTSCOPE_CODEX_BIN")
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    let state = stack.dir.path.join("host-state");
+    let _host = stack
+        .spawn_host(
+            "picky",
+            "pool",
+            2,
+            &state,
+            &[
+                ("AGENTSCOPE_PROVIDERS", "command,claude-code,codex"),
+                ("AGENTSCOPE_CLAUDE_BIN", "/nonexistent/claude"),
+                ("AGENTSCOPE_CODEX_BIN", &codex_bin),
+                ("OPENAI_API_KEY", ""),
+            ],
+        )
+        .unwrap();
+    let (command_agent, pool_id) = stack
+        .command_agent("sentinel", "pool", &["echo", "ok"], None)
+        .await
+        .unwrap();
+    let host = stack.wait_host_ready("picky").await.unwrap();
+    let providers = host["providers"].as_array().unwrap();
+    let by = |n: &str| providers.iter().find(|p| p["name"] == n).cloned().unwrap();
+    assert_eq!(by("claude-code")["installed"], false);
+    assert!(
+        by("claude-code")["detail"]
+            .as_str()
+            .unwrap()
+            .contains("not found")
+    );
+    assert_eq!(
+        (
+            by("codex")["installed"].as_bool(),
+            by("codex")["logged_in"].as_bool()
+        ),
+        (Some(true), Some(false))
+    );
+    assert!(
+        by("codex")["detail"]
+            .as_str()
+            .unwrap()
+            .contains("OPENAI_API_KEY")
+    );
+    let discovery = &host["checks"]["provider_discovery"];
+    let detail = discovery["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("claude-code") && detail.contains("codex"),
+        "{discovery}"
+    );
+    let readiness = host["checks"]["dispatch_readiness"]["detail"]
+        .as_str()
+        .unwrap();
+    assert!(
+        readiness.contains("command") && !readiness.contains("codex"),
+        "{readiness}"
+    );
+
+    // Work for the missing and the unauthenticated provider is never offered to this host; the
+    // host keeps claiming work it can run (submitted after, so it would be claimed later).
+    let mut stuck = Vec::new();
+    for provider in ["claude-code", "codex"] {
+        let agent = stack
+            .api
+            .post(
+                "/v1/agents",
+                json!({"name": format!("{provider}-a"), "provider": provider}),
+            )
+            .await
+            .unwrap();
+        let profile = stack
+            .api
+            .post(
+                "/v1/runtime-profiles",
+                json!({"name": format!("{provider}-p"), "provider": provider}),
+            )
+            .await
+            .unwrap();
+        stack
+            .api
+            .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool_id, "runtime_profile_id": profile["id"]}))
+            .await
+            .unwrap();
+        let t = stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+            .await
+            .unwrap();
+        stuck.push(t["id"].as_str().unwrap().to_string());
+    }
+    let sentinel = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": command_agent}))
+        .await
+        .unwrap();
+    stack
+        .wait_task(
+            sentinel["id"].as_str().unwrap(),
+            "succeeded",
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    for id in stuck {
+        let t = stack.task(&id).await.unwrap();
+        assert_eq!(t["attempts"][0]["status"], "queued", "{t:#}");
+        assert!(t["attempts"][0]["host_id"].is_null());
+    }
+}
