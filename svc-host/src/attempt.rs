@@ -70,15 +70,10 @@ impl EventSink {
         };
         let mut payload = ev.encode_to_vec();
         if payload.len() > agentscope_bus::MAX_MESSAGE_BYTES {
-            // Only output can be this large; keep the head of it.
+            // Keep the head of whatever text made the event too large for the bus.
             let mut ev = ev;
-            if let Some(Body::Output(o)) = ev.body.as_mut() {
-                let mut cut = agentscope_bus::MAX_MESSAGE_BYTES / 2;
-                while !o.text.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                o.text.truncate(cut);
-                o.truncated = true;
+            if let Some(body) = ev.body.as_mut() {
+                shrink(body, agentscope_bus::MAX_MESSAGE_BYTES / 4);
             }
             payload = ev.encode_to_vec();
         }
@@ -150,6 +145,52 @@ impl EventSink {
             has_exit_code: exit_code.is_some(),
         }))
         .await
+    }
+}
+
+/// Cuts every text field of `body` to at most `max` bytes (on a char boundary).
+pub fn shrink(body: &mut Body, max: usize) {
+    fn cut(s: &mut String, max: usize) -> bool {
+        if s.len() <= max {
+            return false;
+        }
+        let mut at = max;
+        while !s.is_char_boundary(at) {
+            at -= 1;
+        }
+        s.truncate(at);
+        true
+    }
+    match body {
+        Body::Output(o) => o.truncated |= cut(&mut o.text, max),
+        Body::Raw(r) => {
+            cut(&mut r.line, max);
+        }
+        Body::AssistantMessage(m) => {
+            cut(&mut m.text, max);
+        }
+        Body::ToolCall(t) => {
+            cut(&mut t.input_json, max);
+        }
+        Body::ToolResult(t) => {
+            cut(&mut t.output, max);
+        }
+        Body::Result(r) => {
+            cut(&mut r.text, max);
+        }
+        Body::Error(e) => {
+            cut(&mut e.message, max);
+        }
+        Body::Diagnostic(d) => {
+            cut(&mut d.message, max);
+        }
+        Body::Lifecycle(l) => {
+            cut(&mut l.detail, max);
+        }
+        Body::FileChange(f) => {
+            cut(&mut f.path, max);
+        }
+        Body::SessionStarted(_) | Body::Usage(_) => {}
     }
 }
 
@@ -321,7 +362,20 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
             );
         }
     }
+    if let Some(who) = ctx.run_as {
+        let root = dir.root.clone();
+        let owned = tokio::task::spawn_blocking(move || provider::chown_tree(&root, who)).await;
+        if let Ok(Err(e)) | Err(e) = owned.map_err(std::io::Error::other) {
+            return failed(
+                FailureClass::TaskDir,
+                format!("give the task directory to uid {}: {e}", who.uid),
+            );
+        }
+    }
     let mut cmd = tokio::process::Command::new(&launch.argv[0]);
+    if let Some(who) = ctx.run_as {
+        cmd.uid(who.uid).gid(who.gid);
+    }
     cmd.args(&launch.argv[1..])
         .current_dir(&launch.cwd)
         // Nothing of the host's own environment (its token, its credentials) leaks through.

@@ -28,6 +28,9 @@ pub struct Config {
     /// The API executors reach with their task credential (the gateway's address as seen from
     /// this host).
     pub api_url: String,
+    /// The user providers run as: `auto` (`nobody` when the host runs as root, else the host's
+    /// own user), `none` (never switch), or a user name.
+    pub run_as: String,
     /// Comma-separated providers this host offers (each is discovered at start-up).
     pub providers: String,
     /// Directory holding the `agentscope` CLI executors use; default: next to svc-host.
@@ -51,6 +54,7 @@ impl Config {
             .set_default("max_line_bytes", 64 * 1024)?
             .set_default("api_url", "http://127.0.0.1:8080")?
             .set_default("providers", "command,claude-code,codex,opencode,openclaw")?
+            .set_default("run_as", "auto")?
             .set_default("log_format", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));

@@ -43,6 +43,8 @@ pub struct Ctx {
     pub leases: jetstream::kv::Store,
     pub journal: journal::Journal,
     pub tasks_dir: PathBuf,
+    /// The unprivileged user providers run as, when the host runs as root.
+    pub run_as: Option<provider::RunAs>,
     adapters: Arc<Vec<Box<dyn Adapter>>>,
     lease_ttl_ms: Arc<AtomicU64>,
     state: Arc<Mutex<State>>,
@@ -184,6 +186,14 @@ impl App {
         let tasks_dir = state_dir.join("tasks");
         std::fs::create_dir_all(&tasks_dir)
             .with_context(|| format!("create {}", tasks_dir.display()))?;
+        let run_as = provider::resolve_run_as(&config.run_as).map_err(anyhow::Error::msg)?;
+        if let Some(r) = run_as {
+            tracing::info!(
+                uid = r.uid,
+                gid = r.gid,
+                "providers run as an unprivileged user"
+            );
+        }
         let nats = agentscope_bus::connect(&config.nats_url, "svc-host").await?;
         let js = jetstream::new(nats.clone());
         let leases = Topology::open_bucket(&js, agentscope_bus::BUCKET_LEASES).await?;
@@ -209,6 +219,7 @@ impl App {
             leases,
             journal,
             tasks_dir,
+            run_as,
             adapters: Arc::new(adapters),
             lease_ttl_ms: Arc::new(AtomicU64::new(15_000)),
             state: Arc::new(Mutex::new(State::default())),

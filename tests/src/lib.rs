@@ -97,6 +97,9 @@ pub struct Stack {
     pub host_token: String,
     pub workspace_id: String,
     pub scheduler_health: String,
+    /// A directory providers may write to: they run as an unprivileged user when tests run as
+    /// root.
+    pub shared: PathBuf,
     scheduler_env: Vec<(String, String)>,
     // Dropped last: keeps logs of a failed test.
     pub dir: TempDir,
@@ -198,6 +201,13 @@ impl Stack {
                 .context("workspace id")?
                 .to_string(),
             scheduler_health,
+            shared: {
+                use std::os::unix::fs::PermissionsExt;
+                let shared = dir.path.join("shared");
+                std::fs::create_dir_all(&shared)?;
+                std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777))?;
+                shared
+            },
             scheduler_env: senv,
             dir,
         })

@@ -181,6 +181,10 @@ async fn run_provider(provider: &str) -> (Stack, Value, Vec<Value>) {
         !requests.contains("\"expectation_failed\"") && !requests.contains("\"tool_missing\""),
         "the script ran as written:\n{requests}"
     );
+    assert!(
+        requests.contains("Keep changes small."),
+        "the agent's instructions, translated for {provider}, reached the model"
+    );
 
     let issue_id = issue["id"].as_str().unwrap();
     let comments = stack
@@ -478,5 +482,179 @@ async fn a_provider_missing_or_without_credentials_gets_no_work() {
         let t = stack.task(&id).await.unwrap();
         assert_eq!(t["attempts"][0]["status"], "queued", "{t:#}");
         assert!(t["attempts"][0]["host_id"].is_null());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_runtime_parameter_fails_early_and_names_the_field() {
+    let stack = Stack::start("badparam", StackOptions::default())
+        .await
+        .unwrap();
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "agents"}))
+        .await
+        .unwrap();
+    let profile = stack
+        .api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": "p", "provider": "claude-code", "params": {"permission_mode": "yolo"}}),
+        )
+        .await
+        .unwrap();
+    let agent = stack
+        .api
+        .post(
+            "/v1/agents",
+            json!({"name": "a", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    stack
+        .api
+        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
+        .await
+        .unwrap();
+    let mut env = provider_env();
+    env.extend([
+        (
+            "AGENTSCOPE_PROVIDERS".to_string(),
+            "claude-code".to_string(),
+        ),
+        ("ANTHROPIC_API_KEY".to_string(), "sk-unused".to_string()),
+    ]);
+    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let _host = stack
+        .spawn_host("h", "agents", 1, &stack.dir.path.join("hs"), &extra)
+        .unwrap();
+    stack.wait_host_ready("h").await.unwrap();
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+        .await
+        .unwrap();
+    let t = stack
+        .wait_task(t["id"].as_str().unwrap(), "failed", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let a = &t["attempts"][0];
+    assert_eq!(a["failure_class"], "bad_parameters");
+    assert!(
+        a["failure_detail"]
+            .as_str()
+            .unwrap()
+            .contains("permission_mode"),
+        "{a}"
+    );
+    assert!(a["remedy"].as_str().is_some_and(|r| !r.is_empty()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_provider_output_is_recorded_and_never_crashes_the_host() {
+    use std::os::unix::fs::PermissionsExt;
+    let stack = Stack::start("hostile", StackOptions::default())
+        .await
+        .unwrap();
+    // A CLI posing as Claude Code: a 5 MB line, invalid UTF-8, an unknown event type, a cut-off
+    // JSON object, then a proper result.
+    let fake = stack.shared.join("claude");
+    let script = r#"#!/bin/sh
+printf '{"type":"system","subtype":"init","session_id":"sess-hostile","model":"m"}\n'
+head -c 5000000 /dev/zero | tr '\0' 'x'; echo
+printf '\377\376 not utf-8\n'
+printf '{"type":"mystery","payload":[1,2,3]}\n'
+printf '{"type":"assistant","message":{"content":[{"type":"text"\n'
+printf '{"type":"result","subtype":"success","is_error":false,"result":"ok","num_turns":1,"usage":{"input_tokens":1,"output_tokens":1},"total_cost_usd":0}\n'
+"#;
+    std::fs::write(&fake, script).unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "agents"}))
+        .await
+        .unwrap();
+    let profile = stack
+        .api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": "p", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    let agent = stack
+        .api
+        .post(
+            "/v1/agents",
+            json!({"name": "a", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    stack
+        .api
+        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
+        .await
+        .unwrap();
+    let fake_s = fake.to_string_lossy().into_owned();
+    let _host = stack
+        .spawn_host(
+            "h",
+            "agents",
+            1,
+            &stack.dir.path.join("hs"),
+            &[
+                ("AGENTSCOPE_PROVIDERS", "claude-code"),
+                ("AGENTSCOPE_CLAUDE_BIN", &fake_s),
+                ("ANTHROPIC_API_KEY", "x"),
+            ],
+        )
+        .unwrap();
+    stack.wait_host_ready("h").await.unwrap();
+    // Twice: the host survives the first run and takes the next one.
+    for round in 0..2 {
+        let t = stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+            .await
+            .unwrap();
+        let t = stack
+            .wait_task(
+                t["id"].as_str().unwrap(),
+                "succeeded",
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        let events = stack
+            .events(&format!(
+                "/v1/attempts/{}/events",
+                t["attempts"][0]["id"].as_str().unwrap()
+            ))
+            .await
+            .unwrap();
+        let raws: Vec<&Value> = events.iter().filter(|e| e["kind"] == "raw").collect();
+        let has = |f: &dyn Fn(&str) -> bool| {
+            raws.iter()
+                .any(|e| e["payload"]["line"].as_str().is_some_and(f))
+        };
+        assert!(
+            has(&|l| l.contains("mystery")),
+            "round {round}: unknown types are kept raw: {raws:?}"
+        );
+        assert!(
+            has(&|l| l.contains("not utf-8") && l.contains('\u{fffd}')),
+            "invalid UTF-8 is kept, replaced"
+        );
+        assert!(
+            has(&|l| l.contains(r#"{"type":"text""#)),
+            "a cut-off object is kept raw"
+        );
+        assert!(
+            has(&|l| l.starts_with("xxxx")),
+            "the huge line is kept, shortened"
+        );
+        assert!(events.iter().any(|e| e["kind"] == "session_started"
+            && e["payload"]["provider_session_id"] == "sess-hostile"));
+        assert!(events.iter().any(|e| e["kind"] == "result"));
     }
 }

@@ -13,7 +13,7 @@ async fn an_assigned_issue_runs_to_success_with_every_event_once_in_order() {
         .command_agent(
             "builder",
             "main-pool",
-            &["sh", "-c", "echo start; cat FEATURE.txt; cat \"$AGENTSCOPE_INPUT_DIR/INPUT.md\"; echo; for i in 1 2 3 4 5; do echo line-$i; done; echo to-stderr >&2"],
+            &["sh", "-c", "echo start; cat FEATURE.txt; cat \"$AGENTSCOPE_INPUT_DIR/INPUT.md\"; echo; for i in 1 2 3 4 5; do echo line-$i; done; echo to-stderr >&2; echo uid=$(id -u)"],
             None,
         )
         .await
@@ -84,6 +84,15 @@ async fn an_assigned_issue_runs_to_success_with_every_event_once_in_order() {
             .iter()
             .any(|e| e["payload"]["stream"] == "stderr" && e["payload"]["text"] == "to-stderr")
     );
+    // A host running as root runs providers as an unprivileged user.
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let want = if euid == 0 {
+        "uid=65534".to_string()
+    } else {
+        format!("uid={euid}")
+    };
+    assert!(texts.contains(&want), "{want} in {texts:?}");
     let last = events.last().unwrap();
     assert_eq!(
         (last["kind"].as_str(), last["payload"]["state"].as_str()),

@@ -17,7 +17,7 @@ async fn an_executor_comments_and_uploads_and_its_credential_reaches_nothing_els
     )
     .await
     .unwrap();
-    let token_file = stack.dir.path.join("token");
+    let token_file = stack.shared.join("token");
     let gate = stack.dir.path.join("gate");
     let script = format!(
         "set -e; agentscope task show > ctx.json; grep -q 'Make it better' ctx.json; \
@@ -241,7 +241,7 @@ impl Drop for McpClient {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mcp_server_offers_the_executor_tools() {
     let stack = Stack::start("mcp", StackOptions::default()).await.unwrap();
-    let token_file = stack.dir.path.join("token");
+    let token_file = stack.shared.join("token");
     let gate = stack.dir.path.join("gate");
     let script = format!(
         "echo \"$AGENTSCOPE_TASK_TOKEN\" > '{}'; echo hello > notes.txt; pwd > '{}.dir'; while [ ! -e '{}' ]; do sleep 0.05; done",

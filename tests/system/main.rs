@@ -7,6 +7,7 @@ mod cancel;
 mod compose;
 mod e2e;
 mod executor;
+mod explain;
 mod failover;
 mod limits;
 mod restart;

@@ -3,6 +3,7 @@
 
 pub mod artifacts;
 pub mod events;
+pub mod explain;
 pub mod resources;
 pub mod task_api;
 pub mod work;
@@ -78,6 +79,7 @@ pub fn routes(config: &crate::Config) -> Vec<Route> {
         route!(GET "/v1/tasks", list_tasks, "bearer", "List tasks"),
         route!(GET "/v1/tasks/{id}", get_task, "bearer", "Show a task with its attempts"),
         route!(POST "/v1/tasks/{id}/cancel", cancel_task, "bearer", 202, "Cancel a task"),
+        route!(GET "/v1/tasks/{id}/explain", explain::explain, "bearer", "Why a task waits or failed: each host's failing predicate, or the failure class, evidence and remedy"),
         route!(GET "/v1/tasks/{id}/events", task_events, "bearer", "A task's events across attempts (JSON, or SSE with follow)"),
         route!(GET "/v1/attempts/{id}", get_attempt, "bearer", "Show an attempt"),
         route!(GET "/v1/attempts/{id}/events", attempt_events, "bearer", "An attempt's events (JSON, or SSE with follow)"),

@@ -98,6 +98,8 @@ enum Command {
         #[arg(long)]
         reason: Option<String>,
     },
+    /// Why a task waits (each host's failing predicate) or failed (class, evidence, remedy).
+    Explain { task_id: String },
     /// Execution events of tasks and attempts.
     Runtime {
         #[command(subcommand)]
@@ -805,6 +807,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 ));
             }
         }
+        Command::Explain { task_id } => explain(&api, &task_id, json).await?,
         Command::Runtime {
             cmd: RuntimeCmd::Logs { follow, id },
         } => logs(&api, &id, follow, json).await?,
@@ -1340,6 +1343,105 @@ async fn tasks(api: &Api, cmd: TasksCmd, json: bool) -> Result<()> {
                 out(attempt_line(a));
             }
         }
+    }
+    Ok(())
+}
+
+/// `GET /v1/tasks/{id}/explain`: the summary, then task-level reasons and one block per host
+/// (`eligible`, or each failing predicate), or the failure with its evidence.
+async fn explain(api: &Api, raw_id: &str, json: bool) -> Result<()> {
+    let id = id_arg("task", raw_id)?;
+    let v = api.get(&format!("/v1/tasks/{id}/explain")).await?;
+    if json {
+        print_json(&v);
+        return Ok(());
+    }
+    out(format!(
+        "task {} {}",
+        cell(&v["task_id"]),
+        cell(&v["status"])
+    ));
+    out(format!("  {}", text(&v["summary"])));
+    for a in v["attempts"].as_array().into_iter().flatten() {
+        out(format!("  {}", attempt_line(a)));
+    }
+    if v["waiting"] == true {
+        let t = &v["target"];
+        out(format!(
+            "  needs pool {}  provider {}  capabilities [{}]",
+            cell(&t["pool"]),
+            cell(&t["provider"]),
+            t["required_capabilities"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(text)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        let reasons = v["reasons"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        if !reasons.is_empty() {
+            out("reasons:");
+            for r in reasons {
+                out(format!(
+                    "  {:<16}  {}",
+                    text(&r["predicate"]),
+                    text(&r["detail"])
+                ));
+            }
+        }
+        let hosts = v["hosts"].as_array().map(Vec::as_slice).unwrap_or_default();
+        out(format!("hosts ({}):", hosts.len()));
+        for h in hosts {
+            let id = short(h["host_id"].as_str().unwrap_or(""));
+            let verdict = if h["eligible"] == true {
+                "eligible"
+            } else {
+                "blocked"
+            };
+            out(format!(
+                "  {} ({id}) pool {}: {verdict}",
+                cell(&h["name"]),
+                cell(&h["pool"])
+            ));
+            for f in h["failing"].as_array().into_iter().flatten() {
+                out(format!(
+                    "    {:<16}  {}",
+                    text(&f["predicate"]),
+                    text(&f["detail"])
+                ));
+            }
+        }
+    } else if v["failure"].is_object() {
+        let f = &v["failure"];
+        out(format!("failure class {}", cell(&f["class"])));
+        out(format!("  remedy  {}", text(&f["remedy"])));
+        if !f["detail"].is_null() {
+            out(format!(
+                "  detail  {}",
+                text(&f["detail"]).replace('\n', "\\n")
+            ));
+        }
+        if !f["exit_code"].is_null() {
+            out(format!("  exit    {}", f["exit_code"]));
+        }
+        out("evidence (last events):");
+        for ev in f["evidence"].as_array().into_iter().flatten() {
+            let mut ev = ev.clone();
+            ev["attempt_number"] = f["attempt_number"].clone();
+            out(format!("  {}", event_line(&ev)));
+        }
+    } else if v["host"].is_object() {
+        let h = &v["host"];
+        out(format!(
+            "  on host {} ({}) pool {}",
+            cell(&h["name"]),
+            cell(&h["host_id"]),
+            cell(&h["pool"])
+        ));
     }
     Ok(())
 }
