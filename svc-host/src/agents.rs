@@ -166,18 +166,61 @@ impl Adapter for ClaudeCode {
         check_params(
             self.name(),
             p,
-            &["permission_mode", "max_turns", "allowed_tools"],
+            &[
+                "permission_mode",
+                "max_turns",
+                "allowed_tools",
+                "approvals",
+                "approval_timeout_secs",
+            ],
         )?;
+        let ask = match p.get("approvals").map(String::as_str) {
+            None | Some("native") => false,
+            Some("ask") => true,
+            Some(other) => {
+                return Err(Refusal::bad_parameter(format!(
+                    "`approvals` must be ask or native, not `{other}`"
+                )));
+            }
+        };
+        let approval_timeout_ms = match p.get("approval_timeout_secs") {
+            None => 600_000,
+            Some(t) => t
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1..=86_400).contains(n))
+                .map(|n| n * 1000)
+                .ok_or_else(|| {
+                    Refusal::bad_parameter(format!(
+                        "`approval_timeout_secs` must be 1 to 86400, not `{t}`"
+                    ))
+                })?,
+        };
         let bin = binary("AGENTSCOPE_CLAUDE_BIN", "claude")?;
         let mcp_path = ctx.dir.root.join("claude-mcp.json");
+        // With approvals, only reading and the platform's tools are pre-allowed; every other
+        // tool use is forwarded as a tool request and waits for a decision.
+        let pre_allowed = if ask {
+            "Read,Glob,Grep,mcp__agentscope__*"
+        } else {
+            "Bash,Edit,Write,Read,Glob,Grep,mcp__agentscope__*"
+        };
         let allowed = p
             .get("allowed_tools")
             .cloned()
-            .unwrap_or_else(|| "Bash,Edit,Write,Read,Glob,Grep,mcp__agentscope__*".into());
-        let mut argv = vec![
-            bin,
-            "-p".into(),
-            prompt(ctx),
+            .unwrap_or_else(|| pre_allowed.into());
+        let mut argv = vec![bin, "-p".into()];
+        if ask {
+            argv.extend([
+                "--input-format".into(),
+                "stream-json".into(),
+                "--permission-prompt-tool".into(),
+                "stdio".into(),
+            ]);
+        } else {
+            argv.push(prompt(ctx));
+        }
+        argv.extend([
             "--output-format".into(),
             "stream-json".into(),
             "--verbose".into(),
@@ -186,7 +229,7 @@ impl Adapter for ClaudeCode {
             "--strict-mcp-config".into(),
             "--allowedTools".into(),
             allowed,
-        ];
+        ]);
         if let Some(mode) = p.get("permission_mode") {
             if !["default", "acceptEdits", "plan", "bypassPermissions"].contains(&mode.as_str()) {
                 return Err(Refusal::bad_parameter(format!(
@@ -228,8 +271,8 @@ impl Adapter for ClaudeCode {
             "type": "stdio", "command": ctx.cli, "args": ["mcp"], "env": mcp_env(ctx)}}});
         // CLAUDE.md is read from the working directory and its parents: the task root holds
         // ours, so a repository's own CLAUDE.md is left as it is.
-        let settings = json!({"permissions": {"allow": ["Bash", "Edit", "Write", "Read", "mcp__agentscope__*"]},
-                              "includeCoAuthoredBy": false});
+        let allow: Vec<&str> = pre_allowed.split(',').collect();
+        let settings = json!({"permissions": {"allow": allow}, "includeCoAuthoredBy": false});
         Ok(Launch {
             argv,
             cwd: ctx.dir.workdir().to_path_buf(),
@@ -242,12 +285,56 @@ impl Adapter for ClaudeCode {
                     settings.to_string(),
                 ),
             ],
-            stdin: None,
+            stdin: ask.then(|| {
+                json!({"type": "user", "message": {"role": "user", "content": [{"type": "text", "text": prompt(ctx)}]}})
+                    .to_string()
+                    + "\n"
+            }),
+            keep_stdin_open: ask,
+            approval_timeout_ms,
         })
     }
 
     fn parser(&self) -> Box<dyn StreamParser> {
         Box::new(providers::claude::ClaudeParser::new())
+    }
+
+    fn control_request(&self, line: &str) -> Option<crate::provider::ControlRequest> {
+        if !line.contains("control_request") {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        if v["type"] != "control_request" || v["request"]["subtype"] != "can_use_tool" {
+            return None;
+        }
+        Some(crate::provider::ControlRequest {
+            request_id: v["request_id"].as_str()?.to_string(),
+            tool_name: v["request"]["tool_name"].as_str().unwrap_or("").to_string(),
+            input: v["request"]["input"].clone(),
+        })
+    }
+
+    fn control_response(
+        &self,
+        req: &crate::provider::ControlRequest,
+        allow: bool,
+        reason: &str,
+    ) -> String {
+        let response = if allow {
+            json!({"behavior": "allow", "updatedInput": req.input})
+        } else {
+            json!({"behavior": "deny", "message": reason})
+        };
+        json!({"type": "control_response", "response": {"subtype": "success", "request_id": req.request_id, "response": response}})
+            .to_string()
+            + "\n"
+    }
+
+    fn ends_session(&self, body: &agentscope_schemas::v1::execution_event::Body) -> bool {
+        matches!(
+            body,
+            agentscope_schemas::v1::execution_event::Body::Result(_)
+        )
     }
 }
 
@@ -329,7 +416,7 @@ impl Adapter for Codex {
                 // Codex reads global instructions from $CODEX_HOME/AGENTS.md, besides the repo's.
                 (rel(ctx, &codex_home.join("AGENTS.md")), instructions(ctx)),
             ],
-            stdin: None,
+            ..Default::default()
         })
     }
 
@@ -400,7 +487,7 @@ impl Adapter for Opencode {
                 rel(ctx, &ctx.dir.home.join(".config/opencode/AGENTS.md")),
                 instructions(ctx),
             )],
-            stdin: None,
+            ..Default::default()
         })
     }
 
@@ -469,7 +556,7 @@ impl Adapter for Openclaw {
                 rel(ctx, &ctx.dir.home.join(".openclaw/openclaw.json")),
                 config.to_string(),
             )],
-            stdin: None,
+            ..Default::default()
         })
     }
 

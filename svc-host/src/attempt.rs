@@ -8,8 +8,8 @@ use agentscope_bus::subjects;
 use agentscope_domain::FailureClass;
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{
-    AttemptAssignment, AttemptState, Diagnostic, ExecutionEvent, LeaseRecord, Lifecycle,
-    execution_event::Body,
+    ApprovalDecision, AttemptAssignment, AttemptState, Diagnostic, ExecutionEvent, LeaseRecord,
+    Lifecycle, execution_event::Body,
 };
 use async_nats::jetstream::kv::UpdateErrorKind;
 use std::path::Path;
@@ -148,6 +148,90 @@ impl EventSink {
     }
 }
 
+/// Publishes a provider's tool request for a decision and records it as an event.
+async fn request_approval(
+    ctx: &Ctx,
+    a: &AttemptAssignment,
+    sink: &mut EventSink,
+    req: &provider::ControlRequest,
+    timeout_ms: u32,
+) {
+    let input_json = req.input.to_string();
+    sink.emit(Body::ApprovalRequested(
+        agentscope_schemas::v1::ApprovalRequested {
+            request_id: req.request_id.clone(),
+            tool_name: req.tool_name.clone(),
+            input_json: input_json.clone(),
+            timeout_ms,
+        },
+    ))
+    .await;
+    let tr = agentscope_schemas::v1::ToolRequest {
+        request_id: req.request_id.clone(),
+        attempt_id: a.attempt_id.clone(),
+        session_id: String::new(),
+        tool_name: req.tool_name.clone(),
+        input_json,
+        lease_token: a.lease_token,
+        requested_at_ms: agentscope_bus::now_ms(),
+        timeout_ms,
+    };
+    let msg_id = format!("approval:{}:{}", a.attempt_id, req.request_id);
+    let mut delay = Duration::from_millis(100);
+    for _ in 0..20 {
+        let sent = async {
+            ctx.js
+                .publish_with_headers(
+                    subjects::approval_requested(&a.attempt_id),
+                    agentscope_bus::headers(&msg_id),
+                    tr.encode_to_vec().into(),
+                )
+                .await?
+                .await
+                .map_err(async_nats::Error::from)
+        }
+        .await;
+        match sent {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "publish tool request; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Tells the provider the decision and records it.
+#[allow(clippy::too_many_arguments)]
+async fn answer(
+    stdin: &mut Option<tokio::process::ChildStdin>,
+    adapter: &dyn provider::Adapter,
+    sink: &mut EventSink,
+    req: &provider::ControlRequest,
+    allow: bool,
+    reason: &str,
+    decided_by: &str,
+    class: &str,
+) {
+    use tokio::io::AsyncWriteExt;
+    if let Some(pipe) = stdin.as_mut() {
+        let text = adapter.control_response(req, allow, reason);
+        let _ = pipe.write_all(text.as_bytes()).await;
+        let _ = pipe.flush().await;
+    }
+    sink.emit(Body::ApprovalDecided(
+        agentscope_schemas::v1::ApprovalDecided {
+            request_id: req.request_id.clone(),
+            allow,
+            reason: reason.to_string(),
+            decided_by: decided_by.to_string(),
+            failure_class: class.to_string(),
+        },
+    ))
+    .await;
+}
+
 /// Cuts every text field of `body` to at most `max` bytes (on a char boundary).
 pub fn shrink(body: &mut Body, max: usize) {
     fn cut(s: &mut String, max: usize) -> bool {
@@ -189,6 +273,12 @@ pub fn shrink(body: &mut Body, max: usize) {
         }
         Body::FileChange(f) => {
             cut(&mut f.path, max);
+        }
+        Body::ApprovalRequested(r) => {
+            cut(&mut r.input_json, max);
+        }
+        Body::ApprovalDecided(d) => {
+            cut(&mut d.reason, max);
         }
         Body::SessionStarted(_) | Body::Usage(_) => {}
     }
@@ -247,7 +337,12 @@ pub async fn keep_lease(
 }
 
 /// Runs one assignment to its end. The caller holds the capacity slot until this returns.
-pub async fn run(ctx: Ctx, a: AttemptAssignment, stops: Stops) {
+pub async fn run(
+    ctx: Ctx,
+    a: AttemptAssignment,
+    stops: Stops,
+    mut decisions: tokio::sync::mpsc::Receiver<ApprovalDecision>,
+) {
     let span = tracing::info_span!("attempt", workspace_id = %a.workspace_id, task_id = %a.task_id, attempt_id = %a.attempt_id, host_id = %ctx.host_id);
     agentscope_bus::set_parent(
         &span,
@@ -273,7 +368,7 @@ pub async fn run(ctx: Ctx, a: AttemptAssignment, stops: Stops) {
             renew_done.clone(),
         ));
 
-        let outcome = execute(&ctx, &a, &mut sink, &stops).await;
+        let outcome = execute(&ctx, &a, &mut sink, &stops, &mut decisions).await;
         if !stops.lease_lost.is_cancelled() {
             let (state, class, detail, exit) = outcome;
             sink.lifecycle(state, class, detail, exit).await;
@@ -295,7 +390,13 @@ fn failed(class: FailureClass, detail: impl Into<String>) -> Outcome {
     (AttemptState::Failed, Some(class), detail.into(), None)
 }
 
-async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: &Stops) -> Outcome {
+async fn execute(
+    ctx: &Ctx,
+    a: &AttemptAssignment,
+    sink: &mut EventSink,
+    stops: &Stops,
+    decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,
+) -> Outcome {
     let spec = a.spec.clone().unwrap_or_default();
     let Some(adapter) = ctx.adapter(&spec.provider) else {
         return failed(
@@ -414,13 +515,20 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
         }
     };
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
-    if let (Some(text), Some(mut stdin)) = (launch.stdin.clone(), child.stdin.take()) {
-        tokio::spawn(async move {
-            use tokio::io::AsyncWriteExt;
-            let _ = stdin.write_all(text.as_bytes()).await;
-            let _ = stdin.shutdown().await;
-        });
+    // Providers driven over stdin keep it open (approvals); others get their input and EOF.
+    let mut stdin = child.stdin.take();
+    if let (Some(text), Some(pipe)) = (launch.stdin.clone(), stdin.as_mut()) {
+        use tokio::io::AsyncWriteExt;
+        let _ = pipe.write_all(text.as_bytes()).await;
+        let _ = pipe.flush().await;
     }
+    if !launch.keep_stdin_open {
+        stdin = None;
+    }
+    let mut pending: std::collections::HashMap<String, provider::ControlRequest> =
+        Default::default();
+    // "Allow always" lives in this attempt's memory only: it never outlives the task.
+    let mut always: std::collections::HashSet<String> = Default::default();
     let mut parser = adapter.parser();
     if let Some(d) = ctx.descriptor(adapter.name()) {
         if !d.live_stream {
@@ -523,8 +631,21 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
             }
             line = rx.recv(), if output_open => match line {
                 Some(("stdout", text, truncated)) => {
+                    if let Some(req) = (!truncated).then(|| adapter.control_request(&text)).flatten() {
+                        if always.contains(&req.tool_name) {
+                            answer(&mut stdin, adapter, sink, &req, true, "allowed for the rest of this task", "always_for_task", "").await;
+                        } else {
+                            request_approval(ctx, a, sink, &req, launch.approval_timeout_ms).await;
+                            pending.insert(req.request_id.clone(), req);
+                        }
+                        continue;
+                    }
                     for body in parser.line(&text, truncated) {
+                        let end = adapter.ends_session(&body);
                         sink.emit(body).await;
+                        if end {
+                            stdin = None;
+                        }
                     }
                 }
                 Some((stream, text, truncated)) => {
@@ -532,6 +653,15 @@ async fn execute(ctx: &Ctx, a: &AttemptAssignment, sink: &mut EventSink, stops: 
                 }
                 None => output_open = false,
             },
+            d = decisions.recv(), if !pending.is_empty() => {
+                let Some(d) = d else { continue };
+                let Some(req) = pending.remove(&d.request_id) else { continue };
+                let class = if d.decided_by == "policy" { FailureClass::ApprovalTimeout.as_str() } else { "" };
+                if d.allow && d.always_for_task {
+                    always.insert(req.tool_name.clone());
+                }
+                answer(&mut stdin, adapter, sink, &req, d.allow, &d.reason, &d.decided_by, class).await;
+            }
             st = child.wait(), if !output_open || stop.is_some() => break st,
         }
     };

@@ -55,6 +55,8 @@ struct State {
     registered: Option<HostRegistered>,
     providers: Vec<ProviderDescriptor>,
     running: HashMap<String, attempt::Stops>,
+    /// Where approval decisions for a running attempt go.
+    decisions: HashMap<String, tokio::sync::mpsc::Sender<agentscope_schemas::v1::ApprovalDecision>>,
     /// Attempts of a previous run of this host, already reported as interrupted.
     reported: Vec<String>,
     /// Attempts this run finished recently (bounded), so none is ever taken for a lost offer.
@@ -515,6 +517,27 @@ async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
         };
         match HostCommand::decode(msg.payload.as_ref()) {
             Ok(HostCommand {
+                command: Some(host_command::Command::ApprovalDecision(d)),
+                ..
+            }) => {
+                let to = ctx
+                    .state
+                    .lock()
+                    .expect("host state")
+                    .decisions
+                    .get(&d.attempt_id)
+                    .cloned();
+                match to {
+                    Some(tx) => {
+                        tracing::info!(attempt_id = %d.attempt_id, request_id = %d.request_id, allow = d.allow, "approval decision");
+                        let _ = tx.send(d).await;
+                    }
+                    None => {
+                        tracing::debug!(attempt_id = %d.attempt_id, "decision for an attempt not running here")
+                    }
+                }
+            }
+            Ok(HostCommand {
                 command: Some(host_command::Command::Cancel(c)),
                 ..
             }) => {
@@ -600,19 +623,21 @@ async fn claim_loop(
                                 lease_lost: CancellationToken::new(),
                                 shutdown: CancellationToken::new(),
                             };
-                            ctx.state
-                                .lock()
-                                .expect("host state")
-                                .running
-                                .insert(a.attempt_id.clone(), stops.clone());
+                            let (dtx, drx) = tokio::sync::mpsc::channel(64);
+                            {
+                                let mut st = ctx.state.lock().expect("host state");
+                                st.running.insert(a.attempt_id.clone(), stops.clone());
+                                st.decisions.insert(a.attempt_id.clone(), dtx);
+                            }
                             let ctx2 = ctx.clone();
                             let pool = pool_id.clone();
                             attempts.spawn(async move {
                                 let id = a.attempt_id.clone();
-                                attempt::run(ctx2.clone(), a, stops).await;
+                                attempt::run(ctx2.clone(), a, stops, drx).await;
                                 {
                                     let mut st = ctx2.state.lock().expect("host state");
                                     st.running.remove(&id);
+                                    st.decisions.remove(&id);
                                     st.finished.push_back(id);
                                     if st.finished.len() > 256 {
                                         st.finished.pop_front();

@@ -22,6 +22,18 @@ pub struct Launch {
     pub files: Vec<(PathBuf, String)>,
     /// Written to the provider's stdin, which is then closed; None: stdin is /dev/null.
     pub stdin: Option<String>,
+    /// Keep stdin open after `stdin` (the provider is driven over it, e.g. approvals).
+    pub keep_stdin_open: bool,
+    /// How long a tool request may wait for a decision before it is denied.
+    pub approval_timeout_ms: u32,
+}
+
+/// A provider asking whether it may use a tool.
+#[derive(Debug, Clone)]
+pub struct ControlRequest {
+    pub request_id: String,
+    pub tool_name: String,
+    pub input: serde_json::Value,
 }
 
 /// A failure found before anything ran, with its class and the offending field.
@@ -61,6 +73,18 @@ pub trait Adapter: Send + Sync {
     fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal>;
     /// A fresh parser of this provider's stdout for one run.
     fn parser(&self) -> Box<dyn StreamParser>;
+    /// A stdout line that asks for an approval (providers with a control protocol).
+    fn control_request(&self, _line: &str) -> Option<ControlRequest> {
+        None
+    }
+    /// What to write to the provider's stdin to answer `req`.
+    fn control_response(&self, _req: &ControlRequest, _allow: bool, _reason: &str) -> String {
+        String::new()
+    }
+    /// Whether `body` ends the provider's work (its stdin is closed then).
+    fn ends_session(&self, _body: &Body) -> bool {
+        false
+    }
     /// Longest stdout line read as one unit (agent CLIs put whole tool results on one line).
     fn max_line_bytes(&self) -> usize {
         4 * 1024 * 1024

@@ -4,6 +4,7 @@
 //! Architecture invariant: the scheduler is the only writer of `hosts`, `attempts`,
 //! `execution_events`, `approvals`, `runs`, `run_nodes` and `rejected_messages`.
 
+mod approvals;
 mod attempts;
 mod claim;
 mod config;
@@ -74,6 +75,7 @@ impl App {
         let events = Topology::events(&js).await?;
         Topology::control(&js).await?;
         Topology::tasks(&js).await?;
+        Topology::approvals(&js).await?;
         let leases = Topology::leases(&js, Duration::from_millis(config.lease_ttl_ms)).await?;
         Topology::presence(&js, Duration::from_millis(config.heartbeat_ttl_ms)).await?;
 
@@ -139,6 +141,14 @@ impl App {
             recorder::run(ctx.clone(), cancel.clone()),
         ));
         tasks.spawn(named("sweeper", sweeper::run(ctx.clone(), cancel.clone())));
+        tasks.spawn(named(
+            "approval-requests",
+            approvals::consume_requests(ctx.clone(), cancel.clone()),
+        ));
+        tasks.spawn(named(
+            "approval-decisions",
+            approvals::serve_decisions(ctx.clone(), cancel.clone()),
+        ));
         tracing::info!("svc-scheduler running");
 
         tokio::select! {

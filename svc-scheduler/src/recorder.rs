@@ -290,5 +290,13 @@ pub(crate) fn to_record(body: &Body) -> (&'static str, serde_json::Value) {
             json!({"is_error": r.is_error, "text": r.text, "turns": r.turns}),
         ),
         Body::Raw(r) => ("raw", json!({"provider": r.provider, "line": r.line})),
+        Body::ApprovalRequested(a) => (
+            "approval_requested",
+            json!({"request_id": a.request_id, "tool_name": a.tool_name, "input": a.input_json, "timeout_ms": a.timeout_ms}),
+        ),
+        Body::ApprovalDecided(a) => (
+            "approval_decided",
+            json!({"request_id": a.request_id, "allow": a.allow, "reason": a.reason, "decided_by": a.decided_by, "failure_class": (!a.failure_class.is_empty()).then_some(&a.failure_class)}),
+        ),
     }
 }

@@ -26,6 +26,7 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
 
 async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
     sweep_leases(ctx).await?;
+    crate::approvals::expire(ctx).await?;
     sweep_rest(ctx).await
 }
 

@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use std::time::Duration;
 
 /// The provider CLIs installed by scripts/install-providers.sh.
-fn provider_env() -> Vec<(String, String)> {
+pub(crate) fn provider_env() -> Vec<(String, String)> {
     let names = [
         "AGENTSCOPE_CLAUDE_BIN",
         "AGENTSCOPE_CODEX_BIN",
@@ -40,7 +40,7 @@ fn provider_env() -> Vec<(String, String)> {
 }
 
 /// The scripted model server on a free port; returns its process and base URL.
-async fn modelsim(
+pub(crate) async fn modelsim(
     dir: &std::path::Path,
     script: &Value,
 ) -> (kit::Proc, String, std::path::PathBuf) {

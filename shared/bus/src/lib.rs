@@ -17,6 +17,9 @@ pub mod subjects {
     pub const CONTROL_ALL: &str = "agentscope.control.>";
     pub const RECORDED_ALL: &str = "agentscope.recorded.>";
     pub const APPROVALS_ALL: &str = "agentscope.approvals.>";
+    pub const APPROVALS_REQUESTED_ALL: &str = "agentscope.approvals.requested.>";
+    /// Decisions, request/reply, queue group [`super::SCHEDULER_QUEUE`].
+    pub const APPROVAL_DECIDE: &str = "agentscope.approvals.decide";
 
     pub fn events(attempt_id: &str) -> String {
         format!("agentscope.events.{attempt_id}")
@@ -48,6 +51,7 @@ pub const BUCKET_LEASES: &str = "agentscope_leases";
 pub const BUCKET_PRESENCE: &str = "agentscope_presence";
 pub const CONSUMER_RECORDER: &str = "recorder";
 pub const CONSUMER_INTAKE: &str = "scheduler-intake";
+pub const CONSUMER_APPROVALS: &str = "scheduler-approvals";
 
 /// Largest payload a publisher may send (the server's default max_payload is 1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 512 * 1024;
@@ -178,6 +182,20 @@ impl Topology {
         })
         .await
         .map_err(|e| setup_err(STREAM_CONTROL)(e.into()))
+    }
+
+    /// Owner: svc-scheduler. Tool requests awaiting approval (host -> scheduler).
+    pub async fn approvals(js: &jetstream::Context) -> Result<stream::Stream, Error> {
+        js.get_or_create_stream(stream::Config {
+            name: STREAM_APPROVALS.into(),
+            subjects: vec![subjects::APPROVALS_REQUESTED_ALL.into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            duplicate_window: Duration::from_secs(120),
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| setup_err(STREAM_APPROVALS)(e.into()))
     }
 
     /// Owner: svc-scheduler. Lease records; a key vanishes (with a delete marker) `ttl` after its

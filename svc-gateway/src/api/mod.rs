@@ -1,6 +1,7 @@
 //! The `/v1` API. One table lists every route; the router and the OpenAPI document are both
 //! built from it, so the document always matches what is served.
 
+pub mod approvals;
 pub mod artifacts;
 pub mod events;
 pub mod explain;
@@ -87,6 +88,10 @@ pub fn routes(config: &crate::Config) -> Vec<Route> {
         route!(GET "/v1/tasks/{id}/artifacts", artifacts::list_for_task, "bearer", "List a task's Artifacts"),
         route!(GET "/v1/artifacts/{id}", artifacts::get, "bearer", "Show an Artifact's metadata"),
         route!(GET "/v1/artifacts/{id}/content", artifacts::content, "bearer", "Download an Artifact"),
+        route!(GET "/v1/approvals", approvals::list, "bearer", "List approvals (filter by status, task_id)"),
+        route!(GET "/v1/approvals/{id}", approvals::get, "bearer", "Show an approval"),
+        route!(POST "/v1/approvals/{id}/approve", approvals::approve, "bearer", 200, "Allow a tool request (once; a conflicting second decision is refused)"),
+        route!(POST "/v1/approvals/{id}/deny", approvals::deny, "bearer", 200, "Deny a tool request (once)"),
         route!(GET "/v1/task", task_api::context, "task", "Executor: the task, its Issue, comments, input and Artifacts"),
         route!(POST "/v1/task/comments", task_api::comment, "task", 201, "Executor: comment on the task's Issue"),
         Route {
@@ -123,7 +128,7 @@ pub fn openapi(routes: &[Route]) -> Value {
             op["parameters"] = json!([{"name": "name", "in": "query", "required": true, "schema": {"type": "string"}}]);
             op["requestBody"] = json!({"required": true, "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}});
         } else if r.method == "post" {
-            op["requestBody"] = json!({"required": !r.path.ends_with("/cancel"), "content": {"application/json": {"schema": {"type": "object"}}}});
+            op["requestBody"] = json!({"required": !(r.path.ends_with("/cancel") || r.path.ends_with("/approve") || r.path.ends_with("/deny")), "content": {"application/json": {"schema": {"type": "object"}}}});
         }
         op["security"] = match r.auth {
             "none" => json!([]),

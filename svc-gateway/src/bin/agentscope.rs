@@ -100,6 +100,25 @@ enum Command {
     },
     /// Why a task waits (each host's failing predicate) or failed (class, evidence, remedy).
     Explain { task_id: String },
+    /// Tool requests waiting for a decision.
+    Approvals {
+        /// Only these (pending, allowed, denied, timed_out).
+        #[arg(long)]
+        status: Option<String>,
+    },
+    /// Allow a tool request (once).
+    Approve {
+        approval_id: String,
+        /// Allow the same tool without asking for the rest of this task.
+        #[arg(long)]
+        always_for_task: bool,
+    },
+    /// Deny a tool request; the agent is told the reason.
+    Deny {
+        approval_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
     /// Execution events of tasks and attempts.
     Runtime {
         #[command(subcommand)]
@@ -542,6 +561,16 @@ async fn names(api: &Api, path: &str) -> Result<HashMap<String, String>> {
 // Output
 
 /// Prints a line; a closed stdout (e.g. `| head`) ends the program quietly.
+/// A JSON value on one line, cut to 80 characters.
+fn compact(v: &Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 80 {
+        format!("{}...", s.chars().take(77).collect::<String>())
+    } else {
+        s
+    }
+}
+
 fn out(line: impl std::fmt::Display) {
     if writeln!(std::io::stdout(), "{line}").is_err() {
         std::process::exit(0);
@@ -808,6 +837,64 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Explain { task_id } => explain(&api, &task_id, json).await?,
+        Command::Approvals { status } => {
+            let path = match &status {
+                Some(st) => format!("/v1/approvals?status={}", enc(st)),
+                None => "/v1/approvals".to_string(),
+            };
+            let v = api.get(&path).await?;
+            if json {
+                print_json(&v);
+            } else {
+                let rows = items_of(&v)
+                    .iter()
+                    .map(|a| {
+                        vec![
+                            cell(&a["id"]),
+                            cell(&a["status"]),
+                            cell(&a["tool_name"]),
+                            compact(&a["input"]),
+                            cell(&a["task_id"]),
+                        ]
+                    })
+                    .collect();
+                table(&["ID", "STATUS", "TOOL", "INPUT", "TASK"], rows);
+            }
+        }
+        Command::Approve {
+            approval_id,
+            always_for_task,
+        } => {
+            let id = id_arg("approval", &approval_id)?;
+            let v = api
+                .post(
+                    &format!("/v1/approvals/{id}/approve"),
+                    json!({"always_for_task": always_for_task}),
+                )
+                .await?;
+            if json {
+                print_json(&v);
+            } else {
+                out(format!("approval {id} {}", cell(&v["status"])));
+            }
+        }
+        Command::Deny {
+            approval_id,
+            reason,
+        } => {
+            let id = id_arg("approval", &approval_id)?;
+            let v = api
+                .post(
+                    &format!("/v1/approvals/{id}/deny"),
+                    object(vec![("reason", opt(&reason))]),
+                )
+                .await?;
+            if json {
+                print_json(&v);
+            } else {
+                out(format!("approval {id} {}", cell(&v["status"])));
+            }
+        }
         Command::Runtime {
             cmd: RuntimeCmd::Logs { follow, id },
         } => logs(&api, &id, follow, json).await?,

@@ -201,6 +201,8 @@ pub(crate) mod testutil {
             Body::Error(_) => "ErrorEvent",
             Body::Result(_) => "Result",
             Body::Raw(_) => "Raw",
+            Body::ApprovalRequested(_) => "ApprovalRequested",
+            Body::ApprovalDecided(_) => "ApprovalDecided",
         }
     }
 

@@ -1,0 +1,163 @@
+//! Approvals: tool requests waiting for a person's decision. The scheduler owns the records and
+//! applies a decision exactly once; a second, conflicting decision is refused (409).
+
+use crate::AppState;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Auth, Id};
+use agentscope_schemas::Message;
+use agentscope_schemas::v1::{DecideApproval, DecideApprovalReply};
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::time::Duration;
+use uuid::Uuid;
+
+const SELECT: &str =
+    "SELECT json_build_object('id', ap.id, 'attempt_id', ap.attempt_id, 'task_id', a.task_id,
+    'request_id', ap.request_id, 'tool_name', ap.tool_name, 'input', ap.input, 'status', ap.status,
+    'decided_by', ap.decided_by, 'reason', ap.reason, 'created_at', ap.created_at,
+    'expires_at', ap.expires_at, 'decided_at', ap.decided_at)
+    FROM approvals ap JOIN attempts a ON a.id = ap.attempt_id";
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Filter {
+    status: Option<String>,
+    task_id: Option<Uuid>,
+}
+
+pub async fn list(
+    State(s): State<AppState>,
+    auth: Auth,
+    q: Result<Query<Filter>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    let Query(q) = q?;
+    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+        "{SELECT} WHERE ap.workspace_id = $1 AND ($2::text IS NULL OR ap.status = $2)
+           AND ($3::uuid IS NULL OR a.task_id = $3) ORDER BY ap.created_at DESC LIMIT 500"
+    ))
+    .bind(auth.workspace_id)
+    .bind(&q.status)
+    .bind(q.task_id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(
+        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
+}
+
+pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    let row: Option<(Value,)> = sqlx::query_as(&format!(
+        "{SELECT} WHERE ap.workspace_id = $1 AND ap.id = $2"
+    ))
+    .bind(auth.workspace_id)
+    .bind(id)
+    .fetch_optional(&s.db)
+    .await?;
+    row.map(|r| Json(r.0))
+        .ok_or_else(|| ApiError::not_found("approval"))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionBody {
+    reason: Option<String>,
+    /// Allow the same tool without asking for the rest of this task (never beyond it).
+    #[serde(default)]
+    always_for_task: bool,
+}
+
+fn body_of(bytes: &axum::body::Bytes) -> ApiResult<DecisionBody> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(DecisionBody::default());
+    }
+    serde_json::from_slice(bytes).map_err(|_| {
+        ApiError::bad_request("malformed_json", "request body is not a valid decision")
+    })
+}
+
+async fn decide(
+    s: &AppState,
+    auth: Auth,
+    id: Uuid,
+    allow: bool,
+    body: DecisionBody,
+) -> ApiResult<Json<Value>> {
+    let reason = body.reason.unwrap_or_default();
+    if reason.len() > 4096 {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`reason` is limited to 4096 bytes",
+        ));
+    }
+    let req = DecideApproval {
+        approval_id: id.to_string(),
+        workspace_id: auth.workspace_id.to_string(),
+        allow,
+        reason,
+        decided_by: "api".into(),
+        always_for_task: allow && body.always_for_task,
+    };
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        s.nats.request(
+            agentscope_bus::subjects::APPROVAL_DECIDE,
+            req.encode_to_vec().into(),
+        ),
+    )
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the scheduler did not answer; retry",
+        )
+    })?
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the scheduler is not reachable; retry",
+        )
+    })?;
+    let r = DecideApprovalReply::decode(reply.payload.as_ref()).map_err(|_| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "internal",
+            "unreadable answer from the scheduler",
+        )
+    })?;
+    if !r.ok {
+        return Err(match r.error_code.as_str() {
+            "not_found" => ApiError::not_found("approval"),
+            "already_decided" => ApiError::conflict("already_decided", r.message),
+            "attempt_ended" => ApiError::conflict("attempt_ended", r.message),
+            _ => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", r.message),
+        });
+    }
+    let (v,): (Value,) = sqlx::query_as(&format!("{SELECT} WHERE ap.id = $1"))
+        .bind(id)
+        .fetch_one(&s.db)
+        .await?;
+    Ok(Json(v))
+}
+
+pub async fn approve(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<Value>> {
+    decide(&s, auth, id, true, body_of(&body)?).await
+}
+
+pub async fn deny(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<Value>> {
+    decide(&s, auth, id, false, body_of(&body)?).await
+}

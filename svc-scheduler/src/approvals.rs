@@ -1,0 +1,264 @@
+//! Approvals (H13, M9): a provider's tool request becomes an Approval record; a decision is
+//! applied exactly once and sent to the host holding the attempt; an undecided request turns
+//! into a deny with the class `approval_timeout` when its policy deadline passes.
+
+use crate::{Ctx, Error, attempts};
+use agentscope_bus::{CONSUMER_APPROVALS, SCHEDULER_QUEUE, STREAM_APPROVALS, subjects};
+use agentscope_schemas::Message;
+use agentscope_schemas::v1::{
+    ApprovalDecision, DecideApproval, DecideApprovalReply, HostCommand, ToolRequest, host_command,
+};
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+use futures::StreamExt;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Records tool requests published by hosts.
+pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let stream = ctx
+        .js
+        .get_stream(STREAM_APPROVALS)
+        .await
+        .map_err(Error::bus)?;
+    let consumer = stream
+        .get_or_create_consumer(
+            CONSUMER_APPROVALS,
+            pull::Config {
+                durable_name: Some(CONSUMER_APPROVALS.into()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(10),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(Error::bus)?;
+    let mut messages = consumer.messages().await.map_err(Error::bus)?;
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            m = messages.next() => match m {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => { tracing::warn!(error = ?e, "approvals consumer"); continue }
+                None => return Ok(()),
+            },
+        };
+        let subject = msg.subject.to_string();
+        let ack = match record_request(&ctx, &msg.payload).await {
+            Ok(()) => AckKind::Ack,
+            Err(e) if e.retryable() => AckKind::Nak(Some(Duration::from_millis(500))),
+            Err(e) => {
+                crate::reject(
+                    &ctx,
+                    &subject,
+                    CONSUMER_APPROVALS,
+                    &e.to_string(),
+                    &msg.payload,
+                )
+                .await;
+                AckKind::Term
+            }
+        };
+        let _ = msg.ack_with(ack).await;
+    }
+}
+
+async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
+    let req = ToolRequest::decode(payload)
+        .map_err(|_| Error::Rejected("malformed ToolRequest payload".into()))?;
+    let attempt_id = Uuid::parse_str(&req.attempt_id)
+        .map_err(|_| Error::Rejected("attempt_id is not a UUID".into()))?;
+    let input: serde_json::Value = serde_json::from_str(&req.input_json)
+        .unwrap_or(serde_json::Value::String(req.input_json.clone()));
+    let timeout_ms = if req.timeout_ms == 0 {
+        600_000
+    } else {
+        req.timeout_ms
+    } as f64;
+    // Fencing: only the current lease holder of an active attempt may ask.
+    let inserted = sqlx::query(
+        r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
+           SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
+           FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
+           ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(attempt_id)
+    .bind(&req.request_id)
+    .bind(&req.tool_name)
+    .bind(&input)
+    .bind(timeout_ms)
+    .bind(req.lease_token as i64)
+    .execute(&ctx.db)
+    .await?;
+    if inserted.rows_affected() == 1 {
+        ctx.metrics.inc("agentscope_approvals_requested_total", &[]);
+        tracing::info!(%attempt_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested");
+    }
+    Ok(())
+}
+
+/// Answers decisions from the gateway, and applies each one exactly once.
+pub(crate) async fn serve_decisions(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let sub = ctx
+        .nats
+        .queue_subscribe(subjects::APPROVAL_DECIDE, SCHEDULER_QUEUE.into())
+        .await
+        .map_err(Error::bus)?;
+    sub.take_until(cancel.cancelled_owned())
+        .for_each_concurrent(8, |msg| {
+            let ctx = ctx.clone();
+            async move {
+                let Some(reply) = msg.reply.clone() else {
+                    return;
+                };
+                let answer = match DecideApproval::decode(msg.payload.as_ref()) {
+                    Ok(d) => decide(&ctx, d, "allowed", "denied")
+                        .await
+                        .unwrap_or_else(|e| {
+                            tracing::error!(error = ?e, "decide approval");
+                            refused("internal", "the decision could not be recorded; retry", "")
+                        }),
+                    Err(_) => refused("malformed", "DecideApproval payload does not decode", ""),
+                };
+                let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
+            }
+        })
+        .await;
+    Ok(())
+}
+
+fn refused(code: &str, message: &str, status: &str) -> DecideApprovalReply {
+    DecideApprovalReply {
+        ok: false,
+        error_code: code.into(),
+        message: message.into(),
+        status: status.into(),
+    }
+}
+
+/// Moves a pending approval to its decision once; tells the host. `allowed`/`denied` name the
+/// stored statuses (a timeout stores `timed_out`).
+async fn decide(
+    ctx: &Ctx,
+    d: DecideApproval,
+    allowed: &str,
+    denied: &str,
+) -> Result<DecideApprovalReply, Error> {
+    let Ok(id) = Uuid::parse_str(&d.approval_id) else {
+        return Ok(refused("not_found", "approval not found", ""));
+    };
+    let ws = Uuid::parse_str(&d.workspace_id).ok();
+    let status = if d.allow { allowed } else { denied };
+    let mut tx = ctx.db.begin().await?;
+    let row: Option<(String, Uuid, String, Uuid)> = sqlx::query_as(
+        "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((current, attempt_id, request_id, workspace)) = row else {
+        return Ok(refused("not_found", "approval not found", ""));
+    };
+    if ws.is_some_and(|w| w != workspace) {
+        return Ok(refused("not_found", "approval not found", ""));
+    }
+    if current != "pending" {
+        // The same decision again is a harmless replay; a different one is refused.
+        let same = current == status;
+        return Ok(DecideApprovalReply {
+            ok: same,
+            error_code: if same {
+                String::new()
+            } else {
+                "already_decided".into()
+            },
+            message: if same {
+                "already decided so".into()
+            } else {
+                format!("this approval was already decided: {current}")
+            },
+            status: current,
+        });
+    }
+    let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
+        return Ok(refused("not_found", "approval not found", ""));
+    };
+    if !a.status.is_active() {
+        sqlx::query("UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform', reason = 'the attempt had ended' WHERE id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        return Ok(refused(
+            "attempt_ended",
+            "the attempt that asked has ended",
+            "denied",
+        ));
+    }
+    sqlx::query("UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1")
+        .bind(id)
+        .bind(status)
+        .bind(&d.decided_by)
+        .bind(&d.reason)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    if let Some(host) = a.host_id {
+        let cmd = HostCommand {
+            command_id: format!("decision:{id}"),
+            command: Some(host_command::Command::ApprovalDecision(ApprovalDecision {
+                approval_id: id.to_string(),
+                request_id,
+                attempt_id: attempt_id.to_string(),
+                allow: d.allow,
+                reason: if d.reason.is_empty() {
+                    status.to_string()
+                } else {
+                    d.reason.clone()
+                },
+                decided_by: d.decided_by.clone(),
+                always_for_task: d.always_for_task,
+            })),
+        };
+        ctx.js
+            .publish_with_headers(
+                subjects::control(&host.to_string()),
+                agentscope_bus::headers(&cmd.command_id),
+                cmd.encode_to_vec().into(),
+            )
+            .await
+            .map_err(Error::bus)?
+            .await
+            .map_err(Error::bus)?;
+    }
+    ctx.metrics
+        .inc("agentscope_approvals_decided_total", &[("status", status)]);
+    tracing::info!(approval_id = %id, %attempt_id, status, by = %d.decided_by, "approval decided");
+    Ok(DecideApprovalReply {
+        ok: true,
+        status: status.into(),
+        ..Default::default()
+    })
+}
+
+/// Pending approvals past their deadline become denies with the class `approval_timeout`.
+pub(crate) async fn expire(ctx: &Ctx) -> Result<(), Error> {
+    let due: Vec<(Uuid,)> = sqlx::query_as(
+        "SELECT id FROM approvals WHERE status = 'pending' AND expires_at < now() LIMIT 100",
+    )
+    .fetch_all(&ctx.db)
+    .await?;
+    for (id,) in due {
+        let d = DecideApproval {
+            approval_id: id.to_string(),
+            allow: false,
+            reason: "approval_timeout: no decision before the policy deadline".into(),
+            decided_by: "policy".into(),
+            ..Default::default()
+        };
+        decide(ctx, d, "allowed", "timed_out").await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! Hosted approvals with the real Claude Code: a tool request becomes an Approval, waits for a
+//! decision from the API, and the decision is applied exactly once; an undecided request times
+//! out into a deny with the class `approval_timeout`.
+
+use crate::agents::{modelsim, provider_env};
+use agentscope_system_tests::*;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+async fn pending_approval(stack: &Stack, task_id: &str) -> Value {
+    let api = stack.api.clone();
+    let path = format!("/v1/approvals?task_id={task_id}&status=pending");
+    kit::wait_for("a pending approval", Duration::from_secs(120), || {
+        let api = api.clone();
+        let path = path.clone();
+        async move {
+            api.get(&path).await.ok()?["items"]
+                .as_array()?
+                .first()
+                .cloned()
+        }
+    })
+    .await
+    .unwrap()
+}
+
+async fn decide(stack: &Stack, id: &str, verb: &str, body: Value) -> (u16, Value) {
+    stack
+        .api
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/approvals/{id}/{verb}"),
+            Some(body),
+        )
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
+    let stack = Stack::start("approvals", StackOptions::default())
+        .await
+        .unwrap();
+    let script = json!({
+        "turns": [{"say": "Running the build.", "tool": "shell", "args": {"command": "echo approved-work > ran.txt && cat ran.txt"}}],
+        "final": "Finished."
+    });
+    let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "agents"}))
+        .await
+        .unwrap();
+    let mut agents = Vec::new();
+    for (name, timeout) in [("patient", "600"), ("hasty", "2")] {
+        let profile = stack
+            .api
+            .post(
+                "/v1/runtime-profiles",
+                json!({"name": name, "provider": "claude-code", "params": {"approvals": "ask", "approval_timeout_secs": timeout}}),
+            )
+            .await
+            .unwrap();
+        let agent = stack
+            .api
+            .post(
+                "/v1/agents",
+                json!({"name": name, "provider": "claude-code"}),
+            )
+            .await
+            .unwrap();
+        stack
+            .api
+            .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
+            .await
+            .unwrap();
+        agents.push(agent["id"].as_str().unwrap().to_string());
+    }
+    let mut env = provider_env();
+    env.extend([
+        (
+            "AGENTSCOPE_PROVIDERS".to_string(),
+            "claude-code".to_string(),
+        ),
+        ("ANTHROPIC_BASE_URL".to_string(), url),
+        ("ANTHROPIC_API_KEY".to_string(), "sk-modelsim".to_string()),
+    ]);
+    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let _host = stack
+        .spawn_host("h", "agents", 1, &stack.dir.path.join("hs"), &extra)
+        .unwrap();
+    stack.wait_host_ready("h").await.unwrap();
+
+    // 1. Approved: the command runs. A conflicting second decision is refused; the same one is
+    //    a harmless replay.
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agents[0]}))
+        .await
+        .unwrap();
+    let task1 = t["id"].as_str().unwrap().to_string();
+    let ap = pending_approval(&stack, &task1).await;
+    assert_eq!(ap["tool_name"], "Bash");
+    assert!(
+        ap["input"]["command"]
+            .as_str()
+            .unwrap()
+            .contains("approved-work"),
+        "{ap}"
+    );
+    let id = ap["id"].as_str().unwrap();
+    let (st, v) = decide(&stack, id, "approve", json!({})).await;
+    assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
+    let (st, v) = decide(&stack, id, "deny", json!({"reason": "changed my mind"})).await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (409, Some("already_decided")),
+        "{v}"
+    );
+    let (st, _) = decide(&stack, id, "approve", json!({})).await;
+    assert_eq!(st, 200, "approving twice is a replay");
+    let t = stack
+        .wait_task(&task1, "succeeded", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let events = stack
+        .events(&format!(
+            "/v1/attempts/{}/events",
+            t["attempts"][0]["id"].as_str().unwrap()
+        ))
+        .await
+        .unwrap();
+    let decided: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "approval_decided")
+        .collect();
+    assert_eq!(
+        decided.len(),
+        1,
+        "the decision was applied once: {decided:?}"
+    );
+    assert_eq!(decided[0]["payload"]["allow"], true);
+    assert!(events.iter().any(|e| e["kind"] == "approval_requested"));
+    assert!(
+        events.iter().any(|e| e["kind"] == "tool_result"
+            && e["payload"]["output"]
+                .as_str()
+                .is_some_and(|o| o.contains("approved-work"))),
+        "the approved command ran"
+    );
+
+    // 2. Denied: the command does not run and the agent is told why.
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agents[0]}))
+        .await
+        .unwrap();
+    let task2 = t["id"].as_str().unwrap().to_string();
+    let ap = pending_approval(&stack, &task2).await;
+    let (st, v) = decide(
+        &stack,
+        ap["id"].as_str().unwrap(),
+        "deny",
+        json!({"reason": "not on a Friday"}),
+    )
+    .await;
+    assert_eq!((st, v["status"].as_str()), (200, Some("denied")), "{v}");
+    let t = stack
+        .wait_task(&task2, "succeeded", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let events = stack
+        .events(&format!(
+            "/v1/attempts/{}/events",
+            t["attempts"][0]["id"].as_str().unwrap()
+        ))
+        .await
+        .unwrap();
+    assert!(
+        !events.iter().any(|e| e["payload"]["output"]
+            .as_str()
+            .is_some_and(|o| o.contains("approved-work"))),
+        "denied: nothing ran"
+    );
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        requests.contains("not on a Friday"),
+        "the model was told the reason"
+    );
+
+    // 3. Undecided: the policy deadline turns it into a deny with the class approval_timeout.
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agents[1]}))
+        .await
+        .unwrap();
+    let task3 = t["id"].as_str().unwrap().to_string();
+    let ap = pending_approval(&stack, &task3).await;
+    let t = stack
+        .wait_task(&task3, "succeeded", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let after = stack
+        .api
+        .get(&format!("/v1/approvals/{}", ap["id"].as_str().unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(
+        (after["status"].as_str(), after["decided_by"].as_str()),
+        (Some("timed_out"), Some("policy")),
+        "{after}"
+    );
+    let (st, v) = decide(&stack, ap["id"].as_str().unwrap(), "approve", json!({})).await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (409, Some("already_decided"))
+    );
+    let events = stack
+        .events(&format!(
+            "/v1/attempts/{}/events",
+            t["attempts"][0]["id"].as_str().unwrap()
+        ))
+        .await
+        .unwrap();
+    let d = events
+        .iter()
+        .find(|e| e["kind"] == "approval_decided")
+        .expect("a decision event");
+    assert_eq!(
+        (
+            d["payload"]["allow"].as_bool(),
+            d["payload"]["failure_class"].as_str()
+        ),
+        (Some(false), Some("approval_timeout")),
+        "{d}"
+    );
+}
