@@ -529,6 +529,8 @@ async fn execute(
         Default::default();
     // "Allow always" lives in this attempt's memory only: it never outlives the task.
     let mut always: std::collections::HashSet<String> = Default::default();
+    // Every process of the provider's tree carries this, even one that left the process group.
+    let marker = format!("AGENTSCOPE_ATTEMPT_ID={}", a.attempt_id);
     let mut parser = adapter.parser();
     if let Some(d) = ctx.descriptor(adapter.name()) {
         if !d.live_stream {
@@ -608,12 +610,14 @@ async fn execute(
         tokio::select! {
             biased;
             _ = stops.lease_lost.cancelled(), if stop.is_none() => {
-                let left = provider::kill_group(pgid).await;
+                let mut left = provider::kill_group(pgid).await;
+                left.extend(provider::kill_marked(&marker).await);
                 stop = Some(failed(FailureClass::LeaseLost, format!("lease lost; provider killed ({} left)", left.len())));
             }
             _ = stops.cancel.cancelled(), if stop.is_none() => {
                 sink.diag("info", "cancelling", format!("SIGTERM to process group {pgid}, SIGKILL after {} ms", grace.as_millis())).await;
-                let left = provider::terminate_group(pgid, grace).await;
+                let mut left = provider::terminate_group(pgid, grace).await;
+                left.extend(provider::kill_marked(&marker).await);
                 stop = Some(if left.is_empty() {
                     (AttemptState::Cancelled, Some(FailureClass::Cancelled), "cancelled; the provider's process tree is gone".into(), None)
                 } else {
@@ -622,11 +626,13 @@ async fn execute(
             }
             _ = stops.shutdown.cancelled(), if stop.is_none() => {
                 sink.diag("warn", "host_shutdown", "the host is shutting down; stopping the provider").await;
-                let left = provider::terminate_group(pgid, grace).await;
+                let mut left = provider::terminate_group(pgid, grace).await;
+                left.extend(provider::kill_marked(&marker).await);
                 stop = Some(failed(FailureClass::HostRestart, format!("the host shut down during the attempt ({} processes left)", left.len())));
             }
             _ = &mut deadline, if stop.is_none() => {
-                let left = provider::terminate_group(pgid, grace).await;
+                let mut left = provider::terminate_group(pgid, grace).await;
+                left.extend(provider::kill_marked(&marker).await);
                 stop = Some(failed(FailureClass::Timeout, format!("timed out after {} s ({} processes left)", timeout.as_secs(), left.len())));
             }
             line = rx.recv(), if output_open => match line {
@@ -673,10 +679,11 @@ async fn execute(
     if let Some(outcome) = stop {
         return outcome;
     }
-    // The leader exited; stragglers in its group must not outlive the attempt.
+    // The leader exited; stragglers of its tree must not outlive the attempt.
     if !provider::group_members(pgid).is_empty() {
         provider::kill_group(pgid).await;
     }
+    provider::kill_marked(&marker).await;
     match status {
         Ok(s) if s.success() => (
             AttemptState::Succeeded,

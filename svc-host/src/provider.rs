@@ -304,6 +304,50 @@ pub fn group_members(pgid: i32) -> Vec<i32> {
         .collect()
 }
 
+/// Live processes whose environment carries `marker` (e.g. `AGENTSCOPE_ATTEMPT_ID=<id>`): a
+/// provider's whole tree, including children that left its process group.
+pub fn marked_processes(marker: &str) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    let me = std::process::id() as i32;
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, r)| r.split_whitespace().next().unwrap_or("Z").to_string())
+                })
+                .is_some_and(|st| st != "Z" && st != "X");
+            alive
+                && std::fs::read(format!("/proc/{pid}/environ"))
+                    .map(|env| env.split(|b| *b == 0).any(|kv| kv == marker.as_bytes()))
+                    .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// SIGKILLs every process carrying `marker` until none is left (or 10 s pass); the survivors.
+pub async fn kill_marked(marker: &str) -> Vec<i32> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = marked_processes(marker);
+        if left.is_empty() || tokio::time::Instant::now() >= deadline {
+            return left;
+        }
+        for pid in &left {
+            // SAFETY: plain signal to a process of this attempt.
+            unsafe {
+                libc::kill(*pid, libc::SIGKILL);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Sends `signal` to every process of group `pgid`.
 pub fn signal_group(pgid: i32, signal: i32) {
     // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.

@@ -658,3 +658,93 @@ printf '{"type":"result","subtype":"success","is_error":false,"result":"ok","num
         assert!(events.iter().any(|e| e["kind"] == "result"));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_claude_code_during_a_long_tool_call_leaves_no_process() {
+    let stack = Stack::start("claude-cancel", StackOptions::default())
+        .await
+        .unwrap();
+    let script = json!({"turns": [{"tool": "shell", "args": {"command": "tail -f /dev/null"}}], "final": "done"});
+    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "agents"}))
+        .await
+        .unwrap();
+    let profile = stack
+        .api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": "p", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    let agent = stack
+        .api
+        .post(
+            "/v1/agents",
+            json!({"name": "a", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    stack
+        .api
+        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
+        .await
+        .unwrap();
+    let mut env = provider_env();
+    env.extend([
+        (
+            "AGENTSCOPE_PROVIDERS".to_string(),
+            "claude-code".to_string(),
+        ),
+        ("ANTHROPIC_BASE_URL".to_string(), url),
+        ("ANTHROPIC_API_KEY".to_string(), "sk-modelsim".to_string()),
+    ]);
+    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let _host = stack
+        .spawn_host("h", "agents", 1, &stack.dir.path.join("hs"), &extra)
+        .unwrap();
+    stack.wait_host_ready("h").await.unwrap();
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+        .await
+        .unwrap();
+    let task_id = t["id"].as_str().unwrap().to_string();
+    let attempt = stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let attempt_id = attempt["id"].as_str().unwrap().to_string();
+    let a = attempt_id.clone();
+    kit::wait_for("the long tool call to run", Duration::from_secs(90), || {
+        let a = a.clone();
+        async move {
+            processes_of_attempt(&a)
+                .iter()
+                .any(|pid| {
+                    std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
+                })
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    stack
+        .api
+        .post(&format!("/v1/tasks/{task_id}/cancel"), json!({}))
+        .await
+        .unwrap();
+    let t = stack
+        .wait_task(&task_id, "cancelled", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(t["attempts"][0]["failure_class"], "cancelled");
+    let left = processes_of_attempt(&attempt_id);
+    assert!(
+        left.is_empty(),
+        "no process of the provider's tree remains: {left:?}"
+    );
+}
