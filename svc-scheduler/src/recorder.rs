@@ -146,8 +146,20 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     };
     let seq = ev.seq as i64;
     if seq <= a.last_seq {
-        ctx.metrics.inc("agentscope_events_duplicate_total", &[]);
-        return Ok(Outcome::Duplicate);
+        // A redelivery of the host's own event is a duplicate; a host event where the scheduler
+        // recorded the attempt's end (lease expiry) comes from a holder that lost its lease.
+        let by_scheduler: Option<bool> = sqlx::query_scalar(
+            "SELECT payload->>'recorded_by' = 'scheduler' FROM execution_events WHERE attempt_id = $1 AND seq = $2",
+        )
+        .bind(attempt_id)
+        .bind(seq)
+        .fetch_optional(&mut *tx)
+        .await?
+        .flatten();
+        if by_scheduler != Some(true) {
+            ctx.metrics.inc("agentscope_events_duplicate_total", &[]);
+            return Ok(Outcome::Duplicate);
+        }
     }
     if a.lease_token != Some(ev.lease_token as i64)
         || a.host_id.map(|h| h.to_string()) != Some(ev.host_id.clone())

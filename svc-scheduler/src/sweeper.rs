@@ -130,10 +130,32 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
         None,
     )
     .await?;
+    // The decision is part of the attempt's record, so logs and live streams show it.
+    let next = a.last_seq + 1;
+    sqlx::query(
+        "INSERT INTO execution_events (attempt_id, seq, kind, payload, at) VALUES ($1, $2, 'lifecycle', $3, now())",
+    )
+    .bind(attempt_id)
+    .bind(next)
+    .bind(serde_json::json!({
+        "state": "lost",
+        "failure_class": FailureClass::LeaseLost.as_str(),
+        "remedy": FailureClass::LeaseLost.remedy(),
+        "detail": if retry.is_some() { "lease expired: the host stopped renewing it; a new attempt is scheduled" } else { "lease expired: the host stopped renewing it; no retry left" },
+        "exit_code": null,
+        "recorded_by": "scheduler",
+    }))
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("UPDATE attempts SET last_seq = $2 WHERE id = $1")
+        .bind(attempt_id)
+        .bind(next)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     ctx.metrics.inc("agentscope_leases_lost_total", &[]);
     tracing::warn!(%attempt_id, task_id = %a.task_id, host_id = ?a.host_id, "lease expired; attempt lost");
-    crate::intake::notify(ctx, attempt_id, a.task_id, a.last_seq as u64).await;
+    crate::intake::notify(ctx, attempt_id, a.task_id, a.last_seq as u64 + 1).await;
     if let Some(pool) = retry {
         attempts::nudge(ctx, pool).await;
     }

@@ -75,6 +75,24 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
     assert_eq!(attempts[0]["status"], "lost", "the old record stays");
     assert_eq!(attempts[1]["host_id"], id_b.trim());
     let events_before: i64 = attempts[0]["events"].as_i64().unwrap();
+    // The lease decision is part of the attempt's record (logs and live streams show it).
+    let a1_events = stack
+        .events(&format!("/v1/attempts/{attempt1}/events"))
+        .await
+        .unwrap();
+    let last = a1_events.last().unwrap();
+    assert_eq!(
+        (last["kind"].as_str(), last["payload"]["state"].as_str()),
+        (Some("lifecycle"), Some("lost")),
+        "{last}"
+    );
+    assert!(
+        last["payload"]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("new attempt"),
+        "{last}"
+    );
 
     // The orphaned provider of host A is not the platform's to reap; end it for tidiness.
     for pid in processes_of_attempt(&attempt1) {
