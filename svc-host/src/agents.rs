@@ -330,6 +330,24 @@ impl Adapter for ClaudeCode {
             + "\n"
     }
 
+    fn fatal(&self, line: &str) -> Option<(agentscope_domain::FailureClass, String)> {
+        if !line.contains("api_retry") {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        let status = v["error_status"].as_u64().unwrap_or(0);
+        let refused = status == 401 || status == 403 || v["error"] == "authentication_failed";
+        (v["type"] == "system" && v["subtype"] == "api_retry" && refused).then(|| {
+            (
+                agentscope_domain::FailureClass::ProviderLogin,
+                format!(
+                    "the model provider refused the credentials (HTTP {status}, {})",
+                    v["error"].as_str().unwrap_or("authentication failed")
+                ),
+            )
+        })
+    }
+
     fn ends_session(&self, body: &agentscope_schemas::v1::execution_event::Body) -> bool {
         matches!(
             body,

@@ -646,6 +646,17 @@ async fn execute(
                         }
                         continue;
                     }
+                    let fatal = if stop.is_none() { adapter.fatal(&text) } else { None };
+                    if let Some((class, detail)) = fatal {
+                        for body in parser.line(&text, truncated) {
+                            sink.emit(body).await;
+                        }
+                        sink.diag("error", class.as_str(), detail.clone()).await;
+                        let mut left = provider::terminate_group(pgid, grace).await;
+                        left.extend(provider::kill_marked(&marker).await);
+                        stop = Some(failed(class, format!("{detail} ({} processes left)", left.len())));
+                        continue;
+                    }
                     for body in parser.line(&text, truncated) {
                         let end = adapter.ends_session(&body);
                         sink.emit(body).await;

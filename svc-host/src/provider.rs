@@ -81,6 +81,12 @@ pub trait Adapter: Send + Sync {
     fn control_response(&self, _req: &ControlRequest, _allow: bool, _reason: &str) -> String {
         String::new()
     }
+    /// A stdout line that means the run cannot succeed (e.g. the model provider refuses the
+    /// credentials while the CLI keeps retrying): the provider is stopped and the attempt fails
+    /// with this class and detail.
+    fn fatal(&self, _line: &str) -> Option<(FailureClass, String)> {
+        None
+    }
     /// Whether `body` ends the provider's work (its stdin is closed then).
     fn ends_session(&self, _body: &Body) -> bool {
         false

@@ -237,6 +237,18 @@ pub(crate) async fn finish(
     .await?;
     tracing::info!(attempt_id = %a.id, task_id = %a.task_id, %status, class = class.map(|c| c.as_str()), "attempt finished");
 
+    // The provider itself is the problem: try the binding's next fallback provider, fresh.
+    let provider_trouble = matches!(
+        class,
+        Some(
+            FailureClass::ProviderLogin
+                | FailureClass::ToolDependency
+                | FailureClass::BadParameters
+        )
+    );
+    if status == AttemptStatus::Failed && provider_trouble && !cancel_requested {
+        return fallback(tx, a).await;
+    }
     let retry = matches!(status, AttemptStatus::Failed | AttemptStatus::Lost)
         && class.is_some_and(|c| c.retryable())
         && !cancel_requested;
@@ -280,6 +292,139 @@ pub(crate) async fn finish(
     .await?;
     tracing::info!(task_id = %a.task_id, attempt = next, delay_ms, "retry scheduled as a new attempt");
     Ok(a.pool_id)
+}
+
+/// Cross-backend fresh fallback (H18): a new attempt on the binding's next untried fallback
+/// provider, whose input is a context pack rebuilt from the platform's records.
+async fn fallback(tx: &mut Tx<'_>, a: &Active) -> Result<Option<Uuid>, Error> {
+    let row: Option<(Vec<String>, i32, serde_json::Value)> = sqlx::query_as(
+        "SELECT b.fallback_providers, b.max_attempts, a.spec FROM attempts a JOIN bindings b ON b.id = a.binding_id WHERE a.id = $1",
+    )
+    .bind(a.id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some((fallbacks, max_attempts, spec)) = row else {
+        return Ok(None);
+    };
+    let tried: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT provider FROM attempts WHERE task_id = $1 AND provider IS NOT NULL",
+    )
+    .bind(a.task_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    let Some(next) = fallbacks.into_iter().find(|p| !tried.contains(p)) else {
+        return Ok(None);
+    };
+    if a.number >= max_attempts {
+        tracing::info!(task_id = %a.task_id, "no attempt left for a fallback");
+        return Ok(None);
+    }
+    let pack = context_pack(tx, a.task_id).await?;
+    let mut spec = spec;
+    let original = spec["input"].as_str().unwrap_or_default().to_string();
+    spec["provider"] = serde_json::json!(next);
+    // The profile's parameters belong to the failed provider; the fallback runs on defaults.
+    spec["params"] = serde_json::json!({});
+    spec["input"] = serde_json::json!(format!("{pack}\n## Original input\n\n{original}\n"));
+    spec["context_pack"] = serde_json::json!(true);
+    let number = a.number + 1;
+    sqlx::query(
+        r#"
+        INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id, agent_version_id,
+            binding_id, pool_id, provider, required_capabilities, spec)
+        SELECT $2, task_id, workspace_id, $3, 'queued', agent_id, agent_version_id, binding_id,
+            pool_id, $4, required_capabilities, $5
+        FROM attempts WHERE id = $1
+        ON CONFLICT (task_id, number) DO NOTHING
+        "#,
+    )
+    .bind(a.id)
+    .bind(Uuid::now_v7())
+    .bind(number)
+    .bind(&next)
+    .bind(&spec)
+    .execute(&mut **tx)
+    .await?;
+    tracing::info!(task_id = %a.task_id, attempt = number, provider = %next, "fresh fallback to another provider, with a context pack");
+    Ok(a.pool_id)
+}
+
+/// The task's context, rebuilt from persisted records only: the Issue, its comments, its
+/// Artifacts and the outcomes of the previous attempts.
+async fn context_pack(tx: &mut Tx<'_>, task_id: Uuid) -> Result<String, Error> {
+    use std::fmt::Write;
+    let mut out = String::from(
+        "# Context pack\n\nRebuilt from the platform's records: an earlier attempt of this task ran on another provider.\n",
+    );
+    let issue: Option<(Option<Uuid>, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT t.issue_id, i.title, i.body FROM tasks t LEFT JOIN issues i ON i.id = t.issue_id WHERE t.id = $1",
+    )
+    .bind(task_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let issue_id = issue.as_ref().and_then(|i| i.0);
+    if let Some((Some(_), title, body)) = &issue {
+        let _ = write!(
+            out,
+            "\n## Issue: {}\n\n{}\n",
+            title.clone().unwrap_or_default(),
+            body.clone().unwrap_or_default()
+        );
+        let comments: Vec<(String, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+            "SELECT author, body, created_at FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+        )
+        .bind(issue_id)
+        .fetch_all(&mut **tx)
+        .await?;
+        out.push_str("\n## Comments\n\n");
+        if comments.is_empty() {
+            out.push_str("(none)\n");
+        }
+        for (author, body, at) in comments {
+            let _ = writeln!(out, "- {author} ({}): {body}", at.to_rfc3339());
+        }
+    }
+    let artifacts: Vec<(String, String, i64, Vec<u8>)> = sqlx::query_as(
+        "SELECT name, content_type, size_bytes, CASE WHEN size_bytes <= 16384 THEN content ELSE '\\x'::bytea END
+         FROM artifacts WHERE task_id = $1 OR ($2::uuid IS NOT NULL AND issue_id = $2) ORDER BY created_at, id",
+    )
+    .bind(task_id)
+    .bind(issue_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    out.push_str("\n## Artifacts\n\n");
+    if artifacts.is_empty() {
+        out.push_str("(none)\n");
+    }
+    for (name, ct, size, content) in artifacts {
+        let _ = writeln!(out, "### {name} ({ct}, {size} bytes)\n");
+        let textual = ct.starts_with("text/") || ct == "application/json";
+        match (textual && !content.is_empty(), String::from_utf8(content)) {
+            (true, Ok(text)) => {
+                let _ = writeln!(out, "```\n{text}\n```\n");
+            }
+            _ => out.push_str(
+                "(not included: binary or larger than 16 KiB; download it through the API)\n\n",
+            ),
+        }
+    }
+    let previous: Vec<(i32, Option<String>, String, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT number, provider, status, failure_class, failure_detail FROM attempts WHERE task_id = $1 ORDER BY number",
+    )
+    .bind(task_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    out.push_str("\n## Previous attempts\n\n");
+    for (n, provider, status, class, detail) in previous {
+        let _ = writeln!(
+            out,
+            "- attempt {n} on {}: {status}{}{}",
+            provider.unwrap_or_default(),
+            class.map(|c| format!(" ({c})")).unwrap_or_default(),
+            detail.map(|d| format!(": {d}")).unwrap_or_default()
+        );
+    }
+    Ok(out)
 }
 
 /// Wakes the hosts of a pool so they ask for work now instead of at their next poll.

@@ -748,3 +748,147 @@ async fn cancelling_claude_code_during_a_long_tool_call_leaves_no_process() {
         "no process of the provider's tree remains: {left:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
+    let stack = Stack::start("fallback", StackOptions::default())
+        .await
+        .unwrap();
+    let script = json!({"turns": [], "final": "Done from the context pack."});
+    let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "agents"}))
+        .await
+        .unwrap();
+    // Earlier work on the Issue: an Artifact and a comment by an executor, a comment by a person.
+    let (helper, _) = stack
+        .command_agent(
+            "helper",
+            "agents",
+            &["sh", "-c", "printf 'design notes: use the blue button\\n' > notes.md && agentscope task upload notes.md >/dev/null && agentscope task comment 'prior work done' >/dev/null"],
+            None,
+        )
+        .await
+        .unwrap();
+    let profile = stack
+        .api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": "claude", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    let agent = stack
+        .api
+        .post(
+            "/v1/agents",
+            json!({"name": "coder", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    stack
+        .api
+        .post(
+            "/v1/bindings",
+            json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"],
+                   "max_attempts": 2, "fallback_providers": ["codex"]}),
+        )
+        .await
+        .unwrap();
+    let mut env = provider_env();
+    env.extend([
+        (
+            "AGENTSCOPE_PROVIDERS".to_string(),
+            "command,claude-code,codex".to_string(),
+        ),
+        ("ANTHROPIC_BASE_URL".to_string(), url.clone()),
+        // The model provider refuses this key with a 401, as a real one refuses a bad key.
+        ("ANTHROPIC_API_KEY".to_string(), "sk-rejected".to_string()),
+        ("OPENAI_BASE_URL".to_string(), format!("{url}/v1")),
+        ("OPENAI_API_KEY".to_string(), "sk-modelsim".to_string()),
+    ]);
+    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let _host = stack
+        .spawn_host("h", "agents", 1, &stack.dir.path.join("hs"), &extra)
+        .unwrap();
+    stack.wait_host_ready("h").await.unwrap();
+
+    let issue = stack
+        .api
+        .post("/v1/issues", json!({"title": "Restyle the checkout", "body": "The button looks wrong.", "assignee_agent_id": helper}))
+        .await
+        .unwrap();
+    stack
+        .wait_task(
+            issue["task_id"].as_str().unwrap(),
+            "succeeded",
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    let issue_id = issue["id"].as_str().unwrap();
+    stack
+        .api
+        .post(
+            &format!("/v1/issues/{issue_id}/comments"),
+            json!({"body": "Please keep the API stable."}),
+        )
+        .await
+        .unwrap();
+
+    let t = stack
+        .api
+        .post(
+            "/v1/tasks",
+            json!({"agent_id": agent["id"], "issue_id": issue_id}),
+        )
+        .await
+        .unwrap();
+    let t = stack
+        .wait_task(
+            t["id"].as_str().unwrap(),
+            "succeeded",
+            Duration::from_secs(180),
+        )
+        .await
+        .unwrap();
+    let attempts = t["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{t:#}");
+    assert_eq!(
+        (
+            attempts[0]["provider"].as_str(),
+            attempts[0]["status"].as_str(),
+            attempts[0]["failure_class"].as_str()
+        ),
+        (Some("claude-code"), Some("failed"), Some("provider_login")),
+        "{t:#}"
+    );
+    assert_eq!(
+        (
+            attempts[1]["provider"].as_str(),
+            attempts[1]["status"].as_str()
+        ),
+        (Some("codex"), Some("succeeded"))
+    );
+    // What Codex was given came from the records: the Issue, both comments, the Artifact's
+    // content and the failed attempt's outcome.
+    let requests = std::fs::read_to_string(&log).unwrap();
+    let codex: Vec<&str> = requests
+        .lines()
+        .filter(|l| l.contains("/v1/responses"))
+        .collect();
+    assert!(!codex.is_empty());
+    let seen = codex.join("\n");
+    for needle in [
+        "Context pack",
+        "Restyle the checkout",
+        "The button looks wrong.",
+        "prior work done",
+        "Please keep the API stable.",
+        "design notes: use the blue button",
+        "provider_login",
+    ] {
+        assert!(seen.contains(needle), "the context pack carries `{needle}`");
+    }
+}

@@ -599,15 +599,68 @@ enum Api {
     Chat,
 }
 
-async fn messages(State(st): State<Arc<AppState>>, uri: Uri, body: Bytes) -> Response {
+/// The API key that every endpoint refuses with a 401, as a real provider refuses a bad key.
+pub const REJECTED_KEY: &str = "sk-rejected";
+
+fn api_key(headers: &axum::http::HeaderMap) -> Option<String> {
+    let h = |n: &str| {
+        headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    h("x-api-key")
+        .or_else(|| h("authorization").map(|a| a.trim_start_matches("Bearer ").to_string()))
+}
+
+/// The provider's own 401 for a refused key.
+async fn refuse_key(st: &AppState, api: Api, path: String) -> Response {
+    st.log_line(&json!({"path": path, "method": "POST", "outcome": "unauthorized"}))
+        .await;
+    let body = match api {
+        Api::Anthropic => {
+            json!({"type": "error", "error": {"type": "authentication_error", "message": "invalid x-api-key"}})
+        }
+        Api::Responses | Api::Chat => {
+            json!({"error": {"message": "Incorrect API key provided", "type": "invalid_request_error", "code": "invalid_api_key"}})
+        }
+    };
+    (axum::http::StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
+}
+
+async fn messages(
+    State(st): State<Arc<AppState>>,
+    uri: Uri,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    if api_key(&headers).as_deref() == Some(REJECTED_KEY) {
+        return refuse_key(&st, Api::Anthropic, uri.to_string()).await;
+    }
     handle(st, Api::Anthropic, uri.to_string(), body).await
 }
 
-async fn responses(State(st): State<Arc<AppState>>, uri: Uri, body: Bytes) -> Response {
+async fn responses(
+    State(st): State<Arc<AppState>>,
+    uri: Uri,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    if api_key(&headers).as_deref() == Some(REJECTED_KEY) {
+        return refuse_key(&st, Api::Responses, uri.to_string()).await;
+    }
     handle(st, Api::Responses, uri.to_string(), body).await
 }
 
-async fn chat(State(st): State<Arc<AppState>>, uri: Uri, body: Bytes) -> Response {
+async fn chat(
+    State(st): State<Arc<AppState>>,
+    uri: Uri,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    if api_key(&headers).as_deref() == Some(REJECTED_KEY) {
+        return refuse_key(&st, Api::Chat, uri.to_string()).await;
+    }
     handle(st, Api::Chat, uri.to_string(), body).await
 }
 
