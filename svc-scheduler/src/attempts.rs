@@ -408,7 +408,8 @@ async fn context_pack(tx: &mut Tx<'_>, task_id: Uuid) -> Result<String, Error> {
             ),
         }
     }
-    let previous: Vec<(i32, Option<String>, String, Option<String>, Option<String>)> = sqlx::query_as(
+    type Outcome = (i32, Option<String>, String, Option<String>, Option<String>);
+    let previous: Vec<Outcome> = sqlx::query_as(
         "SELECT number, provider, status, failure_class, failure_detail FROM attempts WHERE task_id = $1 ORDER BY number",
     )
     .bind(task_id)
