@@ -330,6 +330,29 @@ impl Adapter for ClaudeCode {
             + "\n"
     }
 
+    fn resume_launch(&self, ctx: &LaunchCtx, session_id: &str) -> Option<Result<Launch, Refusal>> {
+        if ctx.spec.params.get("approvals").is_some_and(|a| a == "ask") {
+            return None;
+        }
+        Some(self.launch(ctx).map(|mut l| {
+            // [bin, -p, PROMPT, ...] -> [bin, --resume, ID, -p, CONTINUE, ...]
+            l.argv[2] = "The Runtime Host restarted while you worked on this task. Continue where you left off and finish it.".into();
+            l.argv.insert(1, session_id.to_string());
+            l.argv.insert(1, "--resume".into());
+            l
+        }))
+    }
+
+    fn session_exists(&self, dir: &crate::provider::TaskDir, session_id: &str) -> bool {
+        // Sessions live in $HOME/.claude/projects/<cwd>/<id>.jsonl.
+        let Ok(projects) = std::fs::read_dir(dir.home.join(".claude/projects")) else {
+            return false;
+        };
+        projects
+            .filter_map(|e| e.ok())
+            .any(|p| p.path().join(format!("{session_id}.jsonl")).is_file())
+    }
+
     fn fatal(&self, line: &str) -> Option<(agentscope_domain::FailureClass, String)> {
         if !line.contains("api_retry") {
             return None;

@@ -115,7 +115,8 @@ impl EventSink {
         self.checkpoint(true);
     }
 
-    fn checkpoint(&self, durable: bool) {
+    fn checkpoint(&mut self, durable: bool) {
+        self.entry.saved_at_ms = agentscope_bus::now_ms();
         if let Err(e) = self.ctx.journal.save(&self.entry, durable) {
             tracing::error!(error = ?e, "write journal checkpoint");
         }
@@ -342,6 +343,7 @@ pub async fn run(
     a: AttemptAssignment,
     stops: Stops,
     mut decisions: tokio::sync::mpsc::Receiver<ApprovalDecision>,
+    resume: Option<Entry>,
 ) {
     let span = tracing::info_span!("attempt", workspace_id = %a.workspace_id, task_id = %a.task_id, attempt_id = %a.attempt_id, host_id = %ctx.host_id);
     agentscope_bus::set_parent(
@@ -349,7 +351,8 @@ pub async fn run(
         Some(a.traceparent.as_str()).filter(|s| !s.is_empty()),
     );
     async move {
-        let entry = Entry {
+        let resuming = resume.as_ref().map(|e| e.provider_session_id.clone());
+        let entry = resume.unwrap_or_else(|| Entry {
             attempt_id: a.attempt_id.clone(),
             task_id: a.task_id.clone(),
             lease_key: a.lease_key.clone(),
@@ -357,9 +360,18 @@ pub async fn run(
             last_seq: 0,
             state: "claimed".into(),
             provider_session_id: String::new(),
-        };
+            provider: a
+                .spec
+                .as_ref()
+                .map(|s| s.provider.clone())
+                .unwrap_or_default(),
+            assignment_hex: hex::encode(a.encode_to_vec()),
+            saved_at_ms: agentscope_bus::now_ms(),
+        });
         let mut sink = EventSink::new(ctx.clone(), entry, stops.lease_lost.clone());
-        sink.set_state("claimed");
+        if resuming.is_none() {
+            sink.set_state("claimed");
+        }
         let renew_done = CancellationToken::new();
         let renewer = tokio::spawn(keep_lease(
             ctx.clone(),
@@ -368,7 +380,15 @@ pub async fn run(
             renew_done.clone(),
         ));
 
-        let outcome = execute(&ctx, &a, &mut sink, &stops, &mut decisions).await;
+        let outcome = execute(
+            &ctx,
+            &a,
+            &mut sink,
+            &stops,
+            &mut decisions,
+            resuming.as_deref(),
+        )
+        .await;
         if !stops.lease_lost.is_cancelled() {
             let (state, class, detail, exit) = outcome;
             sink.lifecycle(state, class, detail, exit).await;
@@ -396,6 +416,7 @@ async fn execute(
     sink: &mut EventSink,
     stops: &Stops,
     decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,
+    resume: Option<&str>,
 ) -> Outcome {
     let spec = a.spec.clone().unwrap_or_default();
     let Some(adapter) = ctx.adapter(&spec.provider) else {
@@ -404,11 +425,23 @@ async fn execute(
             format!("provider `{}` is not available on this host", spec.provider),
         );
     };
-    sink.diag("info", "preparing", "preparing task directory")
+    let dir = if let Some(session) = resume {
+        sink.diag(
+            "info",
+            "resuming",
+            format!(
+                "the host restarted; resuming provider session {session} in the same task directory"
+            ),
+        )
         .await;
-    let dir = match prepare(ctx, a, sink).await {
-        Ok(d) => d,
-        Err(detail) => return failed(FailureClass::TaskDir, detail),
+        existing_task_dir(ctx, a)
+    } else {
+        sink.diag("info", "preparing", "preparing task directory")
+            .await;
+        match prepare(ctx, a, sink).await {
+            Ok(d) => d,
+            Err(detail) => return failed(FailureClass::TaskDir, detail),
+        }
     };
     if stops.cancel.is_cancelled() {
         return (
@@ -432,7 +465,18 @@ async fn execute(
         task_token: &a.task_token,
         cli: ctx.cli_path(),
     };
-    let launch = match adapter.launch(&launch_ctx) {
+    let launched = match resume {
+        Some(session) => adapter
+            .resume_launch(&launch_ctx, session)
+            .unwrap_or_else(|| {
+                Err(provider::Refusal {
+                    class: FailureClass::HostRestart,
+                    detail: "this provider cannot resume".into(),
+                })
+            }),
+        None => adapter.launch(&launch_ctx),
+    };
+    let launch = match launched {
         Ok(l) => l,
         Err(r) => return failed(r.class, r.detail),
     };
@@ -718,6 +762,19 @@ async fn execute(
             FailureClass::ProviderCrash,
             format!("wait for provider: {e}"),
         ),
+    }
+}
+
+/// The task directory an earlier run of this host prepared for the attempt.
+pub fn existing_task_dir(ctx: &Ctx, a: &AttemptAssignment) -> TaskDir {
+    let root = ctx.tasks_dir.join(&a.attempt_id);
+    let repo = root.join("repo");
+    TaskDir {
+        repo: repo.is_dir().then_some(repo),
+        input_dir: root.join("input"),
+        home: root.join("home"),
+        tmp: root.join("tmp"),
+        root,
     }
 }
 

@@ -66,6 +66,13 @@ pub struct Entry {
     pub state: String,
     #[serde(default)]
     pub provider_session_id: String,
+    #[serde(default)]
+    pub provider: String,
+    /// The whole assignment (protobuf, hex), so a restarted host can resume the attempt.
+    #[serde(default)]
+    pub assignment_hex: String,
+    #[serde(default)]
+    pub saved_at_ms: i64,
 }
 
 #[derive(Clone)]
@@ -77,6 +84,10 @@ impl Journal {
     pub fn open(state_dir: &Path) -> Result<Self, Error> {
         let dir = state_dir.join("journal");
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+        // It holds task credentials: the host's user only.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("chmod", &dir))?;
         Ok(Self { dir })
     }
 
@@ -145,6 +156,9 @@ mod tests {
             last_seq: 3,
             state: "running".into(),
             provider_session_id: String::new(),
+            provider: String::new(),
+            assignment_hex: String::new(),
+            saved_at_ms: 0,
         };
         j.save(&e, true).unwrap();
         let got = j.entries().unwrap();

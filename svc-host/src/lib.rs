@@ -271,12 +271,22 @@ impl App {
         let ctx = self.ctx.clone();
         let cancel = self.cancel.clone();
         let registered = register(&ctx, &cancel).await?;
-        recover(&ctx).await;
+        let resumed = recover(&ctx).await;
         let slots = Arc::new(Semaphore::new(ctx.config.capacity as usize));
+        let attempts = tokio_util::task::TaskTracker::new();
+        for (a, entry) in resumed {
+            match slots.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    spawn_attempt(&ctx, &attempts, a, permit, &registered.pool_id, Some(entry))
+                }
+                Err(_) => {
+                    tracing::error!(attempt_id = %a.attempt_id, "no capacity left to resume; its lease will lapse")
+                }
+            }
+        }
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(heartbeat(ctx.clone(), slots.clone(), cancel.clone()));
         tasks.spawn(control(ctx.clone(), cancel.clone()));
-        let attempts = tokio_util::task::TaskTracker::new();
         tasks.spawn(claim_loop(
             ctx.clone(),
             registered.pool_id.clone(),
@@ -393,16 +403,25 @@ async fn register(ctx: &Ctx, cancel: &CancellationToken) -> anyhow::Result<HostR
 /// Attempts journaled by a previous run of this host whose process is gone: report them ended
 /// with `host_restart`, under their old fencing token. If the lease is gone the recorder refuses
 /// the report and nothing changes; if it still holds, the scheduler retries the task.
-async fn recover(ctx: &Ctx) {
+async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, journal::Entry)> {
     let entries = match ctx.journal.entries() {
         Ok(e) => e,
         Err(e) => {
             tracing::error!(error = ?e, "read journal");
-            return;
+            return vec![];
         }
     };
-    for e in entries {
-        tracing::warn!(attempt_id = %e.attempt_id, lease_token = e.lease_token, "attempt interrupted by a host restart");
+    let mut resume = Vec::new();
+    for mut e in entries {
+        // The provider the previous run started may have outlived it.
+        provider::kill_marked(&format!("AGENTSCOPE_ATTEMPT_ID={}", e.attempt_id)).await;
+        e.last_seq = e.last_seq.max(published_seq(ctx, &e.attempt_id).await);
+        if let Some(a) = resumable(ctx, &e).await {
+            tracing::warn!(attempt_id = %e.attempt_id, session = %e.provider_session_id, "attempt interrupted by a host restart; resuming its provider session");
+            resume.push((a, e));
+            continue;
+        }
+        tracing::warn!(attempt_id = %e.attempt_id, lease_token = e.lease_token, "attempt interrupted by a host restart; recovery conditions do not hold");
         let ev = ExecutionEvent {
             attempt_id: e.attempt_id.clone(),
             seq: e.last_seq + 1,
@@ -441,6 +460,108 @@ async fn recover(ctx: &Ctx) {
             }
             Err(err) => tracing::warn!(error = %err, "report interrupted attempt; kept in journal"),
         }
+    }
+    resume
+}
+
+/// Runs an attempt in the tracker, holding `permit` (a capacity slot) until it ends.
+fn spawn_attempt(
+    ctx: &Ctx,
+    attempts: &tokio_util::task::TaskTracker,
+    a: agentscope_schemas::v1::AttemptAssignment,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    pool_id: &str,
+    resume: Option<journal::Entry>,
+) {
+    let stops = attempt::Stops {
+        cancel: CancellationToken::new(),
+        lease_lost: CancellationToken::new(),
+        shutdown: CancellationToken::new(),
+    };
+    let (dtx, drx) = tokio::sync::mpsc::channel(64);
+    {
+        let mut st = ctx.state.lock().expect("host state");
+        st.running.insert(a.attempt_id.clone(), stops.clone());
+        st.decisions.insert(a.attempt_id.clone(), dtx);
+    }
+    let ctx = ctx.clone();
+    let pool = pool_id.to_string();
+    attempts.spawn(async move {
+        let id = a.attempt_id.clone();
+        attempt::run(ctx.clone(), a, stops, drx, resume).await;
+        {
+            let mut st = ctx.state.lock().expect("host state");
+            st.running.remove(&id);
+            st.decisions.remove(&id);
+            st.finished.push_back(id);
+            if st.finished.len() > 256 {
+                st.finished.pop_front();
+            }
+        }
+        drop(permit);
+        // A slot is free: ask again now.
+        let _ = ctx
+            .nats
+            .publish(subjects::pool_work(&pool), bytes::Bytes::new())
+            .await;
+    });
+}
+
+/// Whether a journaled attempt can resume here (H15): the provider resumes, its session exists
+/// in the task directory, the lease is still this host's, and the restart is within the window.
+/// Returns the assignment with the lease's current revision.
+async fn resumable(
+    ctx: &Ctx,
+    e: &journal::Entry,
+) -> Option<agentscope_schemas::v1::AttemptAssignment> {
+    let bytes = hex::decode(&e.assignment_hex).ok()?;
+    let mut a = agentscope_schemas::v1::AttemptAssignment::decode(bytes.as_slice()).ok()?;
+    if e.provider_session_id.is_empty()
+        || agentscope_bus::now_ms() - e.saved_at_ms > RESUME_WINDOW_MS
+    {
+        return None;
+    }
+    let adapter = ctx.adapter(&e.provider)?;
+    if !ctx
+        .descriptor(&e.provider)
+        .is_some_and(|d| d.resume && d.installed && d.logged_in)
+    {
+        return None;
+    }
+    if !adapter.session_exists(&attempt::existing_task_dir(ctx, &a), &e.provider_session_id) {
+        return None;
+    }
+    let lease = ctx.leases.entry(&e.lease_key).await.ok()??;
+    if lease.operation != async_nats::jetstream::kv::Operation::Put {
+        return None;
+    }
+    let holder = agentscope_schemas::v1::LeaseRecord::decode(lease.value.as_ref()).ok()?;
+    // The scheduler writes token 0 at creation; renewals write the fencing token.
+    if holder.host_id != ctx.host_id.to_string()
+        || (holder.token != 0 && holder.token != e.lease_token)
+    {
+        return None;
+    }
+    a.lease_revision = lease.revision;
+    Some(a)
+}
+
+/// How long after its last checkpoint an interrupted attempt may still resume.
+const RESUME_WINDOW_MS: i64 = 10 * 60 * 1000;
+
+/// The newest event seq of an attempt in the stream (the journal may lag it by one).
+async fn published_seq(ctx: &Ctx, attempt_id: &str) -> u64 {
+    let Ok(stream) = ctx.js.get_stream(agentscope_bus::STREAM_EVENTS).await else {
+        return 0;
+    };
+    match stream
+        .get_last_raw_message_by_subject(&subjects::events(attempt_id))
+        .await
+    {
+        Ok(m) => ExecutionEvent::decode(m.payload.as_ref())
+            .map(|e| e.seq)
+            .unwrap_or(0),
+        Err(_) => 0,
     }
 }
 
@@ -618,38 +739,7 @@ async fn claim_loop(
                                 tracing::error!(attempt_id = %a.attempt_id, "offered more than free capacity; its lease will lapse");
                                 continue;
                             };
-                            let stops = attempt::Stops {
-                                cancel: CancellationToken::new(),
-                                lease_lost: CancellationToken::new(),
-                                shutdown: CancellationToken::new(),
-                            };
-                            let (dtx, drx) = tokio::sync::mpsc::channel(64);
-                            {
-                                let mut st = ctx.state.lock().expect("host state");
-                                st.running.insert(a.attempt_id.clone(), stops.clone());
-                                st.decisions.insert(a.attempt_id.clone(), dtx);
-                            }
-                            let ctx2 = ctx.clone();
-                            let pool = pool_id.clone();
-                            attempts.spawn(async move {
-                                let id = a.attempt_id.clone();
-                                attempt::run(ctx2.clone(), a, stops, drx).await;
-                                {
-                                    let mut st = ctx2.state.lock().expect("host state");
-                                    st.running.remove(&id);
-                                    st.decisions.remove(&id);
-                                    st.finished.push_back(id);
-                                    if st.finished.len() > 256 {
-                                        st.finished.pop_front();
-                                    }
-                                }
-                                drop(permit);
-                                // A slot is free: ask again now.
-                                let _ = ctx2
-                                    .nats
-                                    .publish(subjects::pool_work(&pool), bytes::Bytes::new())
-                                    .await;
-                            });
+                            spawn_attempt(&ctx, &attempts, a, permit, &pool_id, None);
                         }
                     }
                     Err(_) => tracing::warn!("malformed claim offer"),

@@ -91,6 +91,19 @@ pub trait Adapter: Send + Sync {
     fn ends_session(&self, _body: &Body) -> bool {
         false
     }
+    /// How to continue provider session `session_id` in the same task directory (H15), if the
+    /// provider can.
+    fn resume_launch(
+        &self,
+        _ctx: &LaunchCtx,
+        _session_id: &str,
+    ) -> Option<Result<Launch, Refusal>> {
+        None
+    }
+    /// Whether the provider's session still exists in this task directory.
+    fn session_exists(&self, _dir: &TaskDir, _session_id: &str) -> bool {
+        false
+    }
     /// Longest stdout line read as one unit (agent CLIs put whole tool results on one line).
     fn max_line_bytes(&self) -> usize {
         4 * 1024 * 1024

@@ -892,3 +892,158 @@ async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
         assert!(seen.contains(needle), "the context pack carries `{needle}`");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
+    let stack = Stack::start(
+        "resume",
+        StackOptions {
+            lease_ttl_ms: 15_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let release = stack.shared.join("release");
+    let script = json!({
+        "turns": [
+            {"tool": "shell", "args": {"command": "echo first-step"}, "expect": "first-step"},
+            {"tool": "shell", "args": {"command": format!("test -e {} || tail -f /dev/null; echo second-step", release.display())}}
+        ],
+        "final": "Resumed and done."
+    });
+    let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "agents"}))
+        .await
+        .unwrap();
+    let profile = stack
+        .api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": "p", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    let agent = stack
+        .api
+        .post(
+            "/v1/agents",
+            json!({"name": "a", "provider": "claude-code"}),
+        )
+        .await
+        .unwrap();
+    stack
+        .api
+        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
+        .await
+        .unwrap();
+    let mut env = provider_env();
+    env.extend([
+        (
+            "AGENTSCOPE_PROVIDERS".to_string(),
+            "claude-code".to_string(),
+        ),
+        ("ANTHROPIC_BASE_URL".to_string(), url),
+        ("ANTHROPIC_API_KEY".to_string(), "sk-modelsim".to_string()),
+    ]);
+    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let state = stack.dir.path.join("hs");
+    let mut host = stack.spawn_host("h", "agents", 1, &state, &extra).unwrap();
+    stack.wait_host_ready("h").await.unwrap();
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+        .await
+        .unwrap();
+    let task_id = t["id"].as_str().unwrap().to_string();
+    let attempt = stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let attempt_id = attempt["id"].as_str().unwrap().to_string();
+    let a = attempt_id.clone();
+    kit::wait_for(
+        "the second tool call to be running",
+        Duration::from_secs(90),
+        || {
+            let a = a.clone();
+            async move {
+                processes_of_attempt(&a)
+                    .iter()
+                    .any(|pid| {
+                        std::fs::read(format!("/proc/{pid}/cmdline"))
+                            .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
+                    })
+                    .then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let session = stack
+        .api
+        .get(&format!("/v1/attempts/{attempt_id}"))
+        .await
+        .unwrap()["provider_session_id"]
+        .clone();
+    assert!(session.as_str().is_some_and(|s| !s.is_empty()));
+
+    // Crash the host mid-task; the provider is orphaned. Restart it with the same identity.
+    std::fs::write(&release, "go").unwrap();
+    host.kill9_leader();
+    let _host = stack.spawn_host("h", "agents", 1, &state, &extra).unwrap();
+    let t = stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let attempts = t["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1, "resumed in the same attempt: {t:#}");
+    assert_eq!(
+        attempts[0]["provider_session_id"], session,
+        "the same provider session"
+    );
+    let events = stack
+        .events(&format!("/v1/attempts/{attempt_id}/events"))
+        .await
+        .unwrap();
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "no duplicated or missing events"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["kind"] == "diagnostic" && e["payload"]["code"] == "resuming"),
+        "the resume is in the record"
+    );
+    let first_results = events
+        .iter()
+        .filter(|e| {
+            e["kind"] == "tool_result"
+                && e["payload"]["output"]
+                    .as_str()
+                    .is_some_and(|o| o.contains("first-step"))
+        })
+        .count();
+    assert_eq!(
+        first_results, 1,
+        "the completed first step was not run again"
+    );
+    assert!(
+        processes_of_attempt(&attempt_id).is_empty(),
+        "the orphaned provider is gone"
+    );
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        requests
+            .lines()
+            .filter(|l| l.contains("first-step"))
+            .count()
+            >= 2,
+        "the resumed session carried its history"
+    );
+}
