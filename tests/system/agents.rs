@@ -76,6 +76,66 @@ pub(crate) async fn modelsim(
     (proc, url, log)
 }
 
+/// The pool `agents` (created when missing), a runtime profile with `params` and an agent of
+/// `provider`, bound with `max_attempts: 1` and the `binding` fields. Returns the agent id.
+pub(crate) async fn provider_agent(
+    stack: &Stack,
+    name: &str,
+    provider: &str,
+    params: Value,
+    binding: Value,
+) -> String {
+    let pools = stack.api.get("/v1/pools").await.unwrap();
+    let pool = match pools["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "agents")
+    {
+        Some(p) => p.clone(),
+        None => stack
+            .api
+            .post("/v1/pools", json!({"name": "agents"}))
+            .await
+            .unwrap(),
+    };
+    let profile = stack
+        .api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": name, "provider": provider, "params": params}),
+        )
+        .await
+        .unwrap();
+    let agent = stack
+        .api
+        .post("/v1/agents", json!({"name": name, "provider": provider}))
+        .await
+        .unwrap();
+    let mut b = json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1});
+    for (k, v) in binding.as_object().cloned().unwrap_or_default() {
+        b[k] = v;
+    }
+    stack.api.post("/v1/bindings", b).await.unwrap();
+    agent["id"].as_str().unwrap().to_string()
+}
+
+/// Host `h` in pool `agents` offering `providers`, with the installed CLIs and `env`; ready.
+pub(crate) async fn agent_host(
+    stack: &Stack,
+    state: &std::path::Path,
+    providers: &str,
+    env: &[(&str, &str)],
+) -> kit::Proc {
+    let mut all = provider_env();
+    all.push(("AGENTSCOPE_PROVIDERS".to_string(), providers.to_string()));
+    all.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let extra: Vec<(&str, &str)> = all.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let host = stack.spawn_host("h", "agents", 1, state, &extra).unwrap();
+    stack.wait_host_ready("h").await.unwrap();
+    host
+}
+
 fn script(provider: &str) -> Value {
     json!({
         "turns": [
@@ -666,49 +726,20 @@ async fn cancelling_claude_code_during_a_long_tool_call_leaves_no_process() {
         .unwrap();
     let script = json!({"turns": [{"tool": "shell", "args": {"command": "tail -f /dev/null"}}], "final": "done"});
     let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
-    let pool = stack
-        .api
-        .post("/v1/pools", json!({"name": "agents"}))
-        .await
-        .unwrap();
-    let profile = stack
-        .api
-        .post(
-            "/v1/runtime-profiles",
-            json!({"name": "p", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    let agent = stack
-        .api
-        .post(
-            "/v1/agents",
-            json!({"name": "a", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    stack
-        .api
-        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
-        .await
-        .unwrap();
-    let mut env = provider_env();
-    env.extend([
-        (
-            "AGENTSCOPE_PROVIDERS".to_string(),
-            "claude-code".to_string(),
-        ),
-        ("ANTHROPIC_BASE_URL".to_string(), url),
-        ("ANTHROPIC_API_KEY".to_string(), "sk-modelsim".to_string()),
-    ]);
-    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let _host = stack
-        .spawn_host("h", "agents", 1, &stack.dir.path.join("hs"), &extra)
-        .unwrap();
-    stack.wait_host_ready("h").await.unwrap();
+    let agent = provider_agent(&stack, "a", "claude-code", json!({}), json!({})).await;
+    let _host = agent_host(
+        &stack,
+        &stack.dir.path.join("hs"),
+        "claude-code",
+        &[
+            ("ANTHROPIC_BASE_URL", &url),
+            ("ANTHROPIC_API_KEY", "sk-modelsim"),
+        ],
+    )
+    .await;
     let t = stack
         .api
-        .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+        .post("/v1/tasks", json!({"agent_id": agent}))
         .await
         .unwrap();
     let task_id = t["id"].as_str().unwrap().to_string();
@@ -913,48 +944,16 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
         "final": "Resumed and done."
     });
     let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
-    let pool = stack
-        .api
-        .post("/v1/pools", json!({"name": "agents"}))
-        .await
-        .unwrap();
-    let profile = stack
-        .api
-        .post(
-            "/v1/runtime-profiles",
-            json!({"name": "p", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    let agent = stack
-        .api
-        .post(
-            "/v1/agents",
-            json!({"name": "a", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    stack
-        .api
-        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
-        .await
-        .unwrap();
-    let mut env = provider_env();
-    env.extend([
-        (
-            "AGENTSCOPE_PROVIDERS".to_string(),
-            "claude-code".to_string(),
-        ),
-        ("ANTHROPIC_BASE_URL".to_string(), url),
-        ("ANTHROPIC_API_KEY".to_string(), "sk-modelsim".to_string()),
-    ]);
-    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let agent = provider_agent(&stack, "a", "claude-code", json!({}), json!({})).await;
+    let env = [
+        ("ANTHROPIC_BASE_URL", url.as_str()),
+        ("ANTHROPIC_API_KEY", "sk-modelsim"),
+    ];
     let state = stack.dir.path.join("hs");
-    let mut host = stack.spawn_host("h", "agents", 1, &state, &extra).unwrap();
-    stack.wait_host_ready("h").await.unwrap();
+    let mut host = agent_host(&stack, &state, "claude-code", &env).await;
     let t = stack
         .api
-        .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+        .post("/v1/tasks", json!({"agent_id": agent}))
         .await
         .unwrap();
     let task_id = t["id"].as_str().unwrap().to_string();
@@ -993,7 +992,7 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
     // Crash the host mid-task; the provider is orphaned. Restart it with the same identity.
     std::fs::write(&release, "go").unwrap();
     host.kill9_leader();
-    let _host = stack.spawn_host("h", "agents", 1, &state, &extra).unwrap();
+    let _host = agent_host(&stack, &state, "claude-code", &env).await;
     let t = stack
         .wait_task(&task_id, "succeeded", Duration::from_secs(120))
         .await
