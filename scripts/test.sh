@@ -19,4 +19,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== build"
 cargo build --workspace --bins --locked
 echo "== test"
-cargo test --workspace --locked --no-fail-fast
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log" || status=$?
+# One closing line for the whole run, summed over every test binary.
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "%d passed, %d failed\n", p, f }' "$log"
+exit "$status"
