@@ -120,9 +120,10 @@ pub(crate) async fn provider_agent(
     agent["id"].as_str().unwrap().to_string()
 }
 
-/// Host `h` in pool `agents` offering `providers`, with the installed CLIs and `env`; ready.
+/// Host `name` in pool `agents` offering `providers`, with the installed CLIs and `env`; ready.
 pub(crate) async fn agent_host(
     stack: &Stack,
+    name: &str,
     state: &std::path::Path,
     providers: &str,
     env: &[(&str, &str)],
@@ -131,8 +132,8 @@ pub(crate) async fn agent_host(
     all.push(("AGENTSCOPE_PROVIDERS".to_string(), providers.to_string()));
     all.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     let extra: Vec<(&str, &str)> = all.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let host = stack.spawn_host("h", "agents", 1, state, &extra).unwrap();
-    stack.wait_host_ready("h").await.unwrap();
+    let host = stack.spawn_host(name, "agents", 1, state, &extra).unwrap();
+    stack.wait_host_ready(name).await.unwrap();
     host
 }
 
@@ -729,6 +730,7 @@ async fn cancelling_claude_code_during_a_long_tool_call_leaves_no_process() {
     let agent = provider_agent(&stack, "a", "claude-code", json!({}), json!({})).await;
     let _host = agent_host(
         &stack,
+        "h",
         &stack.dir.path.join("hs"),
         "claude-code",
         &[
@@ -950,7 +952,7 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
         ("ANTHROPIC_API_KEY", "sk-modelsim"),
     ];
     let state = stack.dir.path.join("hs");
-    let mut host = agent_host(&stack, &state, "claude-code", &env).await;
+    let mut host = agent_host(&stack, "h", &state, "claude-code", &env).await;
     let t = stack
         .api
         .post("/v1/tasks", json!({"agent_id": agent}))
@@ -992,7 +994,7 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
     // Crash the host mid-task; the provider is orphaned. Restart it with the same identity.
     std::fs::write(&release, "go").unwrap();
     host.kill9_leader();
-    let _host = agent_host(&stack, &state, "claude-code", &env).await;
+    let _host = agent_host(&stack, "h", &state, "claude-code", &env).await;
     let t = stack
         .wait_task(&task_id, "succeeded", Duration::from_secs(120))
         .await
@@ -1045,4 +1047,82 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
             >= 2,
         "the resumed session carried its history"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_never_returns_loses_its_lease_and_claude_succeeds_elsewhere() {
+    let stack = Stack::start("claude-failover", StackOptions::default())
+        .await
+        .unwrap();
+    let release = stack.shared.join("release");
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": format!("test -e {} || tail -f /dev/null; echo done-here", release.display())}, "expect": "done-here"}],
+        "final": "Done."
+    });
+    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
+    let agent = provider_agent(
+        &stack,
+        "a",
+        "claude-code",
+        json!({}),
+        json!({"max_attempts": 2, "retry_backoff_ms": 100}),
+    )
+    .await;
+    let env = [
+        ("ANTHROPIC_BASE_URL", url.as_str()),
+        ("ANTHROPIC_API_KEY", "sk-modelsim"),
+    ];
+    let mut host_a = agent_host(&stack, "a", &stack.dir.path.join("ha"), "claude-code", &env).await;
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
+    let task_id = t["id"].as_str().unwrap().to_string();
+    let first = stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let first_id = first["id"].as_str().unwrap().to_string();
+    let a = first_id.clone();
+    kit::wait_for("the tool call to block", Duration::from_secs(90), || {
+        let a = a.clone();
+        async move {
+            processes_of_attempt(&a)
+                .iter()
+                .any(|pid| {
+                    std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
+                })
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    std::fs::write(&release, "go").unwrap();
+    host_a.kill9_leader();
+    let _host_b = agent_host(&stack, "b", &stack.dir.path.join("hb"), "claude-code", &env).await;
+    let t = stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let attempts = t["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{t:#}");
+    assert_eq!(
+        (
+            attempts[0]["status"].as_str(),
+            attempts[0]["failure_class"].as_str()
+        ),
+        (Some("lost"), Some("lease_lost"))
+    );
+    assert_ne!(attempts[0]["host_id"], attempts[1]["host_id"]);
+    assert_ne!(
+        attempts[1]["provider_session_id"], attempts[0]["provider_session_id"],
+        "another host starts a fresh session"
+    );
+    // Host A's orphaned provider is not the platform's to reap any more; end it for tidiness.
+    for pid in processes_of_attempt(&first_id) {
+        // SAFETY: plain signal to a test-owned process.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
 }
