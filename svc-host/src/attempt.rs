@@ -735,7 +735,10 @@ async fn execute(
         return outcome;
     }
     // The leader exited; stragglers of its tree must not outlive the attempt.
-    if !provider::group_members(pgid).is_empty() {
+    let stragglers = tokio::task::spawn_blocking(move || !provider::group_members(pgid).is_empty())
+        .await
+        .unwrap_or(true);
+    if stragglers {
         provider::kill_group(pgid).await;
     }
     provider::kill_marked(&marker).await;

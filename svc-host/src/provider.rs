@@ -353,7 +353,10 @@ pub fn marked_processes(marker: &str) -> Vec<i32> {
 pub async fn kill_marked(marker: &str) -> Vec<i32> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let left = marked_processes(marker);
+        let m = marker.to_string();
+        let left = tokio::task::spawn_blocking(move || marked_processes(&m))
+            .await
+            .unwrap_or_default();
         if left.is_empty() || tokio::time::Instant::now() >= deadline {
             return left;
         }
@@ -401,7 +404,10 @@ pub async fn kill_group(pgid: i32) -> Vec<i32> {
 async fn wait_group_empty(pgid: i32, within: Duration) -> bool {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        if group_members(pgid).is_empty() {
+        let empty = tokio::task::spawn_blocking(move || group_members(pgid).is_empty())
+            .await
+            .unwrap_or(false);
+        if empty {
             return true;
         }
         if tokio::time::Instant::now() >= deadline {
