@@ -1,7 +1,7 @@
 //! Whole-system harness: starts the real service binaries against a nats-server and a database
 //! of their own, and talks to them through the public API.
 
-use agentscope_testkit::{Nats, Proc, TempDir, TestDb, bin, free_port, wait_for, wait_http_ok};
+use agentscope_testkit::{Nats, Proc, TempDir, TestDb, bin, wait_for, wait_http_ok};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -121,14 +121,9 @@ impl Stack {
         let dir = TempDir::new(label);
         let nats = Nats::start(&dir.path).await?;
         let db = TestDb::create().await?;
-        let gw_port = free_port();
-        let sched_port = free_port();
-        let dp_port = free_port();
+        // Kept if start-up fails (removed below once everything is up).
+        std::fs::write(dir.path.join(".keep"), "start-up failed")?;
         let mut env = common_env(&nats, &db);
-        env.push((
-            "AGENTSCOPE_HTTP_ADDR".into(),
-            format!("127.0.0.1:{gw_port}"),
-        ));
         env.push(("AGENTSCOPE_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()));
         env.push((
             "AGENTSCOPE_HOST_OFFLINE_AFTER_MS".into(),
@@ -137,10 +132,6 @@ impl Stack {
         env.extend(opts.gateway_env.iter().cloned());
         // Start the scheduler first: it runs the migrations the gateway also checks.
         let mut senv = common_env(&nats, &db);
-        senv.push((
-            "AGENTSCOPE_HEALTH_ADDR".into(),
-            format!("127.0.0.1:{sched_port}"),
-        ));
         senv.push((
             "AGENTSCOPE_LEASE_TTL_MS".into(),
             opts.lease_ttl_ms.to_string(),
@@ -153,27 +144,42 @@ impl Stack {
             "AGENTSCOPE_HEARTBEAT_TTL_MS".into(),
             opts.heartbeat_ttl_ms.to_string(),
         ));
-        let scheduler = Proc::spawn("scheduler", &bin("svc-scheduler")?, &[], &senv, &dir.path)?;
-        let scheduler_health = format!("http://127.0.0.1:{sched_port}");
-        wait_http_ok(
-            &format!("{scheduler_health}/readyz"),
-            Duration::from_secs(60),
+        let with_addr = |base: &Vec<(String, String)>, key: &str, port: u16| {
+            let mut e = base.clone();
+            e.push((key.to_string(), format!("127.0.0.1:{port}")));
+            e
+        };
+        let (scheduler, sched_port) = kit::spawn_on_free_port(
+            "scheduler",
+            &bin("svc-scheduler")?,
+            |port| with_addr(&senv, "AGENTSCOPE_HEALTH_ADDR", port),
+            "/readyz",
+            &dir.path,
         )
         .await?;
-        let gateway = Proc::spawn("gateway", &bin("svc-gateway")?, &[], &env, &dir.path)?;
-        let mut denv = common_env(&nats, &db);
-        denv.push((
+        senv.push((
             "AGENTSCOPE_HEALTH_ADDR".into(),
-            format!("127.0.0.1:{dp_port}"),
+            format!("127.0.0.1:{sched_port}"),
         ));
-        let dataplane = Proc::spawn("dataplane", &bin("svc-dataplane")?, &[], &denv, &dir.path)?;
-        let base = format!("http://127.0.0.1:{gw_port}");
-        wait_http_ok(&format!("{base}/readyz"), Duration::from_secs(60)).await?;
-        wait_http_ok(
-            &format!("http://127.0.0.1:{dp_port}/readyz"),
-            Duration::from_secs(60),
+        let scheduler_health = format!("http://127.0.0.1:{sched_port}");
+        let (gateway, gw_port) = kit::spawn_on_free_port(
+            "gateway",
+            &bin("svc-gateway")?,
+            |port| with_addr(&env, "AGENTSCOPE_HTTP_ADDR", port),
+            "/readyz",
+            &dir.path,
         )
         .await?;
+        let denv = common_env(&nats, &db);
+        let (dataplane, _) = kit::spawn_on_free_port(
+            "dataplane",
+            &bin("svc-dataplane")?,
+            |port| with_addr(&denv, "AGENTSCOPE_HEALTH_ADDR", port),
+            "/readyz",
+            &dir.path,
+        )
+        .await?;
+        let base = format!("http://127.0.0.1:{gw_port}");
         let pg = db.pool().await?;
         let admin = Api {
             base: base.clone(),
@@ -187,6 +193,7 @@ impl Stack {
         let ht = api
             .post("/v1/host-tokens", json!({"name": "test-hosts"}))
             .await?;
+        let _ = std::fs::remove_file(dir.path.join(".keep"));
         Ok(Stack {
             nats,
             db,

@@ -235,6 +235,8 @@ async fn the_demo_script_runs_a_task_end_to_end() {
         .unwrap();
     let out = tokio::process::Command::new(root.join("scripts/demo.sh"))
         .env("AGENTSCOPE_DEMO_DIR", dir.path.join("run"))
+        // The binaries under test: the demo must not build (and swap them) under other tests.
+        .env("AGENTSCOPE_BIN_DIR", kit::bin_dir())
         .env("AGENTSCOPE_DEMO_NATS_PORT", kit::free_port().to_string())
         .env("AGENTSCOPE_DEMO_API_PORT", kit::free_port().to_string())
         .env(

@@ -40,7 +40,7 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() || self.path.join(".keep").exists() {
             eprintln!("test files kept in {}", self.path.display());
         } else {
             let _ = std::fs::remove_dir_all(&self.path);
@@ -222,17 +222,31 @@ pub struct Nats {
 
 impl Nats {
     pub async fn start(dir: &Path) -> Result<Nats> {
-        let port = free_port();
         let store = dir.join("nats-store");
-        let proc = Self::spawn(port, &store, dir)?;
-        let nats = Nats {
-            port,
-            store,
-            proc,
-            dir: dir.to_path_buf(),
-        };
-        nats.wait_ready().await?;
-        Ok(nats)
+        // A free port can be taken by a parallel test before we bind it: try again elsewhere.
+        let mut last = None;
+        for _ in 0..5 {
+            let port = free_port();
+            let proc = Self::spawn(port, &store, dir)?;
+            let mut nats = Nats {
+                port,
+                store: store.clone(),
+                proc,
+                dir: dir.to_path_buf(),
+            };
+            match nats.wait_ready().await {
+                Ok(()) => return Ok(nats),
+                Err(e) => {
+                    nats.proc.kill9();
+                    let _ = std::fs::rename(
+                        &nats.proc.log,
+                        dir.join(format!("nats-failed-{port}.log")),
+                    );
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
     }
 
     fn spawn(port: u16, store: &Path, dir: &Path) -> Result<Proc> {
@@ -248,19 +262,25 @@ impl Nats {
         )
     }
 
-    async fn wait_ready(&self) -> Result<()> {
-        let port = self.port;
-        wait_for(
-            "nats-server to accept connections",
-            Duration::from_secs(20),
-            || async move {
-                tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .ok()
-                    .map(|_| ())
-            },
-        )
-        .await
+    /// Ready when our own process says so (a port that answers could be another test's server).
+    async fn wait_ready(&mut self) -> Result<()> {
+        let log = self.proc.log.clone();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.proc.exited().is_some() {
+                bail!(
+                    "nats-server exited: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            if std::fs::read_to_string(&log).is_ok_and(|l| l.contains("Server is ready")) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("nats-server did not become ready in 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn url(&self) -> String {
@@ -274,6 +294,7 @@ impl Nats {
     /// Starts it again on the same port with the same store.
     pub async fn restart(&mut self) -> Result<()> {
         self.proc.kill9();
+        let _ = std::fs::remove_file(&self.proc.log);
         self.proc = Self::spawn(self.port, &self.store, &self.dir)?;
         self.wait_ready().await
     }
@@ -372,6 +393,50 @@ pub fn bin(name: &str) -> Result<PathBuf> {
         );
     }
     Ok(p)
+}
+
+/// Spawns a service on a fresh port (`env_for(port)` builds its environment) until it answers
+/// 200 at `http://127.0.0.1:PORT{ready_path}` while our own process is alive: a port taken by a
+/// parallel test between picking and binding it is retried elsewhere.
+pub async fn spawn_on_free_port(
+    name: &str,
+    program: &Path,
+    env_for: impl Fn(u16) -> Vec<(String, String)>,
+    ready_path: &str,
+    dir: &Path,
+) -> Result<(Proc, u16)> {
+    let client = reqwest::Client::new();
+    let mut last = String::new();
+    for _ in 0..5 {
+        let port = free_port();
+        let mut proc = Proc::spawn(name, program, &[], &env_for(port), dir)?;
+        let url = format!("http://127.0.0.1:{port}{ready_path}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if proc.exited().is_some() {
+                last = proc.log_text();
+                let _ = std::fs::rename(&proc.log, dir.join(format!("{name}-failed-{port}.log")));
+                break;
+            }
+            if client
+                .get(&url)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                // Still ours? A process that failed to bind exits at once.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if proc.exited().is_none() {
+                    return Ok((proc, port));
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("{name} did not become ready in 60 s: {}", proc.log_text());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    bail!("{name} did not start: {last}")
 }
 
 /// Waits until `url` answers 200.
