@@ -343,6 +343,10 @@ impl Adapter for ClaudeCode {
         }))
     }
 
+    fn resume_rejected(&self, line: &str) -> bool {
+        line.contains("No conversation found")
+    }
+
     fn session_exists(&self, dir: &crate::provider::TaskDir, session_id: &str) -> bool {
         // Sessions live in $HOME/.claude/projects/<cwd>/<id>.jsonl.
         let Ok(projects) = std::fs::read_dir(dir.home.join(".claude/projects")) else {

@@ -387,6 +387,7 @@ pub async fn run(
             &stops,
             &mut decisions,
             resuming.as_deref(),
+            false,
         )
         .await;
         if !stops.lease_lost.is_cancelled() {
@@ -417,6 +418,7 @@ async fn execute(
     stops: &Stops,
     decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,
     resume: Option<&str>,
+    fresh_only: bool,
 ) -> Outcome {
     let spec = a.spec.clone().unwrap_or_default();
     let Some(adapter) = ctx.adapter(&spec.provider) else {
@@ -457,6 +459,45 @@ async fn execute(
             "the host shut down before the provider started",
         );
     }
+    // A retry continues the previous attempt's provider session when it exists on this host
+    // (H17); its HOME, where the session lives, is carried over.
+    let mut reuse: Option<String> = None;
+    if resume.is_none() && !fresh_only && !spec.resume_session_id.is_empty() {
+        let prev_root = ctx.tasks_dir.join(&spec.resume_from_attempt_id);
+        let prev = TaskDir {
+            repo: None,
+            input_dir: prev_root.join("input"),
+            home: prev_root.join("home"),
+            tmp: prev_root.join("tmp"),
+            root: prev_root,
+        };
+        let can = ctx.descriptor(adapter.name()).is_some_and(|d| d.resume)
+            && !spec.resume_from_attempt_id.contains(['/', '.'])
+            && adapter.session_exists(&prev, &spec.resume_session_id);
+        let copied = can
+            && tokio::process::Command::new("cp")
+                .arg("-a")
+                .arg(prev.home.join("."))
+                .arg(&dir.home)
+                .status()
+                .await
+                .is_ok_and(|s| s.success());
+        if copied {
+            sink.diag(
+                "info",
+                "reusing_session",
+                format!(
+                    "this retry continues provider session {} of the previous attempt",
+                    spec.resume_session_id
+                ),
+            )
+            .await;
+            reuse = Some(spec.resume_session_id.clone());
+        } else {
+            sink.diag("info", "fresh_session", format!("provider session {} of the previous attempt is not available on this host; starting a fresh session", spec.resume_session_id)).await;
+        }
+    }
+    let resumed_session = resume.map(str::to_string).or_else(|| reuse.clone());
     let launch_ctx = provider::LaunchCtx {
         spec: &spec,
         dir: &dir,
@@ -465,7 +506,7 @@ async fn execute(
         task_token: &a.task_token,
         cli: ctx.cli_path(),
     };
-    let launched = match resume {
+    let launched = match resumed_session.as_deref() {
         Some(session) => adapter
             .resume_launch(&launch_ctx, session)
             .unwrap_or_else(|| {
@@ -569,6 +610,7 @@ async fn execute(
     if !launch.keep_stdin_open {
         stdin = None;
     }
+    let mut rejected = false;
     let mut pending: std::collections::HashMap<String, provider::ControlRequest> =
         Default::default();
     // "Allow always" lives in this attempt's memory only: it never outlives the task.
@@ -681,6 +723,9 @@ async fn execute(
             }
             line = rx.recv(), if output_open => match line {
                 Some(("stdout", text, truncated)) => {
+                    if resumed_session.is_some() && adapter.resume_rejected(&text) {
+                        rejected = true;
+                    }
                     if let Some(req) = (!truncated).then(|| adapter.control_request(&text)).flatten() {
                         if always.contains(&req.tool_name) {
                             answer(&mut stdin, adapter, sink, &req, true, "allowed for the rest of this task", "always_for_task", "").await;
@@ -710,6 +755,9 @@ async fn execute(
                     }
                 }
                 Some((stream, text, truncated)) => {
+                    if resumed_session.is_some() && adapter.resume_rejected(&text) {
+                        rejected = true;
+                    }
                     sink.emit(Body::Output(agentscope_schemas::v1::Output { stream: stream.into(), text, truncated })).await;
                 }
                 None => output_open = false,
@@ -733,6 +781,11 @@ async fn execute(
     }
     if let Some(outcome) = stop {
         return outcome;
+    }
+    if rejected && !fresh_only && !status.as_ref().is_ok_and(|s| s.success()) {
+        provider::kill_marked(&marker).await;
+        sink.diag("warn", "resume_rejected", "the provider rejected the session resume; starting a fresh session in this attempt, once").await;
+        return Box::pin(execute(ctx, a, sink, stops, decisions, None, true)).await;
     }
     // The leader exited; stragglers of its tree must not outlive the attempt.
     let stragglers = tokio::task::spawn_blocking(move || !provider::group_members(pgid).is_empty())

@@ -100,6 +100,10 @@ pub trait Adapter: Send + Sync {
     ) -> Option<Result<Launch, Refusal>> {
         None
     }
+    /// Whether an output line says the provider refused to resume its session.
+    fn resume_rejected(&self, _line: &str) -> bool {
+        false
+    }
     /// Whether the provider's session still exists in this task directory.
     fn session_exists(&self, _dir: &TaskDir, _session_id: &str) -> bool {
         false

@@ -278,7 +278,10 @@ pub(crate) async fn finish(
         INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id, agent_version_id,
             binding_id, pool_id, provider, required_capabilities, spec, not_before)
         SELECT $2, task_id, workspace_id, $3, 'queued', agent_id, agent_version_id, binding_id,
-            pool_id, provider, required_capabilities, spec,
+            pool_id, provider, required_capabilities,
+            -- The retry may continue this attempt's provider session where it still exists.
+            spec || jsonb_build_object('resume_session_id', COALESCE(provider_session_id, ''),
+                                       'resume_from_attempt_id', id::text),
             now() + make_interval(secs => $4::double precision / 1000.0)
         FROM attempts WHERE id = $1
         ON CONFLICT (task_id, number) DO NOTHING

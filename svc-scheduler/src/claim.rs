@@ -353,5 +353,7 @@ fn spec_from_json(v: &serde_json::Value) -> TaskSpec {
         agent_version_id: s("agent_version_id"),
         timeout_secs: v["timeout_secs"].as_u64().unwrap_or(0) as u32,
         issue_id: s("issue_id"),
+        resume_session_id: s("resume_session_id"),
+        resume_from_attempt_id: s("resume_from_attempt_id"),
     }
 }

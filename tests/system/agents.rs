@@ -1126,3 +1126,144 @@ async fn a_host_that_never_returns_loses_its_lease_and_claude_succeeds_elsewhere
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
 }
+
+/// A retry on the same host: with `break_session`, the session file is emptied first so the
+/// provider rejects the resume and the attempt falls back to a fresh session, once.
+async fn retry_on_the_same_host(break_session: bool) {
+    let stack = Stack::start("retry-session", StackOptions::default())
+        .await
+        .unwrap();
+    let release = stack.shared.join("release");
+    let script = json!({
+        "turns": [
+            {"tool": "shell", "args": {"command": "echo first-step"}, "expect": "first-step"},
+            {"tool": "shell", "args": {"command": format!("test -e {} || tail -f /dev/null; echo second-step", release.display())}}
+        ],
+        "final": "Done."
+    });
+    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
+    let agent = provider_agent(
+        &stack,
+        "a",
+        "claude-code",
+        json!({}),
+        json!({"max_attempts": 2, "retry_backoff_ms": 100}),
+    )
+    .await;
+    let env = [
+        ("ANTHROPIC_BASE_URL", url.as_str()),
+        ("ANTHROPIC_API_KEY", "sk-modelsim"),
+    ];
+    let state = stack.dir.path.join("hs");
+    let mut host = agent_host(&stack, "h", &state, "claude-code", &env).await;
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
+    let task_id = t["id"].as_str().unwrap().to_string();
+    let first = stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let first_id = first["id"].as_str().unwrap().to_string();
+    let a = first_id.clone();
+    kit::wait_for(
+        "the second tool call to block",
+        Duration::from_secs(90),
+        || {
+            let a = a.clone();
+            async move {
+                processes_of_attempt(&a)
+                    .iter()
+                    .any(|pid| {
+                        std::fs::read(format!("/proc/{pid}/cmdline"))
+                            .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
+                    })
+                    .then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let session = stack
+        .api
+        .get(&format!("/v1/attempts/{first_id}"))
+        .await
+        .unwrap()["provider_session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    std::fs::write(&release, "go").unwrap();
+    host.kill9_leader();
+    for pid in processes_of_attempt(&first_id) {
+        // SAFETY: plain signal to a test-owned process.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    // The host stays away past its lease: the attempt is lost and a retry is queued.
+    stack
+        .wait_attempt(&task_id, 1, "lost", Duration::from_secs(30))
+        .await
+        .unwrap();
+    if break_session {
+        let projects = state
+            .join("tasks")
+            .join(&first_id)
+            .join("home/.claude/projects");
+        for dir in std::fs::read_dir(&projects).unwrap() {
+            let f = dir.unwrap().path().join(format!("{session}.jsonl"));
+            if f.exists() {
+                std::fs::write(&f, "").unwrap();
+            }
+        }
+    }
+    let _host = agent_host(&stack, "h", &state, "claude-code", &env).await;
+    let t = stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(120))
+        .await
+        .unwrap();
+    let second = &t["attempts"][1];
+    let events = stack
+        .events(&format!(
+            "/v1/attempts/{}/events",
+            second["id"].as_str().unwrap()
+        ))
+        .await
+        .unwrap();
+    let codes: Vec<&str> = events
+        .iter()
+        .filter(|e| e["kind"] == "diagnostic")
+        .filter_map(|e| e["payload"]["code"].as_str())
+        .collect();
+    if break_session {
+        assert!(
+            codes.contains(&"reusing_session") && codes.contains(&"resume_rejected"),
+            "{codes:?}"
+        );
+        assert_ne!(
+            second["provider_session_id"],
+            session.as_str(),
+            "a fresh session after the rejected resume"
+        );
+    } else {
+        assert!(
+            codes.contains(&"reusing_session") && !codes.contains(&"resume_rejected"),
+            "{codes:?}"
+        );
+        assert_eq!(
+            second["provider_session_id"],
+            session.as_str(),
+            "the retry continued the same session"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_on_the_same_host_continues_the_provider_session() {
+    retry_on_the_same_host(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_resume_falls_back_to_a_fresh_session_once() {
+    retry_on_the_same_host(true).await;
+}
