@@ -418,17 +418,18 @@ pub async fn spawn_on_free_port(
                 let _ = std::fs::rename(&proc.log, dir.join(format!("{name}-failed-{port}.log")));
                 break;
             }
-            if client
-                .get(&url)
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success())
+            // Ours only if our own process says it listens there (a process that failed to bind
+            // exits instead, and the port may answer for a parallel test's service).
+            let listening = proc.log_text().contains(&format!("127.0.0.1:{port}"));
+            if listening
+                && proc.exited().is_none()
+                && client
+                    .get(&url)
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
             {
-                // Still ours? A process that failed to bind exits at once.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                if proc.exited().is_none() {
-                    return Ok((proc, port));
-                }
+                return Ok((proc, port));
             }
             if Instant::now() > deadline {
                 bail!("{name} did not become ready in 60 s: {}", proc.log_text());
