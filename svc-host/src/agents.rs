@@ -468,6 +468,53 @@ impl Adapter for Codex {
     fn parser(&self) -> Box<dyn StreamParser> {
         Box::new(providers::codex::CodexParser::new())
     }
+
+    fn resume_launch(&self, ctx: &LaunchCtx, session_id: &str) -> Option<Result<Launch, Refusal>> {
+        Some(self.launch(ctx).map(|mut l| {
+            // [bin, exec, --json, --skip-git-repo-check, -s, SANDBOX, extra.., PROMPT] ->
+            // [bin, exec, resume, --json, --skip-git-repo-check, -c sandbox_mode="SANDBOX", extra.., ID, CONTINUE]
+            // (`resume` has no -s; without the override its sandbox is read-only).
+            let sandbox = l.argv[5].clone();
+            let extra: Vec<String> = l.argv[6..l.argv.len() - 1].to_vec();
+            let mut argv = vec![
+                l.argv[0].clone(),
+                "exec".into(),
+                "resume".into(),
+                "--json".into(),
+                "--skip-git-repo-check".into(),
+                "-c".into(),
+                format!("sandbox_mode=\"{sandbox}\""),
+            ];
+            argv.extend(extra);
+            argv.push(session_id.to_string());
+            argv.push(
+                "The Runtime Host restarted while you worked on this task. Continue where you left off and finish it."
+                    .into(),
+            );
+            l.argv = argv;
+            l
+        }))
+    }
+
+    fn session_exists(&self, dir: &crate::provider::TaskDir, session_id: &str) -> bool {
+        // Rollouts live in $CODEX_HOME/sessions/YYYY/MM/DD/rollout-...-<thread id>.jsonl.
+        fn find(dir: &Path, id: &str, depth: u8) -> bool {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return false;
+            };
+            entries.filter_map(|e| e.ok()).any(|e| {
+                let p = e.path();
+                if p.is_dir() {
+                    depth > 0 && find(&p, id, depth - 1)
+                } else {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.contains(id) && n.ends_with(".jsonl"))
+                }
+            })
+        }
+        !session_id.is_empty() && find(&dir.root.join("codex-home/sessions"), session_id, 4)
+    }
 }
 
 // ---------------------------------------------------------------------------------- opencode

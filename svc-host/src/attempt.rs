@@ -474,14 +474,23 @@ async fn execute(
         let can = ctx.descriptor(adapter.name()).is_some_and(|d| d.resume)
             && !spec.resume_from_attempt_id.contains(['/', '.'])
             && adapter.session_exists(&prev, &spec.resume_session_id);
-        let copied = can
-            && tokio::process::Command::new("cp")
-                .arg("-a")
-                .arg(prev.home.join("."))
-                .arg(&dir.home)
-                .status()
-                .await
-                .is_ok_and(|s| s.success());
+        // The provider's state: HOME, and CODEX_HOME where Codex keeps it.
+        let mut copied = can;
+        for (from, to) in [
+            (prev.home.clone(), dir.home.clone()),
+            (prev.root.join("codex-home"), dir.root.join("codex-home")),
+        ] {
+            if copied && from.is_dir() {
+                let _ = tokio::fs::create_dir_all(&to).await;
+                copied = tokio::process::Command::new("cp")
+                    .arg("-a")
+                    .arg(from.join("."))
+                    .arg(&to)
+                    .status()
+                    .await
+                    .is_ok_and(|s| s.success());
+            }
+        }
         if copied {
             sink.diag(
                 "info",

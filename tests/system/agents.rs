@@ -926,8 +926,9 @@ async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
+/// A host SIGKILLed while `provider` is mid-task, restarted with the same identity, resumes
+/// the same provider session in the same attempt.
+async fn host_restart_resumes(provider: &str) {
     let stack = Stack::start(
         "resume",
         StackOptions {
@@ -946,13 +947,16 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
         "final": "Resumed and done."
     });
     let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
-    let agent = provider_agent(&stack, "a", "claude-code", json!({}), json!({})).await;
+    let agent = provider_agent(&stack, "a", provider, json!({}), json!({})).await;
+    let openai = format!("{url}/v1");
     let env = [
         ("ANTHROPIC_BASE_URL", url.as_str()),
         ("ANTHROPIC_API_KEY", "sk-modelsim"),
+        ("OPENAI_BASE_URL", openai.as_str()),
+        ("OPENAI_API_KEY", "sk-modelsim"),
     ];
     let state = stack.dir.path.join("hs");
-    let mut host = agent_host(&stack, "h", &state, "claude-code", &env).await;
+    let mut host = agent_host(&stack, "h", &state, provider, &env).await;
     let t = stack
         .api
         .post("/v1/tasks", json!({"agent_id": agent}))
@@ -994,7 +998,7 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
     // Crash the host mid-task; the provider is orphaned. Restart it with the same identity.
     std::fs::write(&release, "go").unwrap();
     host.kill9_leader();
-    let _host = agent_host(&stack, "h", &state, "claude-code", &env).await;
+    let _host = agent_host(&stack, "h", &state, provider, &env).await;
     let t = stack
         .wait_task(&task_id, "succeeded", Duration::from_secs(120))
         .await
@@ -1047,6 +1051,16 @@ async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
             >= 2,
         "the resumed session carried its history"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
+    host_restart_resumes("claude-code").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_killed_mid_task_resumes_the_codex_thread_after_restart() {
+    host_restart_resumes("codex").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
