@@ -137,6 +137,25 @@ pub(crate) async fn agent_host(
     host
 }
 
+/// Waits until the attempt's long tool call (`tail -f /dev/null`) is running.
+async fn wait_for_blocking_tool(attempt_id: &str) {
+    let a = attempt_id.to_string();
+    kit::wait_for("the long tool call to run", Duration::from_secs(90), || {
+        let a = a.clone();
+        async move {
+            processes_of_attempt(&a)
+                .iter()
+                .any(|pid| {
+                    std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
+                })
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+}
+
 fn script(provider: &str) -> Value {
     json!({
         "turns": [
@@ -750,21 +769,7 @@ async fn cancelling_claude_code_during_a_long_tool_call_leaves_no_process() {
         .await
         .unwrap();
     let attempt_id = attempt["id"].as_str().unwrap().to_string();
-    let a = attempt_id.clone();
-    kit::wait_for("the long tool call to run", Duration::from_secs(90), || {
-        let a = a.clone();
-        async move {
-            processes_of_attempt(&a)
-                .iter()
-                .any(|pid| {
-                    std::fs::read(format!("/proc/{pid}/cmdline"))
-                        .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
-                })
-                .then_some(())
-        }
-    })
-    .await
-    .unwrap();
+    wait_for_blocking_tool(&attempt_id).await;
     stack
         .api
         .post(&format!("/v1/tasks/{task_id}/cancel"), json!({}))
@@ -968,25 +973,7 @@ async fn host_restart_resumes(provider: &str) {
         .await
         .unwrap();
     let attempt_id = attempt["id"].as_str().unwrap().to_string();
-    let a = attempt_id.clone();
-    kit::wait_for(
-        "the second tool call to be running",
-        Duration::from_secs(90),
-        || {
-            let a = a.clone();
-            async move {
-                processes_of_attempt(&a)
-                    .iter()
-                    .any(|pid| {
-                        std::fs::read(format!("/proc/{pid}/cmdline"))
-                            .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
-                    })
-                    .then_some(())
-            }
-        },
-    )
-    .await
-    .unwrap();
+    wait_for_blocking_tool(&attempt_id).await;
     let session = stack
         .api
         .get(&format!("/v1/attempts/{attempt_id}"))
@@ -1098,21 +1085,7 @@ async fn a_host_that_never_returns_loses_its_lease_and_claude_succeeds_elsewhere
         .await
         .unwrap();
     let first_id = first["id"].as_str().unwrap().to_string();
-    let a = first_id.clone();
-    kit::wait_for("the tool call to block", Duration::from_secs(90), || {
-        let a = a.clone();
-        async move {
-            processes_of_attempt(&a)
-                .iter()
-                .any(|pid| {
-                    std::fs::read(format!("/proc/{pid}/cmdline"))
-                        .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
-                })
-                .then_some(())
-        }
-    })
-    .await
-    .unwrap();
+    wait_for_blocking_tool(&first_id).await;
     std::fs::write(&release, "go").unwrap();
     host_a.kill9_leader();
     let _host_b = agent_host(&stack, "b", &stack.dir.path.join("hb"), "claude-code", &env).await;
@@ -1181,25 +1154,7 @@ async fn retry_on_the_same_host(break_session: bool) {
         .await
         .unwrap();
     let first_id = first["id"].as_str().unwrap().to_string();
-    let a = first_id.clone();
-    kit::wait_for(
-        "the second tool call to block",
-        Duration::from_secs(90),
-        || {
-            let a = a.clone();
-            async move {
-                processes_of_attempt(&a)
-                    .iter()
-                    .any(|pid| {
-                        std::fs::read(format!("/proc/{pid}/cmdline"))
-                            .is_ok_and(|c| c.starts_with(b"tail\0-f\0/dev/null"))
-                    })
-                    .then_some(())
-            }
-        },
-    )
-    .await
-    .unwrap();
+    wait_for_blocking_tool(&first_id).await;
     let session = stack
         .api
         .get(&format!("/v1/attempts/{first_id}"))
