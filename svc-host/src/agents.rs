@@ -45,6 +45,34 @@ fn extra_args(params: &HashMap<String, String>) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// `approvals` (ask or native) and `approval_timeout_secs` of a runtime profile: whether tool
+/// requests are forwarded as Approvals, and how long one may wait for a decision.
+fn approval_params(p: &HashMap<String, String>) -> Result<(bool, u32), Refusal> {
+    let ask = match p.get("approvals").map(String::as_str) {
+        None | Some("native") => false,
+        Some("ask") => true,
+        Some(other) => {
+            return Err(Refusal::bad_parameter(format!(
+                "`approvals` must be ask or native, not `{other}`"
+            )));
+        }
+    };
+    let approval_timeout_ms = match p.get("approval_timeout_secs") {
+        None => 600_000,
+        Some(t) => t
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=86_400).contains(n))
+            .map(|n| n * 1000)
+            .ok_or_else(|| {
+                Refusal::bad_parameter(format!(
+                    "`approval_timeout_secs` must be 1 to 86400, not `{t}`"
+                ))
+            })?,
+    };
+    Ok((ask, approval_timeout_ms))
+}
+
 /// The task as a prompt: the Issue, the input material, and how to use the platform's tools.
 fn prompt(ctx: &LaunchCtx) -> String {
     let s = ctx.spec;
@@ -174,28 +202,7 @@ impl Adapter for ClaudeCode {
                 "approval_timeout_secs",
             ],
         )?;
-        let ask = match p.get("approvals").map(String::as_str) {
-            None | Some("native") => false,
-            Some("ask") => true,
-            Some(other) => {
-                return Err(Refusal::bad_parameter(format!(
-                    "`approvals` must be ask or native, not `{other}`"
-                )));
-            }
-        };
-        let approval_timeout_ms = match p.get("approval_timeout_secs") {
-            None => 600_000,
-            Some(t) => t
-                .parse::<u32>()
-                .ok()
-                .filter(|n| (1..=86_400).contains(n))
-                .map(|n| n * 1000)
-                .ok_or_else(|| {
-                    Refusal::bad_parameter(format!(
-                        "`approval_timeout_secs` must be 1 to 86400, not `{t}`"
-                    ))
-                })?,
-        };
+        let (ask, approval_timeout_ms) = approval_params(p)?;
         let bin = binary("AGENTSCOPE_CLAUDE_BIN", "claude")?;
         let mcp_path = ctx.dir.root.join("claude-mcp.json");
         // With approvals, only reading and the platform's tools are pre-allowed; every other
@@ -292,6 +299,9 @@ impl Adapter for ClaudeCode {
             }),
             keep_stdin_open: ask,
             approval_timeout_ms,
+            prompt: prompt(ctx),
+            resume_session: None,
+            result_decides: false,
         })
     }
 
@@ -309,6 +319,7 @@ impl Adapter for ClaudeCode {
         }
         Some(crate::provider::ControlRequest {
             request_id: v["request_id"].as_str()?.to_string(),
+            rpc_id: None,
             tool_name: v["request"]["tool_name"].as_str().unwrap_or("").to_string(),
             input: v["request"]["input"].clone(),
         })
@@ -336,7 +347,7 @@ impl Adapter for ClaudeCode {
         }
         Some(self.launch(ctx).map(|mut l| {
             // [bin, -p, PROMPT, ...] -> [bin, --resume, ID, -p, CONTINUE, ...]
-            l.argv[2] = "The Runtime Host restarted while you worked on this task. Continue where you left off and finish it.".into();
+            l.argv[2] = CONTINUE.into();
             l.argv.insert(1, session_id.to_string());
             l.argv.insert(1, "--resume".into());
             l
@@ -392,6 +403,35 @@ fn openai_base() -> String {
 
 pub struct Codex;
 
+/// What a resumed provider session is asked to do.
+const CONTINUE: &str = "The Runtime Host restarted while you worked on this task. Continue where you left off and finish it.";
+
+/// `initialize`, `initialized` and `thread/start` (or `thread/resume`) for `codex app-server`;
+/// the parser sends `turn/start` once the thread is open.
+fn codex_app_handshake(ctx: &LaunchCtx, sandbox: &str, resume: Option<&str>) -> String {
+    let cwd = ctx.dir.workdir().to_string_lossy().into_owned();
+    let thread = match resume {
+        None => {
+            json!({"id": providers::codex_app::THREAD_REQUEST_ID, "method": "thread/start", "params": {
+            "cwd": cwd, "approvalPolicy": "untrusted", "sandbox": sandbox}})
+        }
+        Some(id) => {
+            json!({"id": providers::codex_app::THREAD_REQUEST_ID, "method": "thread/resume", "params": {
+            "threadId": id, "cwd": cwd, "approvalPolicy": "untrusted", "sandbox": sandbox, "excludeTurns": true}})
+        }
+    };
+    [
+        json!({"id": 1, "method": "initialize", "params": {
+            "clientInfo": {"name": "agentscope", "title": "agentscope", "version": env!("CARGO_PKG_VERSION")},
+            "capabilities": {"experimentalApi": false, "requestAttestation": false}}}),
+        json!({"method": "initialized"}),
+        thread,
+    ]
+    .iter()
+    .map(|m| m.to_string() + "\n")
+    .collect()
+}
+
 impl Adapter for Codex {
     fn name(&self) -> &'static str {
         providers::codex::PROVIDER
@@ -410,7 +450,12 @@ impl Adapter for Codex {
 
     fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal> {
         let p = &ctx.spec.params;
-        check_params(self.name(), p, &["sandbox"])?;
+        check_params(
+            self.name(),
+            p,
+            &["sandbox", "approvals", "approval_timeout_secs"],
+        )?;
+        let (ask, approval_timeout_ms) = approval_params(p)?;
         let bin = binary("AGENTSCOPE_CODEX_BIN", "codex")?;
         let sandbox = p
             .get("sandbox")
@@ -436,6 +481,35 @@ impl Adapter for Codex {
             api = toml_str(ctx.api_url),
             token = toml_str(ctx.task_token),
         );
+        let mut env = base_env(ctx.dir);
+        pass_through(&mut env, &["OPENAI_API_KEY"]);
+        env.push((
+            "CODEX_HOME".into(),
+            codex_home.to_string_lossy().into_owned(),
+        ));
+        let files = vec![
+            (rel(ctx, &codex_home.join("config.toml")), config),
+            // Codex reads global instructions from $CODEX_HOME/AGENTS.md, besides the repo's.
+            (rel(ctx, &codex_home.join("AGENTS.md")), instructions(ctx)),
+        ];
+        if ask {
+            // `codex exec` never asks; `app-server` does, over JSON-RPC on stdio. `untrusted`
+            // asks for every command (`on-request` runs sandboxed commands unasked).
+            let mut argv = vec![bin, "app-server".into()];
+            argv.extend(extra_args(p));
+            return Ok(Launch {
+                argv,
+                cwd: ctx.dir.workdir().to_path_buf(),
+                env,
+                files,
+                stdin: Some(codex_app_handshake(ctx, sandbox, None)),
+                keep_stdin_open: true,
+                approval_timeout_ms,
+                prompt: prompt(ctx),
+                resume_session: None,
+                result_decides: true,
+            });
+        }
         let mut argv = vec![
             bin,
             "exec".into(),
@@ -446,21 +520,11 @@ impl Adapter for Codex {
         ];
         argv.extend(extra_args(p));
         argv.push(prompt(ctx));
-        let mut env = base_env(ctx.dir);
-        pass_through(&mut env, &["OPENAI_API_KEY"]);
-        env.push((
-            "CODEX_HOME".into(),
-            codex_home.to_string_lossy().into_owned(),
-        ));
         Ok(Launch {
             argv,
             cwd: ctx.dir.workdir().to_path_buf(),
             env,
-            files: vec![
-                (rel(ctx, &codex_home.join("config.toml")), config),
-                // Codex reads global instructions from $CODEX_HOME/AGENTS.md, besides the repo's.
-                (rel(ctx, &codex_home.join("AGENTS.md")), instructions(ctx)),
-            ],
+            files,
             ..Default::default()
         })
     }
@@ -469,8 +533,86 @@ impl Adapter for Codex {
         Box::new(providers::codex::CodexParser::new())
     }
 
+    fn parser_for(&self, launch: &Launch) -> Box<dyn StreamParser> {
+        if launch.argv.get(1).is_some_and(|a| a == "app-server") {
+            Box::new(providers::codex_app::CodexAppParser::new(
+                launch.prompt.clone(),
+            ))
+        } else {
+            self.parser()
+        }
+    }
+
+    fn control_request(&self, line: &str) -> Option<crate::provider::ControlRequest> {
+        if !line.contains("requestApproval") {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        let method = v["method"].as_str()?;
+        if !providers::codex_app::APPROVAL_METHODS.contains(&method) || v.get("id").is_none() {
+            return None;
+        }
+        let params = v["params"].as_object()?;
+        let (tool_name, input) = if method.starts_with("item/commandExecution") {
+            (
+                "shell",
+                json!({"command": providers::codex_app::command_of(params), "cwd": params.get("cwd"), "reason": params.get("reason")}),
+            )
+        } else {
+            (
+                "apply_patch",
+                json!({"reason": params.get("reason"), "grantRoot": params.get("grantRoot")}),
+            )
+        };
+        // The item id is unique across restarts of the server; its JSON-RPC id is not.
+        let request_id = params
+            .get("itemId")
+            .and_then(|i| i.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("rpc-{}", v["id"]));
+        Some(crate::provider::ControlRequest {
+            request_id,
+            rpc_id: Some(v["id"].clone()),
+            tool_name: tool_name.into(),
+            input,
+        })
+    }
+
+    fn control_response(
+        &self,
+        req: &crate::provider::ControlRequest,
+        allow: bool,
+        _reason: &str,
+    ) -> String {
+        let decision = if allow { "accept" } else { "decline" };
+        json!({"id": req.rpc_id, "result": {"decision": decision}}).to_string() + "\n"
+    }
+
+    fn ends_session(&self, body: &agentscope_schemas::v1::execution_event::Body) -> bool {
+        matches!(
+            body,
+            agentscope_schemas::v1::execution_event::Body::Result(_)
+        )
+    }
+
+    fn resume_rejected(&self, line: &str) -> bool {
+        line.contains("no rollout found") || line.contains("invalid session id")
+    }
+
     fn resume_launch(&self, ctx: &LaunchCtx, session_id: &str) -> Option<Result<Launch, Refusal>> {
         Some(self.launch(ctx).map(|mut l| {
+            if l.argv[1] == "app-server" {
+                let sandbox = ctx
+                    .spec
+                    .params
+                    .get("sandbox")
+                    .map(String::as_str)
+                    .unwrap_or("workspace-write");
+                l.stdin = Some(codex_app_handshake(ctx, sandbox, Some(session_id)));
+                l.prompt = CONTINUE.into();
+                l.resume_session = Some(session_id.to_string());
+                return l;
+            }
             // [bin, exec, --json, --skip-git-repo-check, -s, SANDBOX, extra.., PROMPT] ->
             // [bin, exec, resume, --json, --skip-git-repo-check, -c sandbox_mode="SANDBOX", extra.., ID, CONTINUE]
             // (`resume` has no -s; without the override its sandbox is read-only).
@@ -487,10 +629,7 @@ impl Adapter for Codex {
             ];
             argv.extend(extra);
             argv.push(session_id.to_string());
-            argv.push(
-                "The Runtime Host restarted while you worked on this task. Continue where you left off and finish it."
-                    .into(),
-            );
+            argv.push(CONTINUE.into());
             l.argv = argv;
             l
         }))

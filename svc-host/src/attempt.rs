@@ -203,6 +203,16 @@ async fn request_approval(
     }
 }
 
+/// Writes protocol lines to the provider's stdin (when it is still open).
+async fn write_lines(stdin: &mut Option<tokio::process::ChildStdin>, lines: Vec<String>) {
+    use tokio::io::AsyncWriteExt;
+    let Some(pipe) = stdin.as_mut() else { return };
+    for l in lines {
+        let _ = pipe.write_all(l.as_bytes()).await;
+    }
+    let _ = pipe.flush().await;
+}
+
 /// Tells the provider the decision and records it.
 #[allow(clippy::too_many_arguments)]
 async fn answer(
@@ -620,13 +630,15 @@ async fn execute(
         stdin = None;
     }
     let mut rejected = false;
+    // The last `Result` seen: Some(None) a success, Some(Some(text)) a failure.
+    let mut result_error: Option<Option<String>> = None;
     let mut pending: std::collections::HashMap<String, provider::ControlRequest> =
         Default::default();
     // "Allow always" lives in this attempt's memory only: it never outlives the task.
     let mut always: std::collections::HashSet<String> = Default::default();
     // Every process of the provider's tree carries this, even one that left the process group.
     let marker = format!("AGENTSCOPE_ATTEMPT_ID={}", a.attempt_id);
-    let mut parser = adapter.parser();
+    let mut parser = adapter.parser_for(&launch);
     if let Some(d) = ctx.descriptor(adapter.name()) {
         if !d.live_stream {
             sink.diag(
@@ -755,12 +767,17 @@ async fn execute(
                         stop = Some(failed(class, format!("{detail} ({} processes left)", left.len())));
                         continue;
                     }
+                    let mut end = false;
                     for body in parser.line(&text, truncated) {
-                        let end = adapter.ends_session(&body);
-                        sink.emit(body).await;
-                        if end {
-                            stdin = None;
+                        end |= adapter.ends_session(&body);
+                        if let Body::Result(r) = &body {
+                            result_error = Some(r.is_error.then(|| r.text.clone()));
                         }
+                        sink.emit(body).await;
+                    }
+                    write_lines(&mut stdin, parser.replies()).await;
+                    if end {
+                        stdin = None;
                     }
                 }
                 Some((stream, text, truncated)) => {
@@ -791,7 +808,8 @@ async fn execute(
     if let Some(outcome) = stop {
         return outcome;
     }
-    if rejected && !fresh_only && !status.as_ref().is_ok_and(|s| s.success()) {
+    let turn_failed = launch.result_decides && !matches!(result_error, Some(None));
+    if rejected && !fresh_only && (turn_failed || !status.as_ref().is_ok_and(|s| s.success())) {
         provider::kill_marked(&marker).await;
         sink.diag("warn", "resume_rejected", "the provider rejected the session resume; starting a fresh session in this attempt, once").await;
         return Box::pin(execute(ctx, a, sink, stops, decisions, None, true)).await;
@@ -805,6 +823,15 @@ async fn execute(
     }
     provider::kill_marked(&marker).await;
     match status {
+        Ok(s) if s.success() && turn_failed => (
+            AttemptState::Failed,
+            Some(FailureClass::AgentError),
+            match result_error {
+                Some(Some(text)) => format!("the agent's turn failed: {text}"),
+                _ => "the provider ended without finishing its turn".into(),
+            },
+            Some(0),
+        ),
         Ok(s) if s.success() => (
             AttemptState::Succeeded,
             None,

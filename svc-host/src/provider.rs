@@ -26,12 +26,23 @@ pub struct Launch {
     pub keep_stdin_open: bool,
     /// How long a tool request may wait for a decision before it is denied.
     pub approval_timeout_ms: u32,
+    /// The text the provider is asked to work on (protocol-driven providers send it themselves
+    /// once their session is open).
+    pub prompt: String,
+    /// The provider session this launch continues, if any.
+    pub resume_session: Option<String>,
+    /// The provider's `Result` event decides success, not its exit status (servers driven over
+    /// stdin exit 0 whenever stdin closes).
+    pub result_decides: bool,
 }
 
 /// A provider asking whether it may use a tool.
 #[derive(Debug, Clone)]
 pub struct ControlRequest {
+    /// Unique within the attempt, across provider restarts (the Approval's key).
     pub request_id: String,
+    /// The JSON-RPC id to answer, for providers that ask with a JSON-RPC request.
+    pub rpc_id: Option<serde_json::Value>,
     pub tool_name: String,
     pub input: serde_json::Value,
 }
@@ -73,6 +84,10 @@ pub trait Adapter: Send + Sync {
     fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal>;
     /// A fresh parser of this provider's stdout for one run.
     fn parser(&self) -> Box<dyn StreamParser>;
+    /// The parser for one particular launch (protocol-driven modes need its prompt and session).
+    fn parser_for(&self, _launch: &Launch) -> Box<dyn StreamParser> {
+        self.parser()
+    }
     /// A stdout line that asks for an approval (providers with a control protocol).
     fn control_request(&self, _line: &str) -> Option<ControlRequest> {
         None

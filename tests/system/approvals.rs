@@ -235,3 +235,90 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
         "{d}"
     );
 }
+
+/// A provider with its own approval protocol (`approvals: ask`): an approved shell command runs,
+/// a denied one does not and the run still finishes, and each decision applies once.
+async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
+    let stack = Stack::start(label, StackOptions::default()).await.unwrap();
+    let script = json!({
+        "turns": [{"say": "Running the build.", "tool": "shell", "args": {"command": "echo approved-work > ran.txt && cat ran.txt"}}],
+        "final": "Finished."
+    });
+    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
+    let agent = crate::agents::provider_agent(
+        &stack,
+        label,
+        provider,
+        json!({"approvals": "ask"}),
+        json!({}),
+    )
+    .await;
+    let base = format!("{url}/v1");
+    let _host = crate::agents::agent_host(
+        &stack,
+        "h",
+        &stack.dir.path.join("hs"),
+        provider,
+        &[("OPENAI_BASE_URL", &base), ("OPENAI_API_KEY", "sk-modelsim")],
+    )
+    .await;
+
+    for (verb, runs) in [("approve", true), ("deny", false)] {
+        let t = stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent}))
+            .await
+            .unwrap();
+        let task = t["id"].as_str().unwrap().to_string();
+        let ap = pending_approval(&stack, &task).await;
+        assert_eq!(ap["tool_name"], tool_name, "{ap}");
+        assert!(
+            ap["input"].to_string().contains("approved-work"),
+            "the request shows the command: {ap}"
+        );
+        let id = ap["id"].as_str().unwrap();
+        let (st, v) = decide(&stack, id, verb, json!({"reason": "policy"})).await;
+        assert_eq!(st, 200, "{v}");
+        let other = if verb == "approve" { "deny" } else { "approve" };
+        let (st, v) = decide(&stack, id, other, json!({})).await;
+        assert_eq!(
+            (st, v["error"]["code"].as_str()),
+            (409, Some("already_decided")),
+            "{v}"
+        );
+        let t = stack
+            .wait_task(&task, "succeeded", Duration::from_secs(120))
+            .await
+            .unwrap();
+        let attempt = t["attempts"][0]["id"].as_str().unwrap();
+        let events = stack
+            .events(&format!("/v1/attempts/{attempt}/events"))
+            .await
+            .unwrap();
+        let decided: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["kind"] == "approval_decided")
+            .collect();
+        assert_eq!(decided.len(), 1, "applied once: {decided:?}");
+        assert_eq!(decided[0]["payload"]["allow"], runs);
+        let ran = events.iter().any(|e| {
+            e["kind"] == "tool_result"
+                && !e["payload"]["is_error"].as_bool().unwrap_or(false)
+                && e["payload"]["output"]
+                    .as_str()
+                    .is_some_and(|o| o.contains("approved-work"))
+        });
+        assert_eq!(ran, runs, "{verb}: the command ran = {runs}; {events:#?}");
+        assert!(
+            events
+                .iter()
+                .any(|e| e["kind"] == "result" && e["payload"]["is_error"] == false),
+            "the run finished: {events:#?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_asks_through_app_server_and_each_decision_applies_once() {
+    approve_then_deny("codex-approvals", "codex", "shell").await;
+}

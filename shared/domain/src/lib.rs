@@ -99,6 +99,7 @@ pub enum FailureClass {
     ToolDependency,
     ProviderCrash,
     ExitNonzero,
+    AgentError,
     LeaseLost,
     HostOffline,
     HostRestart,
@@ -110,13 +111,14 @@ pub enum FailureClass {
 }
 
 impl FailureClass {
-    pub const ALL: [FailureClass; 14] = [
+    pub const ALL: [FailureClass; 15] = [
         Self::ProviderLogin,
         Self::BadParameters,
         Self::TaskDir,
         Self::ToolDependency,
         Self::ProviderCrash,
         Self::ExitNonzero,
+        Self::AgentError,
         Self::LeaseLost,
         Self::HostOffline,
         Self::HostRestart,
@@ -135,6 +137,7 @@ impl FailureClass {
             Self::ToolDependency => "tool_dependency",
             Self::ProviderCrash => "provider_crash",
             Self::ExitNonzero => "exit_nonzero",
+            Self::AgentError => "agent_error",
             Self::LeaseLost => "lease_lost",
             Self::HostOffline => "host_offline",
             Self::HostRestart => "host_restart",
@@ -172,6 +175,7 @@ impl FailureClass {
             Self::ExitNonzero => {
                 "the provider exited with a failure status; read its output events"
             }
+            Self::AgentError => "the agent reported that its turn failed; read its error events",
             Self::LeaseLost => {
                 "the host stopped renewing its lease (crash, network partition); a retry runs elsewhere"
             }

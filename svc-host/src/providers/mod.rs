@@ -13,6 +13,7 @@
 
 pub mod claude;
 pub mod codex;
+pub mod codex_app;
 pub mod openclaw;
 pub mod opencode;
 
@@ -29,6 +30,11 @@ pub trait StreamParser: Send {
     fn finish(&mut self) -> Vec<Body>;
     /// The provider session id once seen (for resume).
     fn session_id(&self) -> Option<&str>;
+    /// Lines to write to the provider's stdin now, for providers driven over a JSON-RPC
+    /// protocol (the next request of a handshake once the previous one was answered).
+    fn replies(&mut self) -> Vec<String> {
+        vec![]
+    }
 }
 
 /// The parser for a provider name as used in `TaskSpec.provider`; None for providers without one
