@@ -43,6 +43,8 @@ pub struct ControlRequest {
     pub request_id: String,
     /// The JSON-RPC id to answer, for providers that ask with a JSON-RPC request.
     pub rpc_id: Option<serde_json::Value>,
+    /// What the adapter needs to answer (e.g. ACP's option ids), never shown to anyone.
+    pub meta: serde_json::Value,
     pub tool_name: String,
     pub input: serde_json::Value,
 }

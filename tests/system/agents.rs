@@ -933,7 +933,7 @@ async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
 
 /// A host SIGKILLed while `provider` is mid-task, restarted with the same identity, resumes
 /// the same provider session in the same attempt.
-async fn host_restart_resumes(provider: &str) {
+async fn host_restart_resumes(provider: &str, params: Value) {
     let stack = Stack::start(
         "resume",
         StackOptions {
@@ -952,7 +952,8 @@ async fn host_restart_resumes(provider: &str) {
         "final": "Resumed and done."
     });
     let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
-    let agent = provider_agent(&stack, "a", provider, json!({}), json!({})).await;
+    let asks = params["approvals"] == "ask";
+    let agent = provider_agent(&stack, "a", provider, params, json!({})).await;
     let openai = format!("{url}/v1");
     let env = [
         ("ANTHROPIC_BASE_URL", url.as_str()),
@@ -968,6 +969,25 @@ async fn host_restart_resumes(provider: &str) {
         .await
         .unwrap();
     let task_id = t["id"].as_str().unwrap().to_string();
+    // With approvals, someone approves every tool request as it comes, before and after the
+    // restart.
+    let approver = asks.then(|| {
+        let api = stack.api.clone();
+        let path = format!("/v1/approvals?task_id={task_id}&status=pending");
+        tokio::spawn(async move {
+            loop {
+                if let Ok(v) = api.get(&path).await {
+                    for ap in v["items"].as_array().into_iter().flatten() {
+                        let id = ap["id"].as_str().unwrap_or_default();
+                        let _ = api
+                            .post(&format!("/v1/approvals/{id}/approve"), json!({}))
+                            .await;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    });
     let attempt = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
         .await
@@ -990,6 +1010,9 @@ async fn host_restart_resumes(provider: &str) {
         .wait_task(&task_id, "succeeded", Duration::from_secs(120))
         .await
         .unwrap();
+    if let Some(a) = approver {
+        a.abort();
+    }
     let attempts = t["attempts"].as_array().unwrap();
     assert_eq!(attempts.len(), 1, "resumed in the same attempt: {t:#}");
     assert_eq!(
@@ -1042,12 +1065,25 @@ async fn host_restart_resumes(provider: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_killed_mid_task_resumes_the_claude_session_after_restart() {
-    host_restart_resumes("claude-code").await;
+    host_restart_resumes("claude-code", json!({})).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_killed_mid_task_resumes_the_codex_thread_after_restart() {
-    host_restart_resumes("codex").await;
+    host_restart_resumes("codex", json!({})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_killed_mid_task_resumes_approval_driven_sessions_after_restart() {
+    // Claude's stream-json control protocol, then Codex's app-server and opencode's ACP.
+    for provider in ["claude-code", "codex", "opencode"] {
+        host_restart_resumes(provider, json!({"approvals": "ask"})).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_killed_mid_task_resumes_the_opencode_session_after_restart() {
+    host_restart_resumes("opencode", json!({})).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -259,7 +259,10 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
         "h",
         &stack.dir.path.join("hs"),
         provider,
-        &[("OPENAI_BASE_URL", &base), ("OPENAI_API_KEY", "sk-modelsim")],
+        &[
+            ("OPENAI_BASE_URL", &base),
+            ("OPENAI_API_KEY", "sk-modelsim"),
+        ],
     )
     .await;
 
@@ -321,4 +324,9 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_asks_through_app_server_and_each_decision_applies_once() {
     approve_then_deny("codex-approvals", "codex", "shell").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_asks_through_acp_and_each_decision_applies_once() {
+    approve_then_deny("opencode-approvals", "opencode", "bash").await;
 }

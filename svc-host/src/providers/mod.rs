@@ -11,6 +11,7 @@
 //! - `Usage` events are increments: the total for an attempt is the sum of its `Usage` events;
 //! - nothing here panics, whatever the input.
 
+pub mod acp;
 pub mod claude;
 pub mod codex;
 pub mod codex_app;
