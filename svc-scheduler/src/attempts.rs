@@ -236,6 +236,15 @@ pub(crate) async fn finish(
     .execute(&mut **tx)
     .await?;
     tracing::info!(attempt_id = %a.id, task_id = %a.task_id, %status, class = class.map(|c| c.as_str()), "attempt finished");
+    // Nobody is waiting for the attempt's open tool requests any more.
+    sqlx::query(
+        "UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform',
+                reason = 'the attempt ended: ' || $2 WHERE attempt_id = $1 AND status = 'pending'",
+    )
+    .bind(a.id)
+    .bind(status.as_str())
+    .execute(&mut **tx)
+    .await?;
 
     // The provider itself is the problem: try the binding's next fallback provider, fresh.
     let provider_trouble = matches!(

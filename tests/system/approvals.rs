@@ -330,3 +330,74 @@ async fn codex_asks_through_app_server_and_each_decision_applies_once() {
 async fn opencode_asks_through_acp_and_each_decision_applies_once() {
     approve_then_deny("opencode-approvals", "opencode", "bash").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_reaches_an_attempt_awaiting_approval() {
+    let stack = Stack::start("approval-cancel", StackOptions::default())
+        .await
+        .unwrap();
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo never > ran.txt"}}],
+        "final": "Finished."
+    });
+    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
+    let agent = crate::agents::provider_agent(
+        &stack,
+        "a",
+        "codex",
+        json!({"approvals": "ask"}),
+        json!({}),
+    )
+    .await;
+    let base = format!("{url}/v1");
+    let _host = crate::agents::agent_host(
+        &stack,
+        "h",
+        &stack.dir.path.join("hs"),
+        "codex",
+        &[("OPENAI_BASE_URL", &base), ("OPENAI_API_KEY", "sk-modelsim")],
+    )
+    .await;
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
+    let task = t["id"].as_str().unwrap().to_string();
+    let ap = pending_approval(&stack, &task).await;
+    let attempt = ap["attempt_id"].as_str().unwrap().to_string();
+    assert!(
+        !processes_of_attempt(&attempt).is_empty(),
+        "the provider waits for the decision"
+    );
+    stack
+        .api
+        .post(&format!("/v1/tasks/{task}/cancel"), json!({}))
+        .await
+        .unwrap();
+    let t = stack
+        .wait_task(&task, "cancelled", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(t["attempts"][0]["failure_class"], "cancelled", "{t:#}");
+    assert!(
+        processes_of_attempt(&attempt).is_empty(),
+        "no process of the tree is left"
+    );
+    let after = stack
+        .api
+        .get(&format!("/v1/approvals/{}", ap["id"].as_str().unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(
+        (after["status"].as_str(), after["decided_by"].as_str()),
+        (Some("denied"), Some("platform")),
+        "the open request is closed with the attempt: {after}"
+    );
+    let (st, v) = decide(&stack, ap["id"].as_str().unwrap(), "approve", json!({})).await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (409, Some("already_decided")),
+        "{v}"
+    );
+}
