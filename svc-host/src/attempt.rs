@@ -450,8 +450,16 @@ async fn execute(
     } else {
         sink.diag("info", "preparing", "preparing task directory")
             .await;
-        match prepare(ctx, a, sink).await {
+        match prepare(ctx, a, sink, &stops.cancel).await {
             Ok(d) => d,
+            Err(_) if stops.cancel.is_cancelled() => {
+                return (
+                    AttemptState::Cancelled,
+                    Some(FailureClass::Cancelled),
+                    "cancelled while preparing the task directory".into(),
+                    None,
+                );
+            }
             Err(detail) => return failed(FailureClass::TaskDir, detail),
         }
     };
@@ -876,6 +884,7 @@ async fn prepare(
     ctx: &Ctx,
     a: &AttemptAssignment,
     sink: &mut EventSink,
+    cancel: &CancellationToken,
 ) -> Result<TaskDir, String> {
     let spec = a.spec.clone().unwrap_or_default();
     let root = ctx.tasks_dir.join(&a.attempt_id);
@@ -899,7 +908,7 @@ async fn prepare(
         None
     } else {
         let dest = root.join("repo");
-        clone(&spec.repository, &spec.branch, &dest).await?;
+        clone(&spec.repository, &spec.branch, &dest, cancel).await?;
         sink.diag(
             "info",
             "cloned",
@@ -934,7 +943,12 @@ async fn prepare(
     })
 }
 
-async fn clone(repository: &str, branch: &str, dest: &Path) -> Result<(), String> {
+async fn clone(
+    repository: &str,
+    branch: &str,
+    dest: &Path,
+    cancel: &CancellationToken,
+) -> Result<(), String> {
     if repository.starts_with('-') || branch.starts_with('-') {
         return Err("repository and branch must not start with '-'".into());
     }
@@ -944,13 +958,26 @@ async fn clone(repository: &str, branch: &str, dest: &Path) -> Result<(), String
         cmd.arg("--branch").arg(branch);
     }
     cmd.arg("--").arg(repository).arg(dest);
+    // Its own process group, so that a cancel stops git's helpers too.
     cmd.env("GIT_TERMINAL_PROMPT", "0")
         .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .process_group(0)
         .kill_on_drop(true);
-    let out = tokio::time::timeout(Duration::from_secs(600), cmd.output())
-        .await
-        .map_err(|_| "git clone timed out after 600 s".to_string())?
-        .map_err(|e| format!("run git: {e}"))?;
+    let child = cmd.spawn().map_err(|e| format!("run git: {e}"))?;
+    let pgid = child.id().map(|p| p as i32).unwrap_or(0);
+    let out = tokio::select! {
+        out = child.wait_with_output() => out.map_err(|e| format!("run git: {e}"))?,
+        _ = cancel.cancelled() => {
+            provider::kill_group(pgid).await;
+            return Err("cancelled during git clone".into());
+        }
+        _ = tokio::time::sleep(Duration::from_secs(600)) => {
+            provider::kill_group(pgid).await;
+            return Err("git clone timed out after 600 s".into());
+        }
+    };
     if !out.status.success() {
         return Err(format!(
             "git clone {repository} (branch {branch}) failed: {}",

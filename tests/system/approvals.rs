@@ -341,21 +341,19 @@ async fn cancel_reaches_an_attempt_awaiting_approval() {
         "final": "Finished."
     });
     let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
-    let agent = crate::agents::provider_agent(
-        &stack,
-        "a",
-        "codex",
-        json!({"approvals": "ask"}),
-        json!({}),
-    )
-    .await;
+    let agent =
+        crate::agents::provider_agent(&stack, "a", "codex", json!({"approvals": "ask"}), json!({}))
+            .await;
     let base = format!("{url}/v1");
     let _host = crate::agents::agent_host(
         &stack,
         "h",
         &stack.dir.path.join("hs"),
         "codex",
-        &[("OPENAI_BASE_URL", &base), ("OPENAI_API_KEY", "sk-modelsim")],
+        &[
+            ("OPENAI_BASE_URL", &base),
+            ("OPENAI_API_KEY", "sk-modelsim"),
+        ],
     )
     .await;
     let t = stack

@@ -113,3 +113,65 @@ async fn cancelling_a_queued_task_needs_no_host() {
         .unwrap();
     assert_eq!(t["attempts"][0]["failure_class"], "cancelled");
 }
+
+/// Live processes whose command line contains `needle`.
+fn processes_with(needle: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_while_the_repository_is_cloned_stops_git() {
+    let stack = Stack::start("cancel-clone", StackOptions::default())
+        .await
+        .unwrap();
+    // A "git server" that accepts connections and never answers: the clone hangs.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://127.0.0.1:{}/never-answers.git",
+        silent.local_addr().unwrap().port()
+    );
+    let (agent, _) = stack
+        .command_agent("a", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    let task = stack
+        .api
+        .post(
+            "/v1/tasks",
+            json!({"agent_id": agent, "repository": url, "branch": "main"}),
+        )
+        .await
+        .unwrap();
+    let task_id = task["id"].as_str().unwrap().to_string();
+    let u = url.clone();
+    kit::wait_for("git to be cloning", Duration::from_secs(60), || {
+        let u = u.clone();
+        async move { (!processes_with(&u).is_empty()).then_some(()) }
+    })
+    .await
+    .unwrap();
+    stack
+        .api
+        .post(&format!("/v1/tasks/{task_id}/cancel"), json!({}))
+        .await
+        .unwrap();
+    let t = stack
+        .wait_task(&task_id, "cancelled", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(t["attempts"][0]["failure_class"], "cancelled", "{t:#}");
+    assert!(
+        processes_with(&url).is_empty(),
+        "no git process is left: {:?}",
+        processes_with(&url)
+    );
+    drop(silent);
+}
