@@ -79,6 +79,15 @@ ensure_git() {
 }
 
 # --------------------------------------------------------------------------
+# bubblewrap (the dataplane's local sandbox backend)
+# --------------------------------------------------------------------------
+ensure_bwrap() {
+    command -v bwrap >/dev/null 2>&1 && return 0
+    apt_install bubblewrap
+    command -v bwrap >/dev/null 2>&1 || die "bwrap is still not on PATH after installing bubblewrap"
+}
+
+# --------------------------------------------------------------------------
 # PostgreSQL
 # --------------------------------------------------------------------------
 pg_ready() {
@@ -368,6 +377,7 @@ write_run_env() {
 
 main() {
     ensure_git
+    ensure_bwrap
     ensure_postgres
     local nats
     nats="$(ensure_nats)"

@@ -11,6 +11,27 @@ pub struct Config {
     pub db_max_connections: u32,
     #[serde(default)]
     pub log_format: String,
+    /// This replica's name in session state and logs; empty: `<hostname>-<pid>`.
+    pub replica_id: String,
+    /// Where session directories live (`local` and `sandbox` environments).
+    pub sessions_dir: String,
+    /// A session lease vanishes this long after its holder's last renewal.
+    pub session_lease_ttl_ms: u64,
+    /// How often a replica looks for sessions with work and no live lease.
+    pub sweep_interval_ms: u64,
+    /// Model API of the Harness: anthropic, openai_chat or openai_responses.
+    pub model_api: String,
+    /// The model server's root URL (without /v1).
+    pub model_base_url: String,
+    /// Credential for the model server; never logged, never in an event.
+    pub model_api_key: String,
+    /// The model when the agent version names none.
+    pub model_default: String,
+    pub model_stream: bool,
+    pub model_max_retries: u32,
+    /// bubblewrap, for the `sandbox` environment.
+    pub bwrap_path: String,
+    pub shell_timeout_secs: u64,
 }
 
 impl Config {
@@ -23,7 +44,19 @@ impl Config {
             )?
             .set_default("health_addr", "127.0.0.1:8082")?
             .set_default("db_max_connections", 8)?
-            .set_default("log_format", "")?;
+            .set_default("log_format", "")?
+            .set_default("replica_id", "")?
+            .set_default("sessions_dir", "/var/lib/agentscope/sessions")?
+            .set_default("session_lease_ttl_ms", 15_000)?
+            .set_default("sweep_interval_ms", 1_000)?
+            .set_default("model_api", "anthropic")?
+            .set_default("model_base_url", "https://api.anthropic.com")?
+            .set_default("model_api_key", "")?
+            .set_default("model_default", "claude-sonnet-4-5")?
+            .set_default("model_stream", true)?
+            .set_default("model_max_retries", 3)?
+            .set_default("bwrap_path", "/usr/bin/bwrap")?
+            .set_default("shell_timeout_secs", 300)?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
         }
@@ -31,6 +64,17 @@ impl Config {
             .add_source(config::Environment::with_prefix("AGENTSCOPE").try_parsing(true))
             .build()?
             .try_deserialize()?;
+        if !["anthropic", "openai_chat", "openai_responses"].contains(&config.model_api.as_str()) {
+            return Err(config::ConfigError::Message(format!(
+                "model_api must be anthropic, openai_chat or openai_responses, not `{}`",
+                config.model_api
+            )));
+        }
+        if config.session_lease_ttl_ms < 1_000 {
+            return Err(config::ConfigError::Message(
+                "session_lease_ttl_ms must be at least 1000".into(),
+            ));
+        }
         if config.db_max_connections == 0 {
             return Err(config::ConfigError::Message(
                 "db_max_connections must be positive".into(),

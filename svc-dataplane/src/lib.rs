@@ -2,6 +2,11 @@
 //! and Postgres, and reports health; the Harness, Environments, Memory and Vault build on this.
 
 mod config;
+pub mod env;
+pub mod model;
+pub mod policy;
+pub mod session;
+pub mod tools;
 
 pub use config::Config;
 
@@ -26,6 +31,76 @@ impl App {
         agentscope_store::migrate(&db).await?;
         let nats = agentscope_bus::connect(&config.nats_url, "svc-dataplane").await?;
         let cancel = CancellationToken::new();
+        let js = async_nats::jetstream::new(nats.clone());
+        let leases = agentscope_bus::Topology::session_leases(
+            &js,
+            std::time::Duration::from_millis(config.session_lease_ttl_ms),
+        )
+        .await?;
+        let replica = if config.replica_id.is_empty() {
+            format!(
+                "{}-{}",
+                std::fs::read_to_string("/etc/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_else(|_| "dataplane".into()),
+                std::process::id()
+            )
+        } else {
+            config.replica_id.clone()
+        };
+        let runner = session::Runner::new(
+            db.clone(),
+            leases,
+            Arc::new(config.clone()),
+            replica.clone(),
+        );
+        tracing::info!(%replica, "svc-dataplane replica ready for sessions");
+        // New work is announced on a core subject; a sweep finds what a lost nudge or a dead
+        // replica left behind.
+        let mut nudges = nats
+            .subscribe(agentscope_bus::subjects::SESSIONS_NUDGE)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "subscribe {}: {e}",
+                    agentscope_bus::subjects::SESSIONS_NUDGE
+                )
+            })?;
+        {
+            let runner = runner.clone();
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                use futures::StreamExt;
+                loop {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        m = nudges.next() => {
+                            let Some(m) = m else { return };
+                            if let Ok(id) = std::str::from_utf8(&m.payload).unwrap_or("").parse::<uuid::Uuid>() {
+                                runner.offer(id);
+                            }
+                        }
+                    }
+                }
+            });
+        }
+        {
+            let runner = runner.clone();
+            let cancel = cancel.clone();
+            let every = std::time::Duration::from_millis(config.sweep_interval_ms.max(50));
+            tokio::spawn(async move {
+                loop {
+                    match runner.sessions_with_work().await {
+                        Ok(ids) => ids.into_iter().for_each(|id| runner.offer(id)),
+                        Err(e) => tracing::warn!(error = %e, "look for sessions with work"),
+                    }
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(every) => {}
+                    }
+                }
+            });
+        }
         let probe_nats = nats.clone();
         let probe: health::Probe = Arc::new(move || {
             let db = db.clone();

@@ -72,6 +72,8 @@ pub struct StackOptions {
     pub heartbeat_ttl_ms: u64,
     /// Extra AGENTSCOPE_* settings for the gateway.
     pub gateway_env: Vec<(String, String)>,
+    /// Extra AGENTSCOPE_* settings for the dataplane replicas (e.g. the model server).
+    pub dataplane_env: Vec<(String, String)>,
 }
 
 impl Default for StackOptions {
@@ -81,6 +83,7 @@ impl Default for StackOptions {
             sweep_interval_ms: 250,
             heartbeat_ttl_ms: 3_000,
             gateway_env: vec![],
+            dataplane_env: vec![],
         }
     }
 }
@@ -101,6 +104,7 @@ pub struct Stack {
     /// root.
     pub shared: PathBuf,
     scheduler_env: Vec<(String, String)>,
+    dataplane_env: Vec<(String, String)>,
     // Dropped last: keeps logs of a failed test.
     pub dir: TempDir,
 }
@@ -170,11 +174,21 @@ impl Stack {
             &dir.path,
         )
         .await?;
-        let denv = common_env(&nats, &db);
+        let mut denv = common_env(&nats, &db);
+        denv.push((
+            "AGENTSCOPE_SESSIONS_DIR".into(),
+            dir.path.join("sessions").to_string_lossy().into_owned(),
+        ));
+        denv.push(("AGENTSCOPE_SESSION_LEASE_TTL_MS".into(), "3000".into()));
+        denv.push(("AGENTSCOPE_SWEEP_INTERVAL_MS".into(), "250".into()));
+        denv.push(("AGENTSCOPE_MODEL_MAX_RETRIES".into(), "2".into()));
+        denv.extend(opts.dataplane_env.iter().cloned());
+        let mut first = denv.clone();
+        first.push(("AGENTSCOPE_REPLICA_ID".into(), "dp-0".into()));
         let (dataplane, _) = kit::spawn_on_free_port(
             "dataplane",
             &bin("svc-dataplane")?,
-            |port| with_addr(&denv, "AGENTSCOPE_HEALTH_ADDR", port),
+            |port| with_addr(&first, "AGENTSCOPE_HEALTH_ADDR", port),
             "/readyz",
             &dir.path,
         )
@@ -216,8 +230,28 @@ impl Stack {
                 shared
             },
             scheduler_env: senv,
+            dataplane_env: denv,
             dir,
         })
+    }
+
+    /// Another svc-dataplane replica named `name`, with the stack's dataplane settings; ready.
+    pub async fn spawn_dataplane(&self, name: &str) -> Result<Proc> {
+        let mut env = self.dataplane_env.clone();
+        env.push(("AGENTSCOPE_REPLICA_ID".into(), name.into()));
+        let (p, _) = kit::spawn_on_free_port(
+            &format!("dataplane-{name}"),
+            &bin("svc-dataplane")?,
+            |port| {
+                let mut e = env.clone();
+                e.push(("AGENTSCOPE_HEALTH_ADDR".into(), format!("127.0.0.1:{port}")));
+                e
+            },
+            "/readyz",
+            &self.dir.path,
+        )
+        .await?;
+        Ok(p)
     }
 
     /// Stops the scheduler (SIGKILL when `crash`, else SIGTERM) and starts a new one.

@@ -11,4 +11,5 @@ mod executor;
 mod explain;
 mod failover;
 mod limits;
+mod managed;
 mod restart;

@@ -19,6 +19,8 @@ pub mod subjects {
     pub const APPROVALS_ALL: &str = "agentscope.approvals.>";
     pub const APPROVALS_REQUESTED_ALL: &str = "agentscope.approvals.requested.>";
     /// Decisions, request/reply, queue group [`super::SCHEDULER_QUEUE`].
+    /// Core NATS, gateway → every dataplane replica: a session has new work (payload: its id).
+    pub const SESSIONS_NUDGE: &str = "agentscope.sessions.nudge";
     pub const APPROVAL_DECIDE: &str = "agentscope.approvals.decide";
 
     pub fn events(attempt_id: &str) -> String {
@@ -49,6 +51,7 @@ pub const STREAM_CONTROL: &str = "AGENTSCOPE_CONTROL";
 pub const STREAM_APPROVALS: &str = "AGENTSCOPE_APPROVALS";
 pub const BUCKET_LEASES: &str = "agentscope_leases";
 pub const BUCKET_PRESENCE: &str = "agentscope_presence";
+pub const BUCKET_SESSION_LEASES: &str = "agentscope_session_leases";
 pub const CONSUMER_RECORDER: &str = "recorder";
 pub const CONSUMER_INTAKE: &str = "scheduler-intake";
 pub const CONSUMER_APPROVALS: &str = "scheduler-approvals";
@@ -202,6 +205,15 @@ impl Topology {
     /// last renewal.
     pub async fn leases(js: &jetstream::Context, ttl: Duration) -> Result<kv::Store, Error> {
         Self::bucket(js, BUCKET_LEASES, ttl).await
+    }
+
+    /// Owner: svc-dataplane. Session leases: one replica works on a session; a key vanishes
+    /// `ttl` after its last renewal.
+    pub async fn session_leases(
+        js: &jetstream::Context,
+        ttl: Duration,
+    ) -> Result<kv::Store, Error> {
+        Self::bucket(js, BUCKET_SESSION_LEASES, ttl).await
     }
 
     /// Owner: svc-scheduler. Host presence; a key vanishes `ttl` after the host's last heartbeat.

@@ -286,6 +286,9 @@ pub fn hash_token(token: &str) -> String {
 }
 
 /// Names a provider the platform knows how to run.
+/// The provider of agents the platform runs itself (managed execution, svc-dataplane).
+pub const MANAGED_PROVIDER: &str = "managed";
+
 pub const KNOWN_PROVIDERS: [&str; 5] = ["command", "claude-code", "codex", "opencode", "openclaw"];
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ pub mod artifacts;
 pub mod events;
 pub mod explain;
 pub mod resources;
+pub mod sessions;
 pub mod task_api;
 pub mod work;
 
@@ -92,6 +93,10 @@ pub fn routes(config: &crate::Config) -> Vec<Route> {
         route!(GET "/v1/approvals/{id}", approvals::get, "bearer", "Show an approval"),
         route!(POST "/v1/approvals/{id}/approve", approvals::approve, "bearer", 200, "Allow a tool request (once; a conflicting second decision is refused)"),
         route!(POST "/v1/approvals/{id}/deny", approvals::deny, "bearer", 200, "Deny a tool request (once)"),
+        route!(POST "/v1/sessions", sessions::create, "bearer", 201, "Start a managed session of a managed agent, pinned to its current version (idempotent with idempotency_key)"),
+        route!(GET "/v1/sessions/{id}", sessions::get, "bearer", "Show a session: status, pinned version, inputs and their outcomes"),
+        route!(POST "/v1/sessions/{id}/inputs", sessions::submit, "bearer", 202, "Submit work to a session (idempotent with idempotency_key)"),
+        route!(GET "/v1/sessions/{id}/events", sessions::events, "bearer", "A session's events"),
         route!(GET "/v1/task", task_api::context, "task", "Executor: the task, its Issue, comments, input and Artifacts"),
         route!(POST "/v1/task/comments", task_api::comment, "task", 201, "Executor: comment on the task's Issue"),
         Route {

@@ -23,7 +23,7 @@ pub(crate) fn check_name(field: &str, v: &str) -> ApiResult<()> {
 }
 
 fn check_provider(p: &str) -> ApiResult<()> {
-    if !KNOWN_PROVIDERS.contains(&p) {
+    if !KNOWN_PROVIDERS.contains(&p) && p != agentscope_domain::MANAGED_PROVIDER {
         return Err(ApiError::bad_request(
             "invalid_field",
             format!(

@@ -1,0 +1,190 @@
+//! Tool policy of an agent version: allow, ask or deny, per tool and per argument pattern.
+//!
+//! ```json
+//! {"default": "allow",
+//!  "tools": {"shell": "ask"},
+//!  "rules": [{"tool": "shell", "match": "rm *", "decision": "deny"}]}
+//! ```
+//! Rules are tried in order against the tool's main argument (a shell command, a file path, a
+//! memory query or text), `*` matching any run of characters and `?` one; then the per-tool
+//! setting; then the default (allow).
+
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    Allow,
+    Ask,
+    Deny,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    pub tool: String,
+    #[serde(rename = "match")]
+    pub pattern: String,
+    pub decision: Decision,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    #[serde(default = "allow")]
+    pub default: Decision,
+    #[serde(default)]
+    pub tools: HashMap<String, Decision>,
+    #[serde(default)]
+    pub rules: Vec<Rule>,
+}
+
+fn allow() -> Decision {
+    Decision::Allow
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            default: Decision::Allow,
+            tools: HashMap::new(),
+            rules: vec![],
+        }
+    }
+}
+
+impl Policy {
+    /// The policy stored with an agent version; `{}` or null is allow-all.
+    pub fn from_json(v: &Value) -> Result<Policy, String> {
+        if v.is_null() {
+            return Ok(Policy::default());
+        }
+        serde_json::from_value(v.clone()).map_err(|e| format!("invalid tool policy: {e}"))
+    }
+
+    /// The decision for `tool` called with `input`, and the rule that made it.
+    pub fn decide(&self, tool: &str, input: &Value) -> (Decision, String) {
+        let arg = main_argument(tool, input);
+        for r in &self.rules {
+            if (r.tool == tool || r.tool == "*") && glob(&r.pattern, &arg) {
+                return (
+                    r.decision,
+                    format!("rule {{tool: {}, match: {:?}}}", r.tool, r.pattern),
+                );
+            }
+        }
+        if let Some(d) = self.tools.get(tool) {
+            return (*d, format!("tools.{tool}"));
+        }
+        (self.default, "default".into())
+    }
+}
+
+/// The argument a rule pattern is matched against.
+pub fn main_argument(tool: &str, input: &Value) -> String {
+    let key = match tool {
+        "shell" => "command",
+        "memory_search" => "query",
+        "memory_write" | "comment" => "text",
+        "upload_artifact" => "name",
+        _ => "path",
+    };
+    input
+        .get(key)
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string()
+}
+
+/// `*` any run of characters, `?` any one; everything else literal.
+pub fn glob(pattern: &str, text: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    let (mut pi, mut ti) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn globs() {
+        for (p, t, want) in [
+            ("rm *", "rm -rf /", true),
+            ("rm *", "echo rm", false),
+            ("*secret*", "cat my-secret.txt", true),
+            ("a?c", "abc", true),
+            ("a?c", "ac", false),
+            ("", "", true),
+            ("*", "", true),
+            ("**x", "abx", true),
+        ] {
+            assert_eq!(glob(p, t), want, "{p} ~ {t}");
+        }
+    }
+
+    #[test]
+    fn rules_then_tools_then_default() {
+        let p = Policy::from_json(&json!({
+            "default": "allow",
+            "tools": {"shell": "ask", "write_file": "deny"},
+            "rules": [{"tool": "shell", "match": "rm *", "decision": "deny"},
+                      {"tool": "shell", "match": "echo *", "decision": "allow"}]
+        }))
+        .unwrap();
+        assert_eq!(
+            p.decide("shell", &json!({"command": "rm -rf x"})).0,
+            Decision::Deny
+        );
+        assert_eq!(
+            p.decide("shell", &json!({"command": "echo hi"})).0,
+            Decision::Allow
+        );
+        assert_eq!(
+            p.decide("shell", &json!({"command": "ls"})).0,
+            Decision::Ask
+        );
+        assert_eq!(
+            p.decide("write_file", &json!({"path": "a"})).0,
+            Decision::Deny
+        );
+        assert_eq!(
+            p.decide("read_file", &json!({"path": "a"})).0,
+            Decision::Allow
+        );
+        assert_eq!(
+            Policy::from_json(&json!({}))
+                .unwrap()
+                .decide("shell", &json!({}))
+                .0,
+            Decision::Allow
+        );
+    }
+
+    #[test]
+    fn a_bad_policy_is_refused_by_name() {
+        let e = Policy::from_json(&json!({"default": "maybe"})).unwrap_err();
+        assert!(e.contains("maybe"), "{e}");
+        assert!(Policy::from_json(&json!({"colour": "blue"})).is_err());
+    }
+}

@@ -1,0 +1,728 @@
+//! The managed loop: one replica at a time works on a session (a lease in KV, fenced in
+//! PostgreSQL), turning each submitted input into model turns and tool calls until the model
+//! answers without tools, `max_iters` is reached, or the model cannot be reached.
+//!
+//! Durability: every message, tool call and event is written in a transaction that first checks
+//! the replica's fencing token. A tool call is journaled `started` before it runs and
+//! `completed` with its result message in one transaction after. A replica that takes a session
+//! over rebuilds it from the journal: a completed call is never run again; a call left `started`
+//! is reported to the model as interrupted, never silently repeated.
+
+use crate::Config;
+use crate::env::{Environment, Limits};
+use crate::model::{self, Message, ModelConfig, ModelError, ToolCallReq};
+use crate::policy::{Decision, Policy};
+use crate::tools::{self, ToolOutput};
+use async_nats::jetstream::kv;
+use serde_json::{Value, json};
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+pub struct Runner {
+    pub db: sqlx::PgPool,
+    pub leases: kv::Store,
+    pub http: reqwest::Client,
+    pub config: Arc<Config>,
+    pub replica: String,
+    active: Mutex<HashSet<Uuid>>,
+}
+
+#[derive(Debug)]
+enum Stop {
+    /// Another replica took the session over (its fencing token moved on).
+    Fenced,
+    Db(sqlx::Error),
+    /// This replica's lease could not be renewed.
+    Lost,
+}
+
+impl From<sqlx::Error> for Stop {
+    fn from(e: sqlx::Error) -> Self {
+        Stop::Db(e)
+    }
+}
+
+type Tx<'a> = sqlx::Transaction<'a, sqlx::Postgres>;
+
+/// What a session runs with, resolved once from its pinned agent version.
+struct Pinned {
+    workspace_id: Uuid,
+    instructions: String,
+    model: String,
+    enabled: Vec<String>,
+    policy: Policy,
+    max_iters: u32,
+    env: Environment,
+}
+
+pub fn lease_key(session_id: Uuid) -> String {
+    format!("session.{session_id}")
+}
+
+impl Runner {
+    pub fn new(
+        db: sqlx::PgPool,
+        leases: kv::Store,
+        config: Arc<Config>,
+        replica: String,
+    ) -> Arc<Self> {
+        Arc::new(Runner {
+            db,
+            leases,
+            http: reqwest::Client::new(),
+            config,
+            replica,
+            active: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// Sessions with an input that has no outcome yet.
+    pub async fn sessions_with_work(&self) -> Result<Vec<Uuid>, sqlx::Error> {
+        let rows: Vec<(Uuid,)> = sqlx::query_as(
+            "SELECT DISTINCT i.session_id FROM session_inputs i
+             WHERE NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id) LIMIT 500",
+        )
+        .fetch_all(&self.db)
+        .await?;
+        Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    /// Works on `session_id` if no replica holds its lease; returns at once otherwise.
+    pub fn offer(self: &Arc<Self>, session_id: Uuid) {
+        {
+            let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+            if !active.insert(session_id) {
+                return;
+            }
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.hold_and_run(session_id).await;
+            me.active
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&session_id);
+        });
+    }
+
+    async fn hold_and_run(self: &Arc<Self>, session_id: Uuid) {
+        let key = lease_key(session_id);
+        let token = match self.leases.create(&key, self.replica.clone().into()).await {
+            Ok(rev) => rev,
+            Err(_) => return, // another replica holds it
+        };
+        let lost = CancellationToken::new();
+        let keeper = {
+            let leases = self.leases.clone();
+            let key = key.clone();
+            let value = self.replica.clone();
+            let lost = lost.clone();
+            let every = Duration::from_millis(self.config.session_lease_ttl_ms / 3);
+            tokio::spawn(async move {
+                let mut rev = token;
+                loop {
+                    tokio::select! {
+                        _ = lost.cancelled() => return,
+                        _ = tokio::time::sleep(every) => {}
+                    }
+                    match leases.update(&key, value.clone().into(), rev).await {
+                        Ok(r) => rev = r,
+                        Err(e) => {
+                            tracing::warn!(error = %e, %key, "session lease lost");
+                            lost.cancel();
+                            return;
+                        }
+                    }
+                }
+            })
+        };
+        let result = tokio::select! {
+            r = self.run(session_id, token as i64) => r,
+            _ = lost.cancelled() => Err(Stop::Lost),
+        };
+        match result {
+            Ok(()) => {}
+            Err(Stop::Fenced) | Err(Stop::Lost) => {
+                tracing::warn!(%session_id, replica = %self.replica, "session taken over; stopping");
+            }
+            Err(Stop::Db(e)) => tracing::error!(%session_id, error = %e, "session stopped"),
+        }
+        let still_ours = !lost.is_cancelled();
+        lost.cancel();
+        let _ = keeper.await;
+        if still_ours {
+            let _ = self.leases.purge(&key).await;
+        }
+    }
+
+    async fn pinned(&self, session_id: Uuid) -> Result<Pinned, Stop> {
+        let (workspace_id, environment, instructions, model, tools, policy, max_iters, files): (
+            Uuid,
+            String,
+            String,
+            Option<String>,
+            Value,
+            Value,
+            Option<i32>,
+            Value,
+        ) = sqlx::query_as(
+            "SELECT s.workspace_id, s.environment, v.instructions, v.model, v.tools, v.policy, v.max_iters, v.capability_files
+             FROM sessions s JOIN agent_versions v ON v.id = s.agent_version_id WHERE s.id = $1",
+        )
+        .bind(session_id)
+        .fetch_one(&self.db)
+        .await?;
+        let root = PathBuf::from(&self.config.sessions_dir).join(session_id.to_string());
+        tokio::fs::create_dir_all(&root)
+            .await
+            .map_err(|e| Stop::Db(sqlx::Error::Io(e)))?;
+        let env = match environment.as_str() {
+            "sandbox" => Environment::Sandbox {
+                root,
+                bwrap: PathBuf::from(&self.config.bwrap_path),
+            },
+            _ => Environment::Local { root },
+        };
+        // The definition's files are materialized once, when the session directory is new.
+        let limits = self.limits();
+        for (name, content) in files.as_object().into_iter().flatten() {
+            if let Some(text) = content.as_str()
+                && env.read_file(name, &limits).await.is_err()
+                && let Err(e) = env.write_file(name, text, &limits).await
+            {
+                tracing::warn!(%session_id, file = %name, error = %e, "capability file not written");
+            }
+        }
+        Ok(Pinned {
+            workspace_id,
+            instructions,
+            model: model
+                .filter(|m| !m.is_empty())
+                .unwrap_or_else(|| self.config.model_default.clone()),
+            enabled: tools
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.as_str().map(str::to_string))
+                .collect(),
+            policy: Policy::from_json(&policy).unwrap_or_else(|e| {
+                tracing::warn!(%session_id, error = %e, "invalid policy; denying every tool");
+                Policy {
+                    default: Decision::Deny,
+                    ..Policy::default()
+                }
+            }),
+            max_iters: max_iters.unwrap_or(20).max(1) as u32,
+            env,
+        })
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            timeout: Duration::from_secs(self.config.shell_timeout_secs),
+            max_output: tools::MAX_OUTPUT,
+            max_file: 4 * 1024 * 1024,
+            memory_bytes: Some(2 * 1024 * 1024 * 1024),
+            max_processes: Some(256),
+        }
+    }
+
+    fn model_config(&self, model: &str) -> ModelConfig {
+        ModelConfig {
+            api: match self.config.model_api.as_str() {
+                "openai_chat" => model::Api::OpenaiChat,
+                "openai_responses" => model::Api::OpenaiResponses,
+                _ => model::Api::Anthropic,
+            },
+            base_url: self.config.model_base_url.clone(),
+            api_key: self.config.model_api_key.clone(),
+            model: model.to_string(),
+            max_tokens: 4096,
+            stream: self.config.model_stream,
+            max_retries: self.config.model_max_retries,
+            retry_base_ms: 200,
+        }
+    }
+
+    /// Takes the session over under `token`, then works through its inputs in order.
+    async fn run(&self, session_id: Uuid, token: i64) -> Result<(), Stop> {
+        let taken: Option<(i64,)> = sqlx::query_as(
+            "INSERT INTO session_state (session_id, status, lease_token, replica) VALUES ($1, 'running', $2, $3)
+             ON CONFLICT (session_id) DO UPDATE SET lease_token = EXCLUDED.lease_token, replica = EXCLUDED.replica,
+                 status = 'running', detail = '', updated_at = now()
+             WHERE session_state.lease_token < EXCLUDED.lease_token
+             RETURNING last_seq",
+        )
+        .bind(session_id)
+        .bind(token)
+        .bind(&self.replica)
+        .fetch_optional(&self.db)
+        .await?;
+        let Some((last_seq,)) = taken else {
+            return Err(Stop::Fenced);
+        };
+        let s = Session {
+            r: self,
+            id: session_id,
+            token,
+        };
+        if last_seq > 0 {
+            s.event(
+                "diagnostic",
+                json!({"code": "taken_over", "message": format!("replica {} continues the session from its journal", self.replica)}),
+            )
+            .await?;
+        }
+        let pinned = self.pinned(session_id).await?;
+        loop {
+            let next: Option<(Uuid, String)> = sqlx::query_as(
+                "SELECT i.id, i.text FROM session_inputs i WHERE i.session_id = $1
+                 AND NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id)
+                 ORDER BY i.id LIMIT 1",
+            )
+            .bind(session_id)
+            .fetch_optional(&self.db)
+            .await?;
+            let Some((input_id, text)) = next else {
+                return Ok(());
+            };
+            s.work(&pinned, input_id, &text).await?;
+        }
+    }
+}
+
+struct Session<'a> {
+    r: &'a Runner,
+    id: Uuid,
+    token: i64,
+}
+
+impl Session<'_> {
+    /// Opens a transaction that holds the session's state row, if this replica still owns it.
+    async fn begin(&self) -> Result<(Tx<'static>, i64), Stop> {
+        let mut tx = self.r.db.begin().await?;
+        let row: Option<(i64,)> = sqlx::query_as(
+            "SELECT last_seq FROM session_state WHERE session_id = $1 AND lease_token = $2 FOR UPDATE",
+        )
+        .bind(self.id)
+        .bind(self.token)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match row {
+            Some((seq,)) => Ok((tx, seq)),
+            None => Err(Stop::Fenced),
+        }
+    }
+
+    async fn append_events(
+        &self,
+        tx: &mut Tx<'_>,
+        last_seq: &mut i64,
+        events: &[(&str, Value)],
+    ) -> Result<(), sqlx::Error> {
+        for (kind, payload) in events {
+            *last_seq += 1;
+            sqlx::query(
+                "INSERT INTO session_events (session_id, seq, kind, payload) VALUES ($1, $2, $3, $4)",
+            )
+            .bind(self.id)
+            .bind(*last_seq)
+            .bind(kind)
+            .bind(payload)
+            .execute(&mut **tx)
+            .await?;
+        }
+        sqlx::query(
+            "UPDATE session_state SET last_seq = $2, updated_at = now() WHERE session_id = $1",
+        )
+        .bind(self.id)
+        .bind(*last_seq)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    async fn event(&self, kind: &str, payload: Value) -> Result<(), Stop> {
+        let (mut tx, mut seq) = self.begin().await?;
+        self.append_events(&mut tx, &mut seq, &[(kind, payload)])
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn set_status(&self, status: &str, detail: &str) -> Result<(), Stop> {
+        let (mut tx, _) = self.begin().await?;
+        sqlx::query("UPDATE session_state SET status = $2, detail = $3, updated_at = now() WHERE session_id = $1")
+            .bind(self.id)
+            .bind(status)
+            .bind(detail)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn append_message(
+        &self,
+        tx: &mut Tx<'_>,
+        input_id: Uuid,
+        m: &Message,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO session_messages (session_id, seq, input_id, message)
+             VALUES ($1, (SELECT COALESCE(max(seq), 0) + 1 FROM session_messages WHERE session_id = $1), $2, $3)",
+        )
+        .bind(self.id)
+        .bind(input_id)
+        .bind(serde_json::to_value(m).unwrap_or(Value::Null))
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    async fn history(&self) -> Result<Vec<(Uuid, Message)>, Stop> {
+        let rows: Vec<(Uuid, Value)> = sqlx::query_as(
+            "SELECT input_id, message FROM session_messages WHERE session_id = $1 ORDER BY seq",
+        )
+        .bind(self.id)
+        .fetch_all(&self.r.db)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(i, v)| serde_json::from_value(v).ok().map(|m| (i, m)))
+            .collect())
+    }
+
+    async fn finish(
+        &self,
+        input_id: Uuid,
+        status: &str,
+        detail: &str,
+        iterations: u32,
+    ) -> Result<(), Stop> {
+        let (mut tx, mut seq) = self.begin().await?;
+        sqlx::query(
+            "INSERT INTO session_outcomes (input_id, session_id, status, detail, iterations) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (input_id) DO NOTHING",
+        )
+        .bind(input_id)
+        .bind(self.id)
+        .bind(status)
+        .bind(detail)
+        .bind(iterations as i32)
+        .execute(&mut *tx)
+        .await?;
+        // Finishing a turn is an outcome, never the acceptance of the Issue.
+        let shown = if status == "completed" {
+            "completed_awaiting_acceptance"
+        } else {
+            status
+        };
+        sqlx::query("UPDATE session_state SET status = $2, detail = $3, updated_at = now() WHERE session_id = $1")
+            .bind(self.id)
+            .bind(shown)
+            .bind(detail)
+            .execute(&mut *tx)
+            .await?;
+        self.append_events(
+            &mut tx,
+            &mut seq,
+            &[(
+                "outcome",
+                json!({"input_id": input_id, "status": status, "detail": detail, "iterations": iterations}),
+            )],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// One input: model turns and tool calls until the model stops calling tools.
+    async fn work(&self, p: &Pinned, input_id: Uuid, text: &str) -> Result<(), Stop> {
+        let mut history = self.history().await?;
+        if !history.iter().any(|(i, _)| *i == input_id) {
+            let m = Message::User {
+                text: text.to_string(),
+            };
+            let (mut tx, mut seq) = self.begin().await?;
+            self.append_message(&mut tx, input_id, &m).await?;
+            self.append_events(
+                &mut tx,
+                &mut seq,
+                &[("input", json!({"input_id": input_id, "text": text}))],
+            )
+            .await?;
+            tx.commit().await?;
+            history.push((input_id, m));
+        }
+        self.set_status("running", "").await?;
+        let specs = tools::specs(&p.enabled);
+        let model = self.r.model_config(&p.model);
+        let mut denied = false;
+        loop {
+            // Tool calls of the last assistant message that have no result yet (a fresh turn, or
+            // a takeover): run them, or report them interrupted.
+            let last_assistant = history
+                .iter()
+                .rposition(|(_, m)| matches!(m, Message::Assistant { .. }));
+            if let Some(at) = last_assistant
+                && let (_, Message::Assistant { tool_calls, .. }) = &history[at]
+            {
+                let answered: HashSet<&str> = history[at..]
+                    .iter()
+                    .filter_map(|(_, m)| match m {
+                        Message::ToolResult { call_id, .. } => Some(call_id.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                let calls: Vec<ToolCallReq> = tool_calls
+                    .iter()
+                    .filter(|c| !answered.contains(c.id.as_str()))
+                    .cloned()
+                    .collect();
+                for call in calls {
+                    let out = self.call(p, input_id, &call).await?;
+                    denied |= out.1;
+                    history.push((
+                        input_id,
+                        Message::ToolResult {
+                            call_id: call.id.clone(),
+                            output: out.0.output,
+                            is_error: out.0.is_error,
+                        },
+                    ));
+                }
+            }
+            let iterations = history
+                .iter()
+                .filter(|(i, m)| *i == input_id && matches!(m, Message::Assistant { .. }))
+                .count() as u32;
+            if iterations >= p.max_iters {
+                let detail = format!("stopped after {iterations} model turns (max_iters)");
+                return self
+                    .finish(input_id, "max_iterations", &detail, iterations)
+                    .await;
+            }
+            let messages: Vec<Message> = history.iter().map(|(_, m)| m.clone()).collect();
+            let turn =
+                match model::complete(&self.r.http, &model, &p.instructions, &messages, &specs)
+                    .await
+                {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let detail = match &e {
+                            ModelError::Connection(m) | ModelError::Rejected(m) => m.clone(),
+                        };
+                        self.event(
+                            "diagnostic",
+                            json!({"code": "model_connection", "message": detail}),
+                        )
+                        .await?;
+                        return self
+                            .finish(input_id, "model_connection", &detail, iterations)
+                            .await;
+                    }
+                };
+            let m = Message::Assistant {
+                text: turn.text.clone(),
+                tool_calls: turn.tool_calls.clone(),
+            };
+            let (mut tx, mut seq) = self.begin().await?;
+            self.append_message(&mut tx, input_id, &m).await?;
+            let mut events: Vec<(&str, Value)> = vec![];
+            if !turn.text.is_empty() {
+                events.push(("assistant_message", json!({"text": turn.text})));
+            }
+            events.push((
+                "usage",
+                json!({"input_tokens": turn.input_tokens, "output_tokens": turn.output_tokens}),
+            ));
+            self.append_events(&mut tx, &mut seq, &events).await?;
+            tx.commit().await?;
+            let done = turn.tool_calls.is_empty();
+            history.push((input_id, m));
+            if done {
+                let (status, detail) = if denied {
+                    (
+                        "tool_denied",
+                        "the turn ended after a tool was denied by policy",
+                    )
+                } else {
+                    ("completed", "")
+                };
+                return self.finish(input_id, status, detail, iterations + 1).await;
+            }
+        }
+    }
+
+    /// One tool call, journaled; returns its output and whether it was denied.
+    async fn call(
+        &self,
+        p: &Pinned,
+        input_id: Uuid,
+        call: &ToolCallReq,
+    ) -> Result<(ToolOutput, bool), Stop> {
+        let existing: Option<(String, Option<String>, bool)> = sqlx::query_as(
+            "SELECT status, output, is_error FROM session_tool_calls WHERE session_id = $1 AND call_id = $2",
+        )
+        .bind(self.id)
+        .bind(&call.id)
+        .fetch_optional(&self.r.db)
+        .await?;
+        if let Some((status, output, is_error)) = existing {
+            // Seen before this replica: a `started` call may have run; it is never run again.
+            let (out, kind) = if status == "started" {
+                (
+                    ToolOutput {
+                        output: "interrupted: the dataplane replica running this tool stopped before it reported; the tool was not run again, its effects (if any) are unknown".into(),
+                        is_error: true,
+                    },
+                    "tool_interrupted",
+                )
+            } else {
+                (
+                    ToolOutput {
+                        output: output.unwrap_or_default(),
+                        is_error,
+                    },
+                    "tool_result",
+                )
+            };
+            let (mut tx, mut seq) = self.begin().await?;
+            if status == "started" {
+                sqlx::query("UPDATE session_tool_calls SET status = 'interrupted', output = $3, is_error = true, finished_at = now() WHERE session_id = $1 AND call_id = $2")
+                    .bind(self.id)
+                    .bind(&call.id)
+                    .bind(&out.output)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            self.result_message(&mut tx, input_id, call, &out).await?;
+            self.append_events(&mut tx, &mut seq, &[(kind, json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}))])
+                .await?;
+            tx.commit().await?;
+            return Ok((out, status == "denied"));
+        }
+        let (decision, why) = p.policy.decide(&call.name, &call.input);
+        let known = tools::ALL.contains(&call.name.as_str())
+            && (p.enabled.is_empty() || p.enabled.contains(&call.name));
+        if decision != Decision::Allow || !known {
+            let reason = if !known {
+                format!(
+                    "unknown_tool: `{}` is not one of this agent's tools",
+                    call.name
+                )
+            } else if decision == Decision::Deny {
+                format!("tool_denied: the agent's tool policy denies this call ({why})")
+            } else {
+                format!(
+                    "tool_denied: this call needs an approval ({why}), and approvals of managed sessions are not available yet"
+                )
+            };
+            let out = ToolOutput {
+                output: reason,
+                is_error: true,
+            };
+            let (mut tx, mut seq) = self.begin().await?;
+            self.journal(&mut tx, input_id, call, "denied", Some(&out))
+                .await?;
+            self.result_message(&mut tx, input_id, call, &out).await?;
+            self.append_events(&mut tx, &mut seq, &[("tool_denied", json!({"call_id": call.id, "tool": call.name, "input": call.input, "reason": out.output}))])
+                .await?;
+            tx.commit().await?;
+            return Ok((out, known));
+        }
+        // Journal first: once `started` is committed, this call is never run again.
+        let (mut tx, mut seq) = self.begin().await?;
+        self.journal(&mut tx, input_id, call, "started", None)
+            .await?;
+        self.append_events(
+            &mut tx,
+            &mut seq,
+            &[(
+                "tool_call",
+                json!({"call_id": call.id, "tool": call.name, "input": call.input}),
+            )],
+        )
+        .await?;
+        tx.commit().await?;
+        let limits = self.r.limits();
+        let out = match call.name.as_str() {
+            "memory_search" => {
+                tools::memory_search(&self.r.db, p.workspace_id, &call.input).await?
+            }
+            "memory_write" => ToolOutput {
+                output: String::new(),
+                is_error: false,
+            },
+            _ => tools::run(&p.env, &limits, &call.name, &call.input, &[]).await,
+        };
+        let (mut tx, mut seq) = self.begin().await?;
+        let out = if call.name == "memory_write" {
+            // The note commits with the journal: never written twice.
+            tools::memory_write(&mut tx, p.workspace_id, self.id, &call.input).await?
+        } else {
+            out
+        };
+        sqlx::query("UPDATE session_tool_calls SET status = 'completed', output = $3, is_error = $4, finished_at = now() WHERE session_id = $1 AND call_id = $2")
+            .bind(self.id)
+            .bind(&call.id)
+            .bind(&out.output)
+            .bind(out.is_error)
+            .execute(&mut *tx)
+            .await?;
+        self.result_message(&mut tx, input_id, call, &out).await?;
+        self.append_events(&mut tx, &mut seq, &[("tool_result", json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}))])
+            .await?;
+        tx.commit().await?;
+        Ok((out, false))
+    }
+
+    async fn journal(
+        &self,
+        tx: &mut Tx<'_>,
+        input_id: Uuid,
+        call: &ToolCallReq,
+        status: &str,
+        out: Option<&ToolOutput>,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO session_tool_calls (session_id, call_id, input_id, tool, input, status, output, is_error, finished_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, CASE WHEN $6 = 'started' THEN NULL ELSE now() END)",
+        )
+        .bind(self.id)
+        .bind(&call.id)
+        .bind(input_id)
+        .bind(&call.name)
+        .bind(&call.input)
+        .bind(status)
+        .bind(out.map(|o| o.output.as_str()))
+        .bind(out.is_some_and(|o| o.is_error))
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+
+    async fn result_message(
+        &self,
+        tx: &mut Tx<'_>,
+        input_id: Uuid,
+        call: &ToolCallReq,
+        out: &ToolOutput,
+    ) -> Result<(), sqlx::Error> {
+        self.append_message(
+            tx,
+            input_id,
+            &Message::ToolResult {
+                call_id: call.id.clone(),
+                output: out.output.clone(),
+                is_error: out.is_error,
+            },
+        )
+        .await
+    }
+}

@@ -1,0 +1,276 @@
+//! The tools a managed agent can call: files and shell through the session's Environment, and
+//! the workspace's Memory Store in PostgreSQL (read live at every search).
+
+use crate::env::{Environment, Limits};
+use crate::model::ToolSpec;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+/// Longest tool output the model sees.
+pub const MAX_OUTPUT: usize = 64 * 1024;
+
+pub const ALL: [&str; 7] = [
+    "read_file",
+    "write_file",
+    "edit_file",
+    "list_files",
+    "shell",
+    "memory_search",
+    "memory_write",
+];
+
+fn obj(props: Value, required: &[&str]) -> Value {
+    json!({"type": "object", "properties": props, "required": required})
+}
+
+/// The declarations of the tools `enabled` names (all when empty).
+pub fn specs(enabled: &[String]) -> Vec<ToolSpec> {
+    let s = |t: &str| json!({"type": "string", "description": t});
+    let all = [
+        (
+            "read_file",
+            "Read a text file of the session directory.",
+            obj(
+                json!({"path": s("path relative to the session directory")}),
+                &["path"],
+            ),
+        ),
+        (
+            "write_file",
+            "Write (create or replace) a text file in the session directory.",
+            obj(
+                json!({"path": s("path relative to the session directory"), "content": s("the whole new content")}),
+                &["path", "content"],
+            ),
+        ),
+        (
+            "edit_file",
+            "Replace exactly one occurrence of old_text with new_text in a file.",
+            obj(
+                json!({"path": s("path"), "old_text": s("text to replace, unique in the file"), "new_text": s("replacement")}),
+                &["path", "old_text", "new_text"],
+            ),
+        ),
+        (
+            "list_files",
+            "List a directory of the session directory (directories end with /).",
+            obj(
+                json!({"path": s("directory; empty for the session directory")}),
+                &[],
+            ),
+        ),
+        (
+            "shell",
+            "Run a shell command (sh -c) in the session directory; returns its output and exit code.",
+            obj(json!({"command": s("the command line")}), &["command"]),
+        ),
+        (
+            "memory_search",
+            "Search the workspace's shared memory (full text).",
+            obj(json!({"query": s("words to look for")}), &["query"]),
+        ),
+        (
+            "memory_write",
+            "Add a note to the workspace's shared memory.",
+            obj(json!({"text": s("the note")}), &["text"]),
+        ),
+    ];
+    all.into_iter()
+        .filter(|(n, _, _)| enabled.is_empty() || enabled.iter().any(|e| e == n))
+        .map(|(name, description, schema)| ToolSpec {
+            name: name.into(),
+            description: description.into(),
+            schema,
+        })
+        .collect()
+}
+
+/// What a tool call produced: the text the model sees and whether it is an error.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOutput {
+    pub output: String,
+    pub is_error: bool,
+}
+
+impl ToolOutput {
+    fn ok(s: impl Into<String>) -> Self {
+        ToolOutput {
+            output: cap(s.into()),
+            is_error: false,
+        }
+    }
+    fn err(s: impl Into<String>) -> Self {
+        ToolOutput {
+            output: cap(s.into()),
+            is_error: true,
+        }
+    }
+}
+
+fn cap(mut s: String) -> String {
+    if s.len() > MAX_OUTPUT {
+        let mut end = MAX_OUTPUT;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str("\n[truncated]");
+    }
+    s
+}
+
+fn arg<'a>(input: &'a Value, key: &str) -> Result<&'a str, ToolOutput> {
+    input
+        .get(key)
+        .and_then(Value::as_str)
+        .ok_or_else(|| ToolOutput::err(format!("bad_arguments: `{key}` (a string) is required")))
+}
+
+/// Runs a file or shell tool in `env`. Memory tools run in the journal's transaction instead
+/// (see [`memory_write`], [`memory_search`]).
+pub async fn run(
+    env: &Environment,
+    limits: &Limits,
+    name: &str,
+    input: &Value,
+    shell_env: &[(String, String)],
+) -> ToolOutput {
+    let r = async {
+        Ok::<ToolOutput, ToolOutput>(match name {
+            "read_file" => match env.read_file(arg(input, "path")?, limits).await {
+                Ok(text) => ToolOutput::ok(text),
+                Err(e) => ToolOutput::err(e.to_string()),
+            },
+            "write_file" => {
+                let (path, content) = (arg(input, "path")?, arg(input, "content")?);
+                match env.write_file(path, content, limits).await {
+                    Ok(()) => ToolOutput::ok(format!("wrote {} bytes to {path}", content.len())),
+                    Err(e) => ToolOutput::err(e.to_string()),
+                }
+            }
+            "edit_file" => {
+                let path = arg(input, "path")?;
+                match env
+                    .edit_file(
+                        path,
+                        arg(input, "old_text")?,
+                        arg(input, "new_text")?,
+                        limits,
+                    )
+                    .await
+                {
+                    Ok(()) => ToolOutput::ok(format!("edited {path}")),
+                    Err(e) => ToolOutput::err(e.to_string()),
+                }
+            }
+            "list_files" => {
+                let path = input.get("path").and_then(Value::as_str).unwrap_or("");
+                match env.list_files(path).await {
+                    Ok(entries) => ToolOutput::ok(entries.join("\n")),
+                    Err(e) => ToolOutput::err(e.to_string()),
+                }
+            }
+            "shell" => match env.shell(arg(input, "command")?, shell_env, limits).await {
+                Ok(out) => {
+                    let status = match (out.timed_out, out.exit_code) {
+                        (true, _) => "timed out".to_string(),
+                        (false, Some(c)) => format!("exit code {c}"),
+                        (false, None) => "killed by a signal".to_string(),
+                    };
+                    let text = format!("{}\n[{status}]", out.output);
+                    if out.exit_code == Some(0) && !out.timed_out {
+                        ToolOutput::ok(text)
+                    } else {
+                        ToolOutput::err(text)
+                    }
+                }
+                Err(e) => ToolOutput::err(e.to_string()),
+            },
+            other => ToolOutput::err(format!("unknown_tool: no tool named `{other}`")),
+        })
+    }
+    .await;
+    r.unwrap_or_else(|e| e)
+}
+
+/// memory_write inside the caller's transaction (the note and the journal commit together).
+pub async fn memory_write(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    workspace_id: Uuid,
+    session_id: Uuid,
+    input: &Value,
+) -> Result<ToolOutput, sqlx::Error> {
+    let Some(text) = input.get("text").and_then(Value::as_str) else {
+        return Ok(ToolOutput::err(
+            "bad_arguments: `text` (a string) is required",
+        ));
+    };
+    if text.trim().is_empty() || text.len() > 16 * 1024 {
+        return Ok(ToolOutput::err(
+            "bad_arguments: `text` must be 1 byte to 16 KiB",
+        ));
+    }
+    let id = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO memory_entries (id, workspace_id, text, session_id) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(id)
+    .bind(workspace_id)
+    .bind(text)
+    .bind(session_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(ToolOutput::ok(format!("remembered (memory {id})")))
+}
+
+/// memory_search: the workspace's notes matching the query, best first (read live).
+pub async fn memory_search(
+    db: &sqlx::PgPool,
+    workspace_id: Uuid,
+    input: &Value,
+) -> Result<ToolOutput, sqlx::Error> {
+    let Some(query) = input.get("query").and_then(Value::as_str) else {
+        return Ok(ToolOutput::err(
+            "bad_arguments: `query` (a string) is required",
+        ));
+    };
+    let rows: Vec<(String,)> = sqlx::query_as(
+        "SELECT text FROM memory_entries
+         WHERE workspace_id = $1 AND tsv @@ websearch_to_tsquery('english', $2)
+         ORDER BY ts_rank(tsv, websearch_to_tsquery('english', $2)) DESC, created_at DESC LIMIT 10",
+    )
+    .bind(workspace_id)
+    .bind(query)
+    .fetch_all(db)
+    .await?;
+    Ok(if rows.is_empty() {
+        ToolOutput::ok("no memory matches")
+    } else {
+        ToolOutput::ok(
+            rows.into_iter()
+                .map(|r| format!("- {}", r.0))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_filter_by_the_enabled_list() {
+        assert_eq!(specs(&[]).len(), ALL.len());
+        let only = specs(&["shell".into(), "read_file".into()]);
+        let names: Vec<&str> = only.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["read_file", "shell"]);
+    }
+
+    #[test]
+    fn output_is_capped_on_a_char_boundary() {
+        let s = "é".repeat(MAX_OUTPUT);
+        let c = cap(s);
+        assert!(c.len() <= MAX_OUTPUT + 20 && c.ends_with("[truncated]"));
+    }
+}

@@ -1,0 +1,240 @@
+//! Managed sessions: the platform runs the agent itself (svc-dataplane). The gateway records a
+//! session pinned to the agent's current version and the work submitted to it, then nudges the
+//! dataplane replicas; their state, outcomes and events are read back from PostgreSQL.
+
+use crate::AppState;
+use crate::api::resources::check_name;
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Auth, Body, Id};
+use agentscope_domain::MANAGED_PROVIDER;
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+/// Longest input text accepted.
+const MAX_INPUT: usize = 256 * 1024;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewSession {
+    agent_id: Uuid,
+    #[serde(default)]
+    environment: Option<String>,
+    input: String,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewInput {
+    text: String,
+    #[serde(default)]
+    idempotency_key: Option<String>,
+}
+
+fn check_input(text: &str) -> ApiResult<()> {
+    if text.trim().is_empty() || text.len() > MAX_INPUT {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "the input must be 1 byte to 256 KiB of text",
+        ));
+    }
+    Ok(())
+}
+
+/// Wakes the dataplane replicas (a lost nudge only delays: replicas also sweep).
+async fn nudge(s: &AppState, session_id: Uuid) {
+    if let Err(e) = s
+        .nats
+        .publish(
+            agentscope_bus::subjects::SESSIONS_NUDGE,
+            session_id.to_string().into(),
+        )
+        .await
+    {
+        tracing::warn!(error = %e, %session_id, "nudge dataplane");
+    }
+}
+
+pub async fn create(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewSession>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_input(&b.input)?;
+    let environment = b.environment.unwrap_or_else(|| "local".into());
+    if !["local", "sandbox"].contains(&environment.as_str()) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            format!("`environment` must be local or sandbox, not `{environment}`"),
+        ));
+    }
+    if let Some(k) = &b.idempotency_key {
+        check_name("idempotency_key", k)?;
+    }
+    let mut tx = s.db.begin().await?;
+    // The session is pinned to the version current now; saving the agent later never moves it.
+    let version: Option<(Uuid, String)> = sqlx::query_as(
+        "SELECT v.id, v.provider FROM agents a JOIN agent_versions v ON v.agent_id = a.id
+         WHERE a.id = $1 AND a.workspace_id = $2 ORDER BY v.version DESC LIMIT 1",
+    )
+    .bind(b.agent_id)
+    .bind(auth.workspace_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((version_id, provider)) = version else {
+        return Err(ApiError::not_found("agent"));
+    };
+    if provider != MANAGED_PROVIDER {
+        return Err(ApiError::bad_request(
+            "not_managed",
+            format!(
+                "the agent's provider is `{provider}`: sessions run agents whose provider is `{MANAGED_PROVIDER}`; submit a task for hosted agents"
+            ),
+        ));
+    }
+    let id = Uuid::now_v7();
+    // The idempotency key of the first input identifies the session too.
+    if let Some(k) = &b.idempotency_key {
+        let existing: Option<(Uuid,)> = sqlx::query_as(
+            "SELECT i.session_id FROM session_inputs i WHERE i.workspace_id = $1 AND i.idempotency_key = $2
+             AND NOT EXISTS (SELECT 1 FROM session_inputs e WHERE e.session_id = i.session_id AND e.id < i.id)
+             LIMIT 1",
+        )
+        .bind(auth.workspace_id)
+        .bind(k)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((sid,)) = existing {
+            tx.rollback().await?;
+            return Ok((StatusCode::OK, Json(session_json(&s, auth, sid).await?)));
+        }
+    }
+    sqlx::query(
+        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(id)
+    .bind(auth.workspace_id)
+    .bind(b.agent_id)
+    .bind(version_id)
+    .bind(&environment)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(Uuid::now_v7())
+    .bind(id)
+    .bind(auth.workspace_id)
+    .bind(&b.input)
+    .bind(&b.idempotency_key)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    nudge(&s, id).await;
+    Ok((StatusCode::CREATED, Json(session_json(&s, auth, id).await?)))
+}
+
+pub async fn submit(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+    Body(b): Body<NewInput>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_input(&b.text)?;
+    if let Some(k) = &b.idempotency_key {
+        check_name("idempotency_key", k)?;
+    }
+    own_session(&s, auth, id).await?;
+    let input_id = Uuid::now_v7();
+    let inserted = sqlx::query(
+        "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (session_id, idempotency_key) DO NOTHING",
+    )
+    .bind(input_id)
+    .bind(id)
+    .bind(auth.workspace_id)
+    .bind(&b.text)
+    .bind(&b.idempotency_key)
+    .execute(&s.db)
+    .await?
+    .rows_affected();
+    let input_id = if inserted == 1 {
+        nudge(&s, id).await;
+        input_id
+    } else {
+        // The same request again: the input it created the first time.
+        sqlx::query_scalar(
+            "SELECT id FROM session_inputs WHERE session_id = $1 AND idempotency_key = $2",
+        )
+        .bind(id)
+        .bind(&b.idempotency_key)
+        .fetch_one(&s.db)
+        .await?
+    };
+    let status = if inserted == 1 {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(json!({"id": input_id, "session_id": id}))))
+}
+
+async fn own_session(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
+    let found: Option<(Uuid,)> =
+        sqlx::query_as("SELECT id FROM sessions WHERE id = $1 AND workspace_id = $2")
+            .bind(id)
+            .bind(auth.workspace_id)
+            .fetch_optional(&s.db)
+            .await?;
+    found
+        .map(|_| ())
+        .ok_or_else(|| ApiError::not_found("session"))
+}
+
+async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<Value> {
+    let row: Option<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('id', s.id, 'agent_id', s.agent_id, 'environment', s.environment,
+            'agent_version', json_build_object('id', v.id, 'version', v.version),
+            'status', COALESCE(st.status, 'queued'), 'detail', COALESCE(st.detail, ''),
+            'created_at', s.created_at,
+            'inputs', (SELECT COALESCE(json_agg(json_build_object('id', i.id, 'text', i.text,
+                    'idempotency_key', i.idempotency_key,
+                    'outcome', CASE WHEN o.input_id IS NULL THEN NULL ELSE json_build_object(
+                        'status', o.status, 'detail', o.detail, 'iterations', o.iterations,
+                        'finished_at', o.finished_at) END) ORDER BY i.id), '[]'::json)
+                FROM session_inputs i LEFT JOIN session_outcomes o ON o.input_id = i.id
+                WHERE i.session_id = s.id))
+         FROM sessions s JOIN agent_versions v ON v.id = s.agent_version_id
+         LEFT JOIN session_state st ON st.session_id = s.id
+         WHERE s.id = $1 AND s.workspace_id = $2",
+    )
+    .bind(id)
+    .bind(auth.workspace_id)
+    .fetch_optional(&s.db)
+    .await?;
+    row.map(|r| r.0)
+        .ok_or_else(|| ApiError::not_found("session"))
+}
+
+pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    Ok(Json(session_json(&s, auth, id).await?))
+}
+
+pub async fn events(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+    own_session(&s, auth, id).await?;
+    let rows: Vec<(Value,)> = sqlx::query_as(
+        "SELECT json_build_object('seq', seq, 'kind', kind, 'payload', payload, 'at', at)
+         FROM session_events WHERE session_id = $1 ORDER BY seq",
+    )
+    .bind(id)
+    .fetch_all(&s.db)
+    .await?;
+    Ok(Json(
+        json!({"items": rows.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
+    ))
+}

@@ -1,0 +1,401 @@
+//! Managed execution: svc-dataplane runs the model/tool loop itself against the scripted model
+//! server (Anthropic Messages, streaming), in the `local` and `sandbox` (bubblewrap)
+//! environments, with a journal that survives a replica's death.
+
+use crate::agents::modelsim;
+use agentscope_system_tests::*;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+/// A stack whose dataplane replicas talk to a scripted model server running `script`.
+async fn managed_stack(
+    label: &str,
+    script: &Value,
+) -> (Stack, kit::Proc, std::path::PathBuf, kit::TempDir) {
+    let simdir = kit::TempDir::new(&format!("{label}-model"));
+    let (sim, url, log) = modelsim(&simdir.path, script).await;
+    let stack = Stack::start(
+        label,
+        StackOptions {
+            dataplane_env: vec![
+                ("AGENTSCOPE_MODEL_API".into(), "anthropic".into()),
+                ("AGENTSCOPE_MODEL_BASE_URL".into(), url),
+                ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-modelsim".into()),
+            ],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    (stack, sim, log, simdir)
+}
+
+async fn managed_agent(stack: &Stack, name: &str, extra: Value) -> String {
+    let mut body =
+        json!({"name": name, "provider": "managed", "instructions": format!("You are {name}.")});
+    for (k, v) in extra.as_object().cloned().unwrap_or_default() {
+        body[k] = v;
+    }
+    let a = stack.api.post("/v1/agents", body).await.unwrap();
+    a["id"].as_str().unwrap().to_string()
+}
+
+async fn start_session(stack: &Stack, agent: &str, environment: &str, input: &str) -> String {
+    let s = stack
+        .api
+        .post(
+            "/v1/sessions",
+            json!({"agent_id": agent, "environment": environment, "input": input}),
+        )
+        .await
+        .unwrap();
+    s["id"].as_str().unwrap().to_string()
+}
+
+/// Waits until every input of the session has an outcome; returns the session.
+async fn wait_outcomes(stack: &Stack, id: &str, n: usize) -> Value {
+    let api = stack.api.clone();
+    let path = format!("/v1/sessions/{id}");
+    kit::wait_for("the session's outcomes", Duration::from_secs(90), || {
+        let api = api.clone();
+        let path = path.clone();
+        async move {
+            let s = api.get(&path).await.ok()?;
+            let inputs = s["inputs"].as_array()?;
+            (inputs.len() >= n && inputs.iter().all(|i| !i["outcome"].is_null())).then_some(s)
+        }
+    })
+    .await
+    .unwrap()
+}
+
+async fn session_events(stack: &Stack, id: &str) -> Vec<Value> {
+    stack
+        .api
+        .get(&format!("/v1/sessions/{id}/events"))
+        .await
+        .unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+fn kinds(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| match e["kind"].as_str().unwrap() {
+            k @ ("tool_call" | "tool_result" | "tool_denied") => {
+                format!("{k}:{}", e["payload"]["tool"].as_str().unwrap_or(""))
+            }
+            k => k.to_string(),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_step_session_completes_alike_in_local_and_sandbox() {
+    let script = json!({
+        "turns": [
+            {"say": "Reading the notes.", "tool": "read_file", "args": {"path": "notes.txt"}, "expect": "hello"},
+            {"tool": "edit_file", "args": {"path": "notes.txt", "old_text": "hello", "new_text": "hello, world"}, "expect": "edited"},
+            {"tool": "shell", "args": {"command": "cat notes.txt && ls"}, "expect": "hello, world"},
+            {"tool": "memory_write", "args": {"text": "The release checklist lives in notes.txt"}, "expect": "remembered"},
+            {"tool": "memory_search", "args": {"query": "release checklist"}, "expect": "notes.txt"},
+            {"tool": "list_files", "args": {"path": ""}, "expect": "notes.txt"}
+        ],
+        "final": "All steps done."
+    });
+    let (stack, _sim, log, _simdir) = managed_stack("managed-steps", &script).await;
+    let agent = managed_agent(
+        &stack,
+        "steps",
+        json!({"capability_files": {"notes.txt": "hello"}}),
+    )
+    .await;
+    let mut sequences = vec![];
+    for environment in ["local", "sandbox"] {
+        let id = start_session(&stack, &agent, environment, "Update the notes.").await;
+        let s = wait_outcomes(&stack, &id, 1).await;
+        let outcome = &s["inputs"][0]["outcome"];
+        assert_eq!(outcome["status"], "completed", "{environment}: {s:#}");
+        assert_eq!(
+            s["status"], "completed_awaiting_acceptance",
+            "finishing a turn is not accepting the Issue"
+        );
+        let notes =
+            std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("notes.txt"))
+                .unwrap();
+        assert_eq!(notes, "hello, world", "{environment}");
+        let events = session_events(&stack, &id).await;
+        assert!(
+            events
+                .iter()
+                .any(|e| e["kind"] == "assistant_message"
+                    && e["payload"]["text"] == "All steps done."),
+            "{events:#?}"
+        );
+        let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+        sequences.push(kinds(&events));
+    }
+    assert_eq!(
+        sequences[0], sequences[1],
+        "the same event sequence in both environments"
+    );
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !requests.contains("SCRIPT EXPECTATION FAILED"),
+        "every step saw what it expected"
+    );
+    assert!(
+        requests.contains("You are steps."),
+        "the agent's instructions reached the model"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_iters_stops_a_looping_model_and_a_denied_tool_is_reported() {
+    let mut turns = vec![json!({"tool": "shell", "args": {"command": "rm -rf precious"}})];
+    for _ in 0..6 {
+        turns.push(json!({"tool": "shell", "args": {"command": "echo again"}}));
+    }
+    let script = json!({"turns": turns, "final": "Stopped looping."});
+    let (stack, _sim, log, _simdir) = managed_stack("managed-limits", &script).await;
+    let looping = managed_agent(&stack, "looper", json!({"max_iters": 3})).await;
+    let careful = managed_agent(
+        &stack,
+        "careful",
+        json!({"policy": {"rules": [{"tool": "shell", "match": "rm *", "decision": "deny"}]}}),
+    )
+    .await;
+
+    let id = start_session(&stack, &looping, "local", "Loop.").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    let o = &s["inputs"][0]["outcome"];
+    assert_eq!(
+        (o["status"].as_str(), o["iterations"].as_i64()),
+        (Some("max_iterations"), Some(3)),
+        "{s:#}"
+    );
+    assert_eq!(s["status"], "max_iterations");
+
+    let id = start_session(&stack, &careful, "local", "Clean up.").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "tool_denied", "{s:#}");
+    let events = session_events(&stack, &id).await;
+    let denied: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "tool_denied")
+        .collect();
+    assert_eq!(denied.len(), 1, "{events:#?}");
+    assert_eq!(denied[0]["payload"]["input"]["command"], "rm -rf precious");
+    assert!(
+        events.iter().filter(|e| e["kind"] == "tool_result").count() >= 6,
+        "the other commands ran"
+    );
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        requests.contains("tool_denied: the agent's tool policy denies this call"),
+        "the model was told"
+    );
+    let rows: Vec<(String,)> = sqlx::query_as(
+        "SELECT status FROM session_tool_calls WHERE session_id = $1::uuid AND tool = 'shell' AND input->>'command' LIKE 'rm%'",
+    )
+    .bind(&id)
+    .fetch_all(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(rows, [("denied".to_string(),)], "recorded as denied");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saving_the_agent_does_not_change_a_running_session() {
+    let simdir = kit::TempDir::new("managed-pin-gate");
+    let release = simdir.path.join("release");
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": format!("while [ ! -e {} ]; do sleep 0.05; done; echo released", release.display())}, "expect": "released"}],
+        "final": "Done."
+    });
+    let (stack, _sim, log, _simdir) = managed_stack("managed-pin", &script).await;
+    let agent = managed_agent(
+        &stack,
+        "pinned",
+        json!({"instructions": "Version one instructions."}),
+    )
+    .await;
+    let id = start_session(&stack, &agent, "local", "Wait for it.").await;
+    let pg = stack.pg.clone();
+    let sid = id.clone();
+    kit::wait_for("the blocking tool to start", Duration::from_secs(60), || {
+        let pg = pg.clone();
+        let sid = sid.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM session_tool_calls WHERE session_id = $1::uuid AND status = 'started'")
+                .bind(&sid)
+                .fetch_one(&pg)
+                .await
+                .ok()?;
+            (n == 1).then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    let v2 = stack
+        .api
+        .post(
+            &format!("/v1/agents/{agent}/versions"),
+            json!({"provider": "managed", "instructions": "Version two instructions."}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(v2["version"], 2);
+    std::fs::write(&release, "go").unwrap();
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    assert_eq!(
+        s["agent_version"]["version"], 1,
+        "pinned to the version it started with"
+    );
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        requests.contains("Version one instructions.")
+            && !requests.contains("Version two instructions.")
+    );
+    // A new session starts on the saved version.
+    let id2 = start_session(&stack, &agent, "local", "Again.").await;
+    let s2 = stack.api.get(&format!("/v1/sessions/{id2}")).await.unwrap();
+    assert_eq!(s2["agent_version"]["version"], 2);
+    wait_outcomes(&stack, &id2, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_tools() {
+    let simdir = kit::TempDir::new("managed-takeover-gate");
+    let release = simdir.path.join("release");
+    let script = json!({
+        "turns": [
+            {"tool": "shell", "args": {"command": "echo step-one >> journal.txt"}},
+            {"tool": "shell", "args": {"command": format!("while [ ! -e {} ]; do sleep 0.05; done; echo never-seen", release.display())}},
+            {"tool": "shell", "args": {"command": "echo step-three >> journal.txt"}}
+        ],
+        "final": "Finished after the takeover."
+    });
+    let (mut stack, _sim, _log, _simdir) = managed_stack("managed-takeover", &script).await;
+    let mut other = stack.spawn_dataplane("dp-1").await.unwrap();
+    let agent = managed_agent(&stack, "worker", json!({})).await;
+    let id = start_session(&stack, &agent, "local", "Do the three steps.").await;
+    let pg = stack.pg.clone();
+    let sid = id.clone();
+    let holder: String = kit::wait_for("the blocking tool to start", Duration::from_secs(60), || {
+        let pg = pg.clone();
+        let sid = sid.clone();
+        async move {
+            let row: Option<(String,)> = sqlx::query_as(
+                "SELECT st.replica FROM session_state st JOIN session_tool_calls c ON c.session_id = st.session_id
+                 WHERE st.session_id = $1::uuid AND c.status = 'started' AND c.input->>'command' LIKE 'while%'",
+            )
+            .bind(&sid)
+            .fetch_optional(&pg)
+            .await
+            .ok()?;
+            row.map(|r| r.0)
+        }
+    })
+    .await
+    .unwrap();
+    if holder == "dp-0" {
+        stack.dataplane.kill9();
+    } else {
+        other.kill9();
+    }
+    let s = wait_outcomes(&stack, &id, 1).await;
+    // The orphaned command of the dead replica may now end.
+    std::fs::write(&release, "go").unwrap();
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let journal = std::fs::read_to_string(
+        stack
+            .dir
+            .path
+            .join("sessions")
+            .join(&id)
+            .join("journal.txt"),
+    )
+    .unwrap();
+    assert_eq!(
+        journal, "step-one\nstep-three\n",
+        "no completed tool call ran twice"
+    );
+    let events = session_events(&stack, &id).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e["kind"] == "diagnostic" && e["payload"]["code"] == "taken_over"),
+        "{events:#?}"
+    );
+    let interrupted: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "tool_interrupted")
+        .collect();
+    assert_eq!(
+        interrupted.len(),
+        1,
+        "the in-flight call is reported, not repeated: {events:#?}"
+    );
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "no duplicated or missing events"
+    );
+    let state: (String,) =
+        sqlx::query_as("SELECT replica FROM session_state WHERE session_id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+    assert_ne!(state.0, holder, "the other replica finished the session");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_tool_cannot_write_outside_its_directory_nor_reach_the_network() {
+    let outside = kit::TempDir::new("managed-outside");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let escape = outside.path.join("escaped.txt");
+    let script = json!({
+        "turns": [
+            {"tool": "shell", "args": {"command": format!(
+                "echo inside > inside.txt; echo x > {} 2>&1; echo y > /etc/agentscope-escape 2>&1; \
+                 (echo > /dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo NETWORK-REACHED || echo no-network; true",
+                escape.display())}, "expect": "no-network"},
+            {"tool": "write_file", "args": {"path": "../escape.txt", "content": "x"}, "expect": "path_escape"}
+        ],
+        "final": "Checked."
+    });
+    let (stack, _sim, log, _simdir) = managed_stack("managed-sandbox", &script).await;
+    let agent = managed_agent(&stack, "boxed", json!({})).await;
+    let id = start_session(&stack, &agent, "sandbox", "Try to escape.").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let root = stack.dir.path.join("sessions").join(&id);
+    assert_eq!(
+        std::fs::read_to_string(root.join("inside.txt")).unwrap(),
+        "inside\n"
+    );
+    assert!(
+        !escape.exists(),
+        "nothing was written outside the session directory"
+    );
+    assert!(!std::path::Path::new("/etc/agentscope-escape").exists());
+    assert!(!stack.dir.path.join("sessions").join("escape.txt").exists());
+    assert!(
+        listener.accept().is_err(),
+        "no connection reached the listener"
+    );
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !requests.contains("SCRIPT EXPECTATION FAILED"),
+        "no-network and path_escape were seen"
+    );
+}
