@@ -50,6 +50,7 @@ impl App {
         };
         let runner = session::Runner::new(
             db.clone(),
+            js.clone(),
             leases,
             Arc::new(config.clone()),
             replica.clone(),

@@ -39,6 +39,9 @@ pub struct Policy {
     pub tools: HashMap<String, Decision>,
     #[serde(default)]
     pub rules: Vec<Rule>,
+    /// How long an `ask` may wait for a decision before it becomes a deny (default 600 s).
+    #[serde(default)]
+    pub approval_timeout_secs: Option<u32>,
 }
 
 fn allow() -> Decision {
@@ -51,6 +54,7 @@ impl Default for Policy {
             default: Decision::Allow,
             tools: HashMap::new(),
             rules: vec![],
+            approval_timeout_secs: None,
         }
     }
 }

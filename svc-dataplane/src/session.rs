@@ -24,7 +24,10 @@ use uuid::Uuid;
 
 pub struct Runner {
     pub db: sqlx::PgPool,
+    pub js: async_nats::jetstream::Context,
     pub leases: kv::Store,
+    /// Woken by nudges (new input, a decided approval).
+    news: tokio::sync::Notify,
     pub http: reqwest::Client,
     pub config: Arc<Config>,
     pub replica: String,
@@ -66,13 +69,16 @@ pub fn lease_key(session_id: Uuid) -> String {
 impl Runner {
     pub fn new(
         db: sqlx::PgPool,
+        js: async_nats::jetstream::Context,
         leases: kv::Store,
         config: Arc<Config>,
         replica: String,
     ) -> Arc<Self> {
         Arc::new(Runner {
             db,
+            js,
             leases,
+            news: tokio::sync::Notify::new(),
             http: reqwest::Client::new(),
             config,
             replica,
@@ -91,8 +97,38 @@ impl Runner {
         Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
+    /// Publishes a tool request for the scheduler to record as an Approval (idempotent).
+    async fn ask(&self, req: &agentscope_schemas::v1::ToolRequest) {
+        use agentscope_schemas::Message as _;
+        let msg_id = format!("approval:session:{}:{}", req.session_id, req.request_id);
+        let sent = async {
+            self.js
+                .publish_with_headers(
+                    agentscope_bus::subjects::approval_requested(&format!(
+                        "session-{}",
+                        req.session_id
+                    )),
+                    agentscope_bus::headers(&msg_id),
+                    req.encode_to_vec().into(),
+                )
+                .await?
+                .await
+                .map_err(async_nats::Error::from)
+        }
+        .await;
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, session_id = %req.session_id, "publish tool request; will retry");
+        }
+    }
+
+    /// Returns on news for any session, or after `at_most`.
+    async fn wait_for_news(&self, _session_id: Uuid, at_most: Duration) {
+        let _ = tokio::time::timeout(at_most, self.news.notified()).await;
+    }
+
     /// Works on `session_id` if no replica holds its lease; returns at once otherwise.
     pub fn offer(self: &Arc<Self>, session_id: Uuid) {
+        self.news.notify_waiters();
         {
             let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
             if !active.insert(session_id) {
@@ -573,6 +609,12 @@ impl Session<'_> {
         .bind(&call.id)
         .fetch_optional(&self.r.db)
         .await?;
+        if existing
+            .as_ref()
+            .is_some_and(|e| e.0 == "awaiting_approval")
+        {
+            return self.await_decision(p, input_id, call).await;
+        }
         if let Some((status, output, is_error)) = existing {
             // Seen before this replica: a `started` call may have run; it is never run again.
             let (out, kind) = if status == "started" {
@@ -610,6 +652,20 @@ impl Session<'_> {
         let (decision, why) = p.policy.decide(&call.name, &call.input);
         let known = tools::ALL.contains(&call.name.as_str())
             && (p.enabled.is_empty() || p.enabled.contains(&call.name));
+        if known && decision == Decision::Ask {
+            let (mut tx, mut seq) = self.begin().await?;
+            self.journal(&mut tx, input_id, call, "awaiting_approval", None)
+                .await?;
+            sqlx::query("UPDATE session_state SET status = 'awaiting_approval', detail = $2, updated_at = now() WHERE session_id = $1")
+                .bind(self.id)
+                .bind(format!("tool `{}` waits for an approval", call.name))
+                .execute(&mut *tx)
+                .await?;
+            self.append_events(&mut tx, &mut seq, &[("approval_requested", json!({"call_id": call.id, "tool": call.name, "input": call.input, "policy": why}))])
+                .await?;
+            tx.commit().await?;
+            return self.await_decision(p, input_id, call).await;
+        }
         if decision != Decision::Allow || !known {
             let reason = if !known {
                 format!(
@@ -619,9 +675,7 @@ impl Session<'_> {
             } else if decision == Decision::Deny {
                 format!("tool_denied: the agent's tool policy denies this call ({why})")
             } else {
-                format!(
-                    "tool_denied: this call needs an approval ({why}), and approvals of managed sessions are not available yet"
-                )
+                unreachable!("ask is handled above")
             };
             let out = ToolOutput {
                 output: reason,
@@ -636,10 +690,32 @@ impl Session<'_> {
             tx.commit().await?;
             return Ok((out, known));
         }
-        // Journal first: once `started` is committed, this call is never run again.
+        self.execute(p, input_id, call, false).await
+    }
+
+    /// Runs an allowed call: journaled `started` first (once committed, never run again), then
+    /// `completed` with its result message in one transaction.
+    async fn execute(
+        &self,
+        p: &Pinned,
+        input_id: Uuid,
+        call: &ToolCallReq,
+        approved: bool,
+    ) -> Result<(ToolOutput, bool), Stop> {
         let (mut tx, mut seq) = self.begin().await?;
-        self.journal(&mut tx, input_id, call, "started", None)
-            .await?;
+        if approved {
+            let moved = sqlx::query("UPDATE session_tool_calls SET status = 'started' WHERE session_id = $1 AND call_id = $2 AND status = 'awaiting_approval'")
+                .bind(self.id)
+                .bind(&call.id)
+                .execute(&mut *tx)
+                .await?;
+            if moved.rows_affected() != 1 {
+                return Err(Stop::Fenced);
+            }
+        } else {
+            self.journal(&mut tx, input_id, call, "started", None)
+                .await?;
+        }
         self.append_events(
             &mut tx,
             &mut seq,
@@ -680,6 +756,92 @@ impl Session<'_> {
             .await?;
         tx.commit().await?;
         Ok((out, false))
+    }
+
+    /// Waits for the Approval of `call` (asking the scheduler to record it, idempotently), then
+    /// runs the call or reports the deny to the model.
+    async fn await_decision(
+        &self,
+        p: &Pinned,
+        input_id: Uuid,
+        call: &ToolCallReq,
+    ) -> Result<(ToolOutput, bool), Stop> {
+        let request = agentscope_schemas::v1::ToolRequest {
+            request_id: call.id.clone(),
+            attempt_id: String::new(),
+            session_id: self.id.to_string(),
+            tool_name: call.name.clone(),
+            input_json: call.input.to_string(),
+            lease_token: self.token as u64,
+            requested_at_ms: agentscope_bus::now_ms(),
+            timeout_ms: p
+                .policy
+                .approval_timeout_secs
+                .unwrap_or(600)
+                .saturating_mul(1000),
+        };
+        let mut asked_at: Option<tokio::time::Instant> = None;
+        let (status, reason, decided_by) = loop {
+            let row: Option<(String, Option<String>, Option<String>)> = sqlx::query_as(
+                "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2",
+            )
+            .bind(self.id.to_string())
+            .bind(&call.id)
+            .fetch_optional(&self.r.db)
+            .await?;
+            match row {
+                Some((status, reason, by)) if status != "pending" => break (status, reason, by),
+                Some(_) => {}
+                None if asked_at.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) => {
+                    self.r.ask(&request).await;
+                    asked_at = Some(tokio::time::Instant::now());
+                }
+                None => {}
+            }
+            self.r
+                .wait_for_news(self.id, Duration::from_millis(500))
+                .await;
+        };
+        let allowed = status == "allowed";
+        let decided = json!({"call_id": call.id, "allow": allowed, "status": status, "reason": reason, "decided_by": decided_by});
+        if allowed {
+            self.event("approval_decided", decided).await?;
+            self.set_status("running", "").await?;
+            return self.execute(p, input_id, call, true).await;
+        }
+        let out = ToolOutput {
+            output: format!(
+                "tool_denied: the approval was {status}{}",
+                reason
+                    .as_deref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default()
+            ),
+            is_error: true,
+        };
+        let (mut tx, mut seq) = self.begin().await?;
+        sqlx::query("UPDATE session_tool_calls SET status = 'denied', output = $3, is_error = true, finished_at = now() WHERE session_id = $1 AND call_id = $2")
+            .bind(self.id)
+            .bind(&call.id)
+            .bind(&out.output)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE session_state SET status = 'running', detail = '', updated_at = now() WHERE session_id = $1")
+            .bind(self.id)
+            .execute(&mut *tx)
+            .await?;
+        self.result_message(&mut tx, input_id, call, &out).await?;
+        self.append_events(
+            &mut tx,
+            &mut seq,
+            &[
+                ("approval_decided", decided),
+                ("tool_denied", json!({"call_id": call.id, "tool": call.name, "input": call.input, "reason": out.output})),
+            ],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((out, true))
     }
 
     async fn journal(

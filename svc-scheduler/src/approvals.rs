@@ -67,6 +67,9 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
 async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
     let req = ToolRequest::decode(payload)
         .map_err(|_| Error::Rejected("malformed ToolRequest payload".into()))?;
+    if req.attempt_id.is_empty() && !req.session_id.is_empty() {
+        return record_session_request(ctx, &req).await;
+    }
     let attempt_id = Uuid::parse_str(&req.attempt_id)
         .map_err(|_| Error::Rejected("attempt_id is not a UUID".into()))?;
     let input: serde_json::Value = serde_json::from_str(&req.input_json)
@@ -95,6 +98,40 @@ async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
     if inserted.rows_affected() == 1 {
         ctx.metrics.inc("agentscope_approvals_requested_total", &[]);
         tracing::info!(%attempt_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested");
+    }
+    Ok(())
+}
+
+/// A managed session's tool request (svc-dataplane): fenced by the session's lease token.
+async fn record_session_request(ctx: &Ctx, req: &ToolRequest) -> Result<(), Error> {
+    let session_id = Uuid::parse_str(&req.session_id)
+        .map_err(|_| Error::Rejected("session_id is not a UUID".into()))?;
+    let input: serde_json::Value = serde_json::from_str(&req.input_json)
+        .unwrap_or(serde_json::Value::String(req.input_json.clone()));
+    let timeout_ms = if req.timeout_ms == 0 {
+        600_000
+    } else {
+        req.timeout_ms
+    } as f64;
+    let inserted = sqlx::query(
+        r#"INSERT INTO approvals (id, workspace_id, session_id, request_id, tool_name, input, expires_at)
+           SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
+           FROM sessions s JOIN session_state st ON st.session_id = s.id
+           WHERE s.id = $2 AND st.lease_token = $7
+           ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
+    )
+    .bind(Uuid::now_v7())
+    .bind(session_id)
+    .bind(&req.request_id)
+    .bind(&req.tool_name)
+    .bind(&input)
+    .bind(timeout_ms)
+    .bind(req.lease_token as i64)
+    .execute(&ctx.db)
+    .await?;
+    if inserted.rows_affected() == 1 {
+        ctx.metrics.inc("agentscope_approvals_requested_total", &[]);
+        tracing::info!(%session_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested by a managed session");
     }
     Ok(())
 }
@@ -152,13 +189,13 @@ async fn decide(
     let ws = Uuid::parse_str(&d.workspace_id).ok();
     let status = if d.allow { allowed } else { denied };
     let mut tx = ctx.db.begin().await?;
-    let row: Option<(String, Uuid, String, Uuid)> = sqlx::query_as(
-        "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
+    let row: Option<(String, Option<Uuid>, String, Uuid, Option<String>)> = sqlx::query_as(
+        "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id, ap.session_id FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
     )
     .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((current, attempt_id, request_id, workspace)) = row else {
+    let Some((current, attempt_id, request_id, workspace, session_id)) = row else {
         return Ok(refused("not_found", "approval not found", ""));
     };
     if ws.is_some_and(|w| w != workspace) {
@@ -182,6 +219,32 @@ async fn decide(
             status: current,
         });
     }
+    let Some(attempt_id) = attempt_id else {
+        // A managed session's request: the dataplane replica holding the session reads the
+        // decision from the record once woken.
+        sqlx::query("UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1")
+            .bind(id)
+            .bind(status)
+            .bind(&d.decided_by)
+            .bind(&d.reason)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        if let Some(session) = session_id {
+            let _ = ctx
+                .nats
+                .publish(subjects::SESSIONS_NUDGE, session.into())
+                .await;
+        }
+        ctx.metrics
+            .inc("agentscope_approvals_decided_total", &[("status", status)]);
+        tracing::info!(approval_id = %id, status, by = %d.decided_by, "session approval decided");
+        return Ok(DecideApprovalReply {
+            ok: true,
+            status: status.into(),
+            ..Default::default()
+        });
+    };
     let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
         return Ok(refused("not_found", "approval not found", ""));
     };

@@ -399,3 +399,80 @@ async fn a_sandbox_tool_cannot_write_outside_its_directory_nor_reach_the_network
         "no-network and path_escape were seen"
     );
 }
+
+async fn pending_session_approval(stack: &Stack, session: &str) -> Value {
+    let api = stack.api.clone();
+    let path = format!("/v1/approvals?session_id={session}&status=pending");
+    kit::wait_for("a pending approval", Duration::from_secs(60), || {
+        let api = api.clone();
+        let path = path.clone();
+        async move { api.get(&path).await.ok()?["items"].as_array()?.first().cloned() }
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy() {
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo approved-once >> ask.txt"}}],
+        "final": "Done asking."
+    });
+    let (stack, _sim, log, _simdir) = managed_stack("managed-ask", &script).await;
+    let agent = managed_agent(&stack, "asker", json!({"policy": {"tools": {"shell": "ask"}}})).await;
+    let id = start_session(&stack, &agent, "local", "Write the file.").await;
+    let ap = pending_session_approval(&stack, &id).await;
+    assert_eq!((ap["tool_name"].as_str(), ap["session_id"].as_str()), (Some("shell"), Some(id.as_str())), "{ap}");
+    let s = stack.api.get(&format!("/v1/sessions/{id}")).await.unwrap();
+    assert_eq!(s["status"], "awaiting_approval", "visibly waiting: {s:#}");
+
+    // Resubmission: reject by default, naming the Approval; enqueue once per idempotency key.
+    let inputs = format!("/v1/sessions/{id}/inputs");
+    let (st, v) = stack
+        .api
+        .send(reqwest::Method::POST, &inputs, Some(json!({"text": "Something else."})))
+        .await
+        .unwrap();
+    assert_eq!((st, v["error"]["code"].as_str()), (409, Some("awaiting_approval")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains(ap["id"].as_str().unwrap()), "{v}");
+    let body = json!({"text": "And then summarize.", "idempotency_key": "k1", "when_awaiting_approval": "enqueue"});
+    let (st, first) = stack.api.send(reqwest::Method::POST, &inputs, Some(body.clone())).await.unwrap();
+    assert_eq!(st, 202, "{first}");
+    let (st, again) = stack.api.send(reqwest::Method::POST, &inputs, Some(body)).await.unwrap();
+    assert_eq!((st, &again["id"]), (200, &first["id"]), "the same request is one input");
+
+    // Approving twice runs the tool once.
+    let approve = format!("/v1/approvals/{}/approve", ap["id"].as_str().unwrap());
+    for _ in 0..2 {
+        let (st, v) = stack.api.send(reqwest::Method::POST, &approve, Some(json!({}))).await.unwrap();
+        assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
+    }
+    let s = wait_outcomes(&stack, &id, 2).await;
+    let statuses: Vec<&str> = s["inputs"].as_array().unwrap().iter().map(|i| i["outcome"]["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["completed", "completed"], "{s:#}");
+    let written = std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("ask.txt")).unwrap();
+    assert_eq!(written, "approved-once\n", "the approved tool ran exactly once");
+    let events = session_events(&stack, &id).await;
+    assert_eq!(events.iter().filter(|e| e["kind"] == "approval_decided").count(), 1, "{events:#?}");
+    assert!(std::fs::read_to_string(&log).unwrap().contains("And then summarize."), "the enqueued input ran after");
+
+    // Interrupt: the pending request is denied, the model is told, then the new input runs.
+    let id2 = start_session(&stack, &agent, "local", "Write the file again.").await;
+    let ap2 = pending_session_approval(&stack, &id2).await;
+    let (st, v) = stack
+        .api
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{id2}/inputs"),
+            Some(json!({"text": "Stop that.", "when_awaiting_approval": "interrupt"})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st, 202, "{v}");
+    let s = wait_outcomes(&stack, &id2, 2).await;
+    let statuses: Vec<&str> = s["inputs"].as_array().unwrap().iter().map(|i| i["outcome"]["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["tool_denied", "completed"], "{s:#}");
+    let after = stack.api.get(&format!("/v1/approvals/{}", ap2["id"].as_str().unwrap())).await.unwrap();
+    assert_eq!((after["status"].as_str(), after["decided_by"].as_str()), (Some("denied"), Some("interrupt")), "{after}");
+    assert!(!stack.dir.path.join("sessions").join(&id2).join("ask.txt").exists(), "the denied tool never ran");
+}

@@ -64,7 +64,7 @@ CREATE TABLE session_tool_calls (
     input_id    uuid NOT NULL REFERENCES session_inputs(id),
     tool        text NOT NULL,
     input       jsonb NOT NULL,
-    status      text NOT NULL CHECK (status IN ('started', 'completed', 'interrupted', 'denied')),
+    status      text NOT NULL CHECK (status IN ('awaiting_approval', 'started', 'completed', 'interrupted', 'denied')),
     output      text,
     is_error    boolean NOT NULL DEFAULT false,
     started_at  timestamptz NOT NULL DEFAULT now(),
@@ -93,3 +93,6 @@ CREATE TABLE memory_entries (
 );
 CREATE INDEX memory_entries_tsv ON memory_entries USING gin (tsv);
 CREATE INDEX memory_entries_workspace ON memory_entries (workspace_id, created_at DESC);
+
+-- Approvals of managed sessions: keyed by (session, request) where hosted ones use the attempt.
+CREATE UNIQUE INDEX approvals_session_request ON approvals (session_id, request_id) WHERE session_id IS NOT NULL;

@@ -16,16 +16,18 @@ use uuid::Uuid;
 
 const SELECT: &str =
     "SELECT json_build_object('id', ap.id, 'attempt_id', ap.attempt_id, 'task_id', a.task_id,
+    'session_id', ap.session_id,
     'request_id', ap.request_id, 'tool_name', ap.tool_name, 'input', ap.input, 'status', ap.status,
     'decided_by', ap.decided_by, 'reason', ap.reason, 'created_at', ap.created_at,
     'expires_at', ap.expires_at, 'decided_at', ap.decided_at)
-    FROM approvals ap JOIN attempts a ON a.id = ap.attempt_id";
+    FROM approvals ap LEFT JOIN attempts a ON a.id = ap.attempt_id";
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Filter {
     status: Option<String>,
     task_id: Option<Uuid>,
+    session_id: Option<Uuid>,
 }
 
 pub async fn list(
@@ -36,11 +38,13 @@ pub async fn list(
     let Query(q) = q?;
     let items: Vec<(Value,)> = sqlx::query_as(&format!(
         "{SELECT} WHERE ap.workspace_id = $1 AND ($2::text IS NULL OR ap.status = $2)
-           AND ($3::uuid IS NULL OR a.task_id = $3) ORDER BY ap.created_at DESC LIMIT 500"
+           AND ($3::uuid IS NULL OR a.task_id = $3)
+           AND ($4::uuid IS NULL OR ap.session_id = $4::text) ORDER BY ap.created_at DESC LIMIT 500"
     ))
     .bind(auth.workspace_id)
     .bind(&q.status)
     .bind(q.task_id)
+    .bind(q.session_id)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(
@@ -63,10 +67,10 @@ pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct DecisionBody {
-    reason: Option<String>,
+    pub(crate) reason: Option<String>,
     /// Allow the same tool without asking for the rest of this task (never beyond it).
     #[serde(default)]
-    always_for_task: bool,
+    pub(crate) always_for_task: bool,
 }
 
 fn body_of(bytes: &axum::body::Bytes) -> ApiResult<DecisionBody> {
@@ -85,6 +89,17 @@ async fn decide(
     allow: bool,
     body: DecisionBody,
 ) -> ApiResult<Json<Value>> {
+    decide_as(s, auth, id, allow, body, "api").await
+}
+
+pub(crate) async fn decide_as(
+    s: &AppState,
+    auth: Auth,
+    id: Uuid,
+    allow: bool,
+    body: DecisionBody,
+    decided_by: &str,
+) -> ApiResult<Json<Value>> {
     let reason = body.reason.unwrap_or_default();
     if reason.len() > 4096 {
         return Err(ApiError::bad_request(
@@ -97,7 +112,7 @@ async fn decide(
         workspace_id: auth.workspace_id.to_string(),
         allow,
         reason,
-        decided_by: "api".into(),
+        decided_by: decided_by.into(),
         always_for_task: allow && body.always_for_task,
     };
     let reply = tokio::time::timeout(

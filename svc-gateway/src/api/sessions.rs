@@ -34,6 +34,10 @@ pub struct NewInput {
     text: String,
     #[serde(default)]
     idempotency_key: Option<String>,
+    /// What to do when the session waits for an Approval: `reject` (the default), `enqueue`
+    /// (run after the current work) or `interrupt` (deny the pending request, then run).
+    #[serde(default)]
+    when_awaiting_approval: Option<String>,
 }
 
 fn check_input(text: &str) -> ApiResult<()> {
@@ -149,7 +153,84 @@ pub async fn submit(
     if let Some(k) = &b.idempotency_key {
         check_name("idempotency_key", k)?;
     }
+    let policy = b.when_awaiting_approval.as_deref().unwrap_or("reject");
+    if !["reject", "enqueue", "interrupt"].contains(&policy) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            format!(
+                "`when_awaiting_approval` must be reject, enqueue or interrupt, not `{policy}`"
+            ),
+        ));
+    }
     own_session(&s, auth, id).await?;
+    // The same request again is answered with what it created, whatever the session does now.
+    if let Some(k) = &b.idempotency_key {
+        let existing: Option<(Uuid,)> = sqlx::query_as(
+            "SELECT id FROM session_inputs WHERE session_id = $1 AND idempotency_key = $2",
+        )
+        .bind(id)
+        .bind(k)
+        .fetch_optional(&s.db)
+        .await?;
+        if let Some((input_id,)) = existing {
+            return Ok((
+                StatusCode::OK,
+                Json(json!({"id": input_id, "session_id": id})),
+            ));
+        }
+    }
+    let (waiting, pending): (bool, Vec<Uuid>) = {
+        let st: Option<(String,)> =
+            sqlx::query_as("SELECT status FROM session_state WHERE session_id = $1")
+                .bind(id)
+                .fetch_optional(&s.db)
+                .await?;
+        let pending: Vec<(Uuid,)> = sqlx::query_as(
+            "SELECT id FROM approvals WHERE session_id = $1 AND status = 'pending' ORDER BY created_at",
+        )
+        .bind(id.to_string())
+        .fetch_all(&s.db)
+        .await?;
+        (
+            st.is_some_and(|s| s.0 == "awaiting_approval") || !pending.is_empty(),
+            pending.into_iter().map(|p| p.0).collect(),
+        )
+    };
+    if waiting && policy == "reject" {
+        let names = if pending.is_empty() {
+            "an Approval being recorded".to_string()
+        } else {
+            pending
+                .iter()
+                .map(|p| format!("Approval {p}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        return Err(ApiError::conflict(
+            "awaiting_approval",
+            format!(
+                "the session waits for {names}; decide it, or resubmit with when_awaiting_approval: enqueue or interrupt"
+            ),
+        ));
+    }
+    if waiting && policy == "interrupt" {
+        for approval in &pending {
+            let body = crate::api::approvals::DecisionBody {
+                reason: Some("interrupted by new input".into()),
+                always_for_task: false,
+            };
+            match crate::api::approvals::decide_as(&s, auth, *approval, false, body, "interrupt")
+                .await
+            {
+                Ok(_)
+                | Err(ApiError::Client {
+                    code: "already_decided",
+                    ..
+                }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
     let input_id = Uuid::now_v7();
     let inserted = sqlx::query(
         "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key) VALUES ($1, $2, $3, $4, $5)
