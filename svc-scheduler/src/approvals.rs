@@ -189,7 +189,9 @@ async fn decide(
     let ws = Uuid::parse_str(&d.workspace_id).ok();
     let status = if d.allow { allowed } else { denied };
     let mut tx = ctx.db.begin().await?;
-    let row: Option<(String, Option<Uuid>, String, Uuid, Option<String>)> = sqlx::query_as(
+    // status, attempt (hosted) or session (managed), request, workspace.
+    type Row = (String, Option<Uuid>, String, Uuid, Option<String>);
+    let row: Option<Row> = sqlx::query_as(
         "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id, ap.session_id FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
     )
     .bind(id)
