@@ -24,7 +24,9 @@ pub struct Config {
     /// The model server's root URL (without /v1).
     pub model_base_url: String,
     /// Credential for the model server; never logged, never in an event.
-    pub model_api_key: String,
+    pub model_api_key: agentscope_domain::vault::SecretString,
+    /// Vault keys (`id:hex32,...`), to open tool credentials when a tool runs.
+    pub vault_keys: agentscope_domain::vault::SecretString,
     /// The model when the agent version names none.
     pub model_default: String,
     pub model_stream: bool,
@@ -52,6 +54,7 @@ impl Config {
             .set_default("model_api", "anthropic")?
             .set_default("model_base_url", "https://api.anthropic.com")?
             .set_default("model_api_key", "")?
+            .set_default("vault_keys", "")?
             .set_default("model_default", "claude-sonnet-4-5")?
             .set_default("model_stream", true)?
             .set_default("model_max_retries", 3)?
@@ -69,6 +72,9 @@ impl Config {
                 "model_api must be anthropic, openai_chat or openai_responses, not `{}`",
                 config.model_api
             )));
+        }
+        if let Err(e) = agentscope_domain::vault::Keyring::parse(&config.vault_keys.0) {
+            return Err(config::ConfigError::Message(e.to_string()));
         }
         if config.session_lease_ttl_ms < 1_000 {
             return Err(config::ConfigError::Message(

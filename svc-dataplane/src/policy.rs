@@ -42,6 +42,10 @@ pub struct Policy {
     /// How long an `ask` may wait for a decision before it becomes a deny (default 600 s).
     #[serde(default)]
     pub approval_timeout_secs: Option<u32>,
+    /// Vault secrets the shell tool gets as environment variables (by name). Every tool's output
+    /// is redacted of their values.
+    #[serde(default)]
+    pub secrets: Vec<String>,
 }
 
 fn allow() -> Decision {
@@ -55,6 +59,7 @@ impl Default for Policy {
             tools: HashMap::new(),
             rules: vec![],
             approval_timeout_secs: None,
+            secrets: vec![],
         }
     }
 }

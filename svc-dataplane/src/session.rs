@@ -28,6 +28,7 @@ pub struct Runner {
     pub leases: kv::Store,
     /// Woken by nudges (new input, a decided approval).
     news: tokio::sync::Notify,
+    vault: Option<agentscope_domain::vault::Keyring>,
     pub http: reqwest::Client,
     pub config: Arc<Config>,
     pub replica: String,
@@ -79,6 +80,9 @@ impl Runner {
             js,
             leases,
             news: tokio::sync::Notify::new(),
+            vault: agentscope_domain::vault::Keyring::parse(&config.vault_keys.0)
+                .ok()
+                .flatten(),
             http: reqwest::Client::new(),
             config,
             replica,
@@ -95,6 +99,45 @@ impl Runner {
         .fetch_all(&self.db)
         .await?;
         Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    /// Opens the Vault secrets `names` of the workspace, now that a tool runs.
+    async fn secrets(
+        &self,
+        workspace_id: Uuid,
+        names: &[String],
+    ) -> Result<Result<Vec<(String, String)>, String>, sqlx::Error> {
+        if names.is_empty() {
+            return Ok(Ok(vec![]));
+        }
+        let Some(vault) = &self.vault else {
+            return Ok(Err(
+                "vault_not_configured: this agent uses Vault secrets but the dataplane has no vault keys".into(),
+            ));
+        };
+        let rows: Vec<(String, String, Vec<u8>, Vec<u8>)> = sqlx::query_as(
+            "SELECT name, key_id, nonce, ciphertext FROM vault_secrets WHERE workspace_id = $1 AND name = ANY($2)",
+        )
+        .bind(workspace_id)
+        .bind(names)
+        .fetch_all(&self.db)
+        .await?;
+        let mut out = vec![];
+        for name in names {
+            let Some((_, key_id, nonce, ciphertext)) = rows.iter().find(|r| &r.0 == name) else {
+                return Ok(Err(format!("secret_missing: no Vault secret named {name}")));
+            };
+            let sealed = agentscope_domain::vault::Sealed {
+                key_id: key_id.clone(),
+                nonce: nonce.clone(),
+                ciphertext: ciphertext.clone(),
+            };
+            match vault.open(&workspace_id.to_string(), name, &sealed) {
+                Ok(v) => out.push((name.clone(), String::from_utf8_lossy(&v).into_owned())),
+                Err(e) => return Ok(Err(format!("secret_unavailable: {name}: {e}"))),
+            }
+        }
+        Ok(Ok(out))
     }
 
     /// Publishes a tool request for the scheduler to record as an Approval (idempotent).
@@ -275,7 +318,7 @@ impl Runner {
                 _ => model::Api::Anthropic,
             },
             base_url: self.config.model_base_url.clone(),
-            api_key: self.config.model_api_key.clone(),
+            api_key: self.config.model_api_key.0.clone(),
             model: model.to_string(),
             max_tokens: 4096,
             stream: self.config.model_stream,
@@ -727,23 +770,34 @@ impl Session<'_> {
         .await?;
         tx.commit().await?;
         let limits = self.r.limits();
-        let out = match call.name.as_str() {
-            "memory_search" => {
+        // Secrets are opened only now, injected into the shell's environment, and redacted from
+        // whatever any tool returns (the model, the events and the journal never hold them).
+        let secrets = self.r.secrets(p.workspace_id, &p.policy.secrets).await?;
+        let out = match (&secrets, call.name.as_str()) {
+            (Err(e), _) => ToolOutput {
+                output: e.clone(),
+                is_error: true,
+            },
+            (Ok(_), "memory_search") => {
                 tools::memory_search(&self.r.db, p.workspace_id, &call.input).await?
             }
-            "memory_write" => ToolOutput {
+            (Ok(_), "memory_write") => ToolOutput {
                 output: String::new(),
                 is_error: false,
             },
-            _ => tools::run(&p.env, &limits, &call.name, &call.input, &[]).await,
+            (Ok(env), "shell") => tools::run(&p.env, &limits, &call.name, &call.input, env).await,
+            (Ok(_), _) => tools::run(&p.env, &limits, &call.name, &call.input, &[]).await,
         };
         let (mut tx, mut seq) = self.begin().await?;
-        let out = if call.name == "memory_write" {
+        let mut out = if call.name == "memory_write" && secrets.is_ok() {
             // The note commits with the journal: never written twice.
             tools::memory_write(&mut tx, p.workspace_id, self.id, &call.input).await?
         } else {
             out
         };
+        if let Ok(values) = &secrets {
+            out.output = agentscope_domain::vault::redact(&out.output, values);
+        }
         sqlx::query("UPDATE session_tool_calls SET status = 'completed', output = $3, is_error = $4, finished_at = now() WHERE session_id = $1 AND call_id = $2")
             .bind(self.id)
             .bind(&call.id)

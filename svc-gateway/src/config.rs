@@ -20,6 +20,9 @@ pub struct Config {
     pub db_max_connections: u32,
     #[serde(default)]
     pub log_format: String,
+    /// Vault keys, `id:hex32,...` (the first seals); empty: secrets cannot be stored.
+    #[serde(default)]
+    pub vault_keys: agentscope_domain::vault::SecretString,
 }
 
 impl Config {
@@ -36,7 +39,8 @@ impl Config {
             .set_default("max_artifact_bytes", 10 * 1024 * 1024)?
             .set_default("host_offline_after_ms", 10_000)?
             .set_default("db_max_connections", 16)?
-            .set_default("log_format", "")?;
+            .set_default("log_format", "")?
+            .set_default("vault_keys", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
         }
@@ -63,6 +67,9 @@ impl Config {
         }
         if self.db_max_connections == 0 {
             return bad("db_max_connections must be positive");
+        }
+        if let Err(e) = agentscope_domain::vault::Keyring::parse(&self.vault_keys.0) {
+            return bad(&e.to_string());
         }
         Ok(())
     }

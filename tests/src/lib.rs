@@ -66,6 +66,10 @@ impl Api {
     }
 }
 
+/// The Vault key of test stacks (gateway and dataplane).
+pub const VAULT_KEYS: &str =
+    "test1:000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f";
+
 pub struct StackOptions {
     pub lease_ttl_ms: u64,
     pub sweep_interval_ms: u64,
@@ -129,6 +133,7 @@ impl Stack {
         std::fs::write(dir.path.join(".keep"), "start-up failed")?;
         let mut env = common_env(&nats, &db);
         env.push(("AGENTSCOPE_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()));
+        env.push(("AGENTSCOPE_VAULT_KEYS".into(), VAULT_KEYS.into()));
         env.push((
             "AGENTSCOPE_HOST_OFFLINE_AFTER_MS".into(),
             opts.heartbeat_ttl_ms.to_string(),
@@ -182,6 +187,7 @@ impl Stack {
         denv.push(("AGENTSCOPE_SESSION_LEASE_TTL_MS".into(), "3000".into()));
         denv.push(("AGENTSCOPE_SWEEP_INTERVAL_MS".into(), "250".into()));
         denv.push(("AGENTSCOPE_MODEL_MAX_RETRIES".into(), "2".into()));
+        denv.push(("AGENTSCOPE_VAULT_KEYS".into(), VAULT_KEYS.into()));
         denv.extend(opts.dataplane_env.iter().cloned());
         let mut first = denv.clone();
         first.push(("AGENTSCOPE_REPLICA_ID".into(), "dp-0".into()));

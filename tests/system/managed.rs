@@ -406,7 +406,12 @@ async fn pending_session_approval(stack: &Stack, session: &str) -> Value {
     kit::wait_for("a pending approval", Duration::from_secs(60), || {
         let api = api.clone();
         let path = path.clone();
-        async move { api.get(&path).await.ok()?["items"].as_array()?.first().cloned() }
+        async move {
+            api.get(&path).await.ok()?["items"]
+                .as_array()?
+                .first()
+                .cloned()
+        }
     })
     .await
     .unwrap()
@@ -419,10 +424,19 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
         "final": "Done asking."
     });
     let (stack, _sim, log, _simdir) = managed_stack("managed-ask", &script).await;
-    let agent = managed_agent(&stack, "asker", json!({"policy": {"tools": {"shell": "ask"}}})).await;
+    let agent = managed_agent(
+        &stack,
+        "asker",
+        json!({"policy": {"tools": {"shell": "ask"}}}),
+    )
+    .await;
     let id = start_session(&stack, &agent, "local", "Write the file.").await;
     let ap = pending_session_approval(&stack, &id).await;
-    assert_eq!((ap["tool_name"].as_str(), ap["session_id"].as_str()), (Some("shell"), Some(id.as_str())), "{ap}");
+    assert_eq!(
+        (ap["tool_name"].as_str(), ap["session_id"].as_str()),
+        (Some("shell"), Some(id.as_str())),
+        "{ap}"
+    );
     let s = stack.api.get(&format!("/v1/sessions/{id}")).await.unwrap();
     assert_eq!(s["status"], "awaiting_approval", "visibly waiting: {s:#}");
 
@@ -430,31 +444,82 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
     let inputs = format!("/v1/sessions/{id}/inputs");
     let (st, v) = stack
         .api
-        .send(reqwest::Method::POST, &inputs, Some(json!({"text": "Something else."})))
+        .send(
+            reqwest::Method::POST,
+            &inputs,
+            Some(json!({"text": "Something else."})),
+        )
         .await
         .unwrap();
-    assert_eq!((st, v["error"]["code"].as_str()), (409, Some("awaiting_approval")), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains(ap["id"].as_str().unwrap()), "{v}");
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (409, Some("awaiting_approval")),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(ap["id"].as_str().unwrap()),
+        "{v}"
+    );
     let body = json!({"text": "And then summarize.", "idempotency_key": "k1", "when_awaiting_approval": "enqueue"});
-    let (st, first) = stack.api.send(reqwest::Method::POST, &inputs, Some(body.clone())).await.unwrap();
+    let (st, first) = stack
+        .api
+        .send(reqwest::Method::POST, &inputs, Some(body.clone()))
+        .await
+        .unwrap();
     assert_eq!(st, 202, "{first}");
-    let (st, again) = stack.api.send(reqwest::Method::POST, &inputs, Some(body)).await.unwrap();
-    assert_eq!((st, &again["id"]), (200, &first["id"]), "the same request is one input");
+    let (st, again) = stack
+        .api
+        .send(reqwest::Method::POST, &inputs, Some(body))
+        .await
+        .unwrap();
+    assert_eq!(
+        (st, &again["id"]),
+        (200, &first["id"]),
+        "the same request is one input"
+    );
 
     // Approving twice runs the tool once.
     let approve = format!("/v1/approvals/{}/approve", ap["id"].as_str().unwrap());
     for _ in 0..2 {
-        let (st, v) = stack.api.send(reqwest::Method::POST, &approve, Some(json!({}))).await.unwrap();
+        let (st, v) = stack
+            .api
+            .send(reqwest::Method::POST, &approve, Some(json!({})))
+            .await
+            .unwrap();
         assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
     }
     let s = wait_outcomes(&stack, &id, 2).await;
-    let statuses: Vec<&str> = s["inputs"].as_array().unwrap().iter().map(|i| i["outcome"]["status"].as_str().unwrap()).collect();
+    let statuses: Vec<&str> = s["inputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["outcome"]["status"].as_str().unwrap())
+        .collect();
     assert_eq!(statuses, ["completed", "completed"], "{s:#}");
-    let written = std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("ask.txt")).unwrap();
-    assert_eq!(written, "approved-once\n", "the approved tool ran exactly once");
+    let written =
+        std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("ask.txt")).unwrap();
+    assert_eq!(
+        written, "approved-once\n",
+        "the approved tool ran exactly once"
+    );
     let events = session_events(&stack, &id).await;
-    assert_eq!(events.iter().filter(|e| e["kind"] == "approval_decided").count(), 1, "{events:#?}");
-    assert!(std::fs::read_to_string(&log).unwrap().contains("And then summarize."), "the enqueued input ran after");
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e["kind"] == "approval_decided")
+            .count(),
+        1,
+        "{events:#?}"
+    );
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains("And then summarize."),
+        "the enqueued input ran after"
+    );
 
     // Interrupt: the pending request is denied, the model is told, then the new input runs.
     let id2 = start_session(&stack, &agent, "local", "Write the file again.").await;
@@ -470,9 +535,89 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
         .unwrap();
     assert_eq!(st, 202, "{v}");
     let s = wait_outcomes(&stack, &id2, 2).await;
-    let statuses: Vec<&str> = s["inputs"].as_array().unwrap().iter().map(|i| i["outcome"]["status"].as_str().unwrap()).collect();
+    let statuses: Vec<&str> = s["inputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["outcome"]["status"].as_str().unwrap())
+        .collect();
     assert_eq!(statuses, ["tool_denied", "completed"], "{s:#}");
-    let after = stack.api.get(&format!("/v1/approvals/{}", ap2["id"].as_str().unwrap())).await.unwrap();
-    assert_eq!((after["status"].as_str(), after["decided_by"].as_str()), (Some("denied"), Some("interrupt")), "{after}");
-    assert!(!stack.dir.path.join("sessions").join(&id2).join("ask.txt").exists(), "the denied tool never ran");
+    let after = stack
+        .api
+        .get(&format!("/v1/approvals/{}", ap2["id"].as_str().unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(
+        (after["status"].as_str(), after["decided_by"].as_str()),
+        (Some("denied"), Some("interrupt")),
+        "{after}"
+    );
+    assert!(
+        !stack
+            .dir
+            .path
+            .join("sessions")
+            .join(&id2)
+            .join("ask.txt")
+            .exists(),
+        "the denied tool never ran"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
+    const SECRET: &str = "vault-s3cret-7f3a9c-never-shown";
+    let script = json!({
+        "turns": [
+            {"tool": "shell", "args": {"command": "echo \"token=$DEPLOY_TOKEN\"; test \"$DEPLOY_TOKEN\" = \"$(cat expected.txt)\" && echo token-matches; echo $DEPLOY_TOKEN > copy.txt"}, "expect": "token-matches"},
+            {"tool": "read_file", "args": {"path": "copy.txt"}, "expect": "REDACTED"}
+        ],
+        "final": "Deployed."
+    });
+    let (stack, _sim, log, simdir) = managed_stack("managed-vault", &script).await;
+    let (st, v) = stack
+        .api
+        .send(reqwest::Method::POST, "/v1/secrets", Some(json!({"name": "DEPLOY_TOKEN", "value": SECRET})))
+        .await
+        .unwrap();
+    assert_eq!((st, v["name"].as_str()), (201, Some("DEPLOY_TOKEN")), "{v}");
+    assert!(!v.to_string().contains(SECRET));
+    let listed = stack.api.get("/v1/secrets").await.unwrap();
+    assert_eq!(listed["items"][0]["name"], "DEPLOY_TOKEN");
+    assert!(!listed.to_string().contains(SECRET), "values are never returned");
+    let agent = managed_agent(
+        &stack,
+        "deployer",
+        json!({"policy": {"secrets": ["DEPLOY_TOKEN"]}, "capability_files": {"expected.txt": SECRET}}),
+    )
+    .await;
+    let id = start_session(&stack, &agent, "local", "Deploy.").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(requests.contains("token-matches"), "the tool had the secret");
+    assert!(requests.contains("[REDACTED:DEPLOY_TOKEN]"), "and the model saw it redacted");
+    // Everything the platform keeps: events, messages, the journal, the Vault row, the logs.
+    let dumped: (String,) = sqlx::query_as(
+        "SELECT (SELECT COALESCE(string_agg(payload::text, ''), '') FROM session_events)
+             || (SELECT COALESCE(string_agg(message::text, ''), '') FROM session_messages)
+             || (SELECT COALESCE(string_agg(input::text || COALESCE(output, ''), ''), '') FROM session_tool_calls)
+             || (SELECT COALESCE(string_agg(encode(ciphertext, 'escape'), ''), '') FROM vault_secrets)",
+    )
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert!(!dumped.0.contains(SECRET), "no stored record holds the secret");
+    assert!(dumped.0.contains("[REDACTED:DEPLOY_TOKEN]"));
+    assert!(!requests.contains(SECRET), "no model request holds the secret");
+    for dir in [&stack.dir.path, &simdir.path] {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let p = entry.unwrap().path();
+            if p.extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                assert!(!text.contains(SECRET), "{} holds the secret", p.display());
+            }
+        }
+    }
 }

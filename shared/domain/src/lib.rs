@@ -1,4 +1,7 @@
-//! Domain types and state machines. Architecture invariant: this crate does no I/O.
+//! Domain types and state machines. Architecture invariant: this crate does no I/O (the Vault
+//! cipher reads only the system's randomness).
+
+pub mod vault;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

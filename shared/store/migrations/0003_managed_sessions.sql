@@ -96,3 +96,16 @@ CREATE INDEX memory_entries_workspace ON memory_entries (workspace_id, created_a
 
 -- Approvals of managed sessions: keyed by (session, request) where hosted ones use the attempt.
 CREATE UNIQUE INDEX approvals_session_request ON approvals (session_id, request_id) WHERE session_id IS NOT NULL;
+
+-- writer: svc-gateway. Tool credentials, sealed with AES-256-GCM (shared/domain/src/vault.rs);
+-- the plaintext never reaches the database, a log line or an event.
+CREATE TABLE vault_secrets (
+    workspace_id uuid NOT NULL REFERENCES workspaces(id),
+    name         text NOT NULL CHECK (name ~ '^[A-Z_][A-Z0-9_]{0,127}$'),
+    key_id       text NOT NULL,
+    nonce        bytea NOT NULL,
+    ciphertext   bytea NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (workspace_id, name)
+);

@@ -6,6 +6,7 @@ pub mod artifacts;
 pub mod events;
 pub mod explain;
 pub mod resources;
+pub mod secrets;
 pub mod sessions;
 pub mod task_api;
 pub mod work;
@@ -93,6 +94,9 @@ pub fn routes(config: &crate::Config) -> Vec<Route> {
         route!(GET "/v1/approvals/{id}", approvals::get, "bearer", "Show an approval"),
         route!(POST "/v1/approvals/{id}/approve", approvals::approve, "bearer", 200, "Allow a tool request (once; a conflicting second decision is refused)"),
         route!(POST "/v1/approvals/{id}/deny", approvals::deny, "bearer", 200, "Deny a tool request (once)"),
+        route!(POST "/v1/secrets", secrets::put, "bearer", 201, "Store (or replace) a tool credential in the Vault; its value is never returned"),
+        route!(GET "/v1/secrets", secrets::list, "bearer", "List the Vault's secret names and key ids (never values)"),
+        route!(POST "/v1/secrets/rotate", secrets::rotate, "bearer", 200, "Re-seal every secret under the current Vault key"),
         route!(POST "/v1/sessions", sessions::create, "bearer", 201, "Start a managed session of a managed agent, pinned to its current version (idempotent with idempotency_key)"),
         route!(GET "/v1/sessions/{id}", sessions::get, "bearer", "Show a session: status, pinned version, inputs and their outcomes"),
         route!(POST "/v1/sessions/{id}/inputs", sessions::submit, "bearer", 202, "Submit work to a session (idempotent with idempotency_key)"),
