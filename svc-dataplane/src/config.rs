@@ -34,6 +34,8 @@ pub struct Config {
     /// bubblewrap, for the `sandbox` environment.
     pub bwrap_path: String,
     pub shell_timeout_secs: u64,
+    /// A self-hosted Worker without a heartbeat for this long is offline.
+    pub worker_ttl_ms: u64,
 }
 
 impl Config {
@@ -59,7 +61,8 @@ impl Config {
             .set_default("model_stream", true)?
             .set_default("model_max_retries", 3)?
             .set_default("bwrap_path", "/usr/bin/bwrap")?
-            .set_default("shell_timeout_secs", 300)?;
+            .set_default("shell_timeout_secs", 300)?
+            .set_default("worker_ttl_ms", 3_000)?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
         }

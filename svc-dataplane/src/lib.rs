@@ -7,6 +7,7 @@ pub mod model;
 pub mod policy;
 pub mod session;
 pub mod tools;
+pub mod worker;
 
 pub use config::Config;
 
@@ -48,8 +49,21 @@ impl App {
         } else {
             config.replica_id.clone()
         };
+        let workers = agentscope_bus::Topology::workers(
+            &js,
+            std::time::Duration::from_millis(config.worker_ttl_ms),
+        )
+        .await?;
+        tokio::spawn(worker::serve_registrations(
+            db.clone(),
+            nats.clone(),
+            (config.worker_ttl_ms / 3).max(100) as u32,
+            cancel.clone(),
+        ));
         let runner = session::Runner::new(
             db.clone(),
+            nats.clone(),
+            workers,
             js.clone(),
             leases,
             Arc::new(config.clone()),

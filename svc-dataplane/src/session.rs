@@ -24,6 +24,9 @@ use uuid::Uuid;
 
 pub struct Runner {
     pub db: sqlx::PgPool,
+    pub nats: async_nats::Client,
+    /// Self-hosted Worker heartbeats.
+    pub workers: kv::Store,
     pub js: async_nats::jetstream::Context,
     pub leases: kv::Store,
     /// Woken by nudges (new input, a decided approval).
@@ -61,6 +64,10 @@ struct Pinned {
     policy: Policy,
     max_iters: u32,
     env: Environment,
+    /// `self_hosted`: the Worker that runs the file and shell tools.
+    worker: Option<crate::worker::WorkerLink>,
+    /// The definition's files, written into the session directory when it is new.
+    files: Vec<(String, String)>,
 }
 
 pub fn lease_key(session_id: Uuid) -> String {
@@ -68,8 +75,11 @@ pub fn lease_key(session_id: Uuid) -> String {
 }
 
 impl Runner {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         db: sqlx::PgPool,
+        nats: async_nats::Client,
+        workers: kv::Store,
         js: async_nats::jetstream::Context,
         leases: kv::Store,
         config: Arc<Config>,
@@ -77,6 +87,8 @@ impl Runner {
     ) -> Arc<Self> {
         Arc::new(Runner {
             db,
+            nats,
+            workers,
             js,
             leases,
             news: tokio::sync::Notify::new(),
@@ -239,7 +251,7 @@ impl Runner {
     }
 
     async fn pinned(&self, session_id: Uuid) -> Result<Pinned, Stop> {
-        let (workspace_id, environment, instructions, model, tools, policy, max_iters, files): (
+        type Row = (
             Uuid,
             String,
             String,
@@ -248,8 +260,10 @@ impl Runner {
             Value,
             Option<i32>,
             Value,
-        ) = sqlx::query_as(
-            "SELECT s.workspace_id, s.environment, v.instructions, v.model, v.tools, v.policy, v.max_iters, v.capability_files
+            Option<String>,
+        );
+        let (workspace_id, environment, instructions, model, tools, policy, max_iters, files, worker): Row = sqlx::query_as(
+            "SELECT s.workspace_id, s.environment, v.instructions, v.model, v.tools, v.policy, v.max_iters, v.capability_files, s.worker
              FROM sessions s JOIN agent_versions v ON v.id = s.agent_version_id WHERE s.id = $1",
         )
         .bind(session_id)
@@ -266,17 +280,20 @@ impl Runner {
             },
             _ => Environment::Local { root },
         };
-        // The definition's files are materialized once, when the session directory is new.
-        let limits = self.limits();
-        for (name, content) in files.as_object().into_iter().flatten() {
-            if let Some(text) = content.as_str()
-                && env.read_file(name, &limits).await.is_err()
-                && let Err(e) = env.write_file(name, text, &limits).await
-            {
-                tracing::warn!(%session_id, file = %name, error = %e, "capability file not written");
-            }
-        }
+        let worker = worker.map(|name| crate::worker::WorkerLink {
+            nats: self.nats.clone(),
+            workers: self.workers.clone(),
+            worker_id: crate::worker::worker_id(&workspace_id.to_string(), &name),
+            name,
+        });
         Ok(Pinned {
+            worker,
+            files: files
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter_map(|(k, v)| v.as_str().map(|t| (k.clone(), t.to_string())))
+                .collect(),
             workspace_id,
             instructions,
             model: model
@@ -357,6 +374,7 @@ impl Runner {
             .await?;
         }
         let pinned = self.pinned(session_id).await?;
+        s.materialize(&pinned).await?;
         loop {
             let next: Option<(Uuid, String)> = sqlx::query_as(
                 "SELECT i.id, i.text FROM session_inputs i WHERE i.session_id = $1
@@ -745,6 +763,11 @@ impl Session<'_> {
         call: &ToolCallReq,
         approved: bool,
     ) -> Result<(ToolOutput, bool), Stop> {
+        if let Some(link) = &p.worker
+            && !call.name.starts_with("memory_")
+        {
+            self.wait_worker(link).await?;
+        }
         let (mut tx, mut seq) = self.begin().await?;
         if approved {
             let moved = sqlx::query("UPDATE session_tool_calls SET status = 'started' WHERE session_id = $1 AND call_id = $2 AND status = 'awaiting_approval'")
@@ -785,8 +808,10 @@ impl Session<'_> {
                 output: String::new(),
                 is_error: false,
             },
-            (Ok(env), "shell") => tools::run(&p.env, &limits, &call.name, &call.input, env).await,
-            (Ok(_), _) => tools::run(&p.env, &limits, &call.name, &call.input, &[]).await,
+            (Ok(env), name) => {
+                let env: &[(String, String)] = if name == "shell" { env } else { &[] };
+                self.run_tool(p, &limits, call, env).await?
+            }
         };
         let (mut tx, mut seq) = self.begin().await?;
         let mut out = if call.name == "memory_write" && secrets.is_ok() {
@@ -896,6 +921,126 @@ impl Session<'_> {
         .await?;
         tx.commit().await?;
         Ok((out, true))
+    }
+
+    /// Writes the definition's files into a new session directory (through the Worker for
+    /// `self_hosted`).
+    async fn materialize(&self, p: &Pinned) -> Result<(), Stop> {
+        let limits = self.r.limits();
+        for (name, text) in &p.files {
+            let read = json!({"path": name});
+            let exists = match &p.worker {
+                None => p.env.read_file(name, &limits).await.is_ok(),
+                Some(link) => {
+                    self.wait_worker(link).await?;
+                    matches!(link.run(self.id, "read_file", &read, &[], limits.timeout).await, Ok(o) if !o.is_error)
+                }
+            };
+            if exists {
+                continue;
+            }
+            let write = json!({"path": name, "content": text});
+            let out = match &p.worker {
+                None => tools::run(&p.env, &limits, "write_file", &write, &[]).await,
+                Some(link) => link
+                    .run(self.id, "write_file", &write, &[], limits.timeout)
+                    .await
+                    .unwrap_or_else(|e| ToolOutput {
+                        output: format!("{e:?}"),
+                        is_error: true,
+                    }),
+            };
+            if out.is_error {
+                tracing::warn!(session_id = %self.id, file = %name, error = %out.output, "capability file not written");
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns once the session's Worker beats; meanwhile the session shows `worker_offline`.
+    async fn wait_worker(&self, link: &crate::worker::WorkerLink) -> Result<(), Stop> {
+        let mut reported = false;
+        while !link.online().await {
+            self.report_offline(link, &mut reported).await?;
+            self.r
+                .wait_for_news(self.id, Duration::from_millis(500))
+                .await;
+        }
+        self.report_online(link, reported).await
+    }
+
+    async fn report_offline(
+        &self,
+        link: &crate::worker::WorkerLink,
+        reported: &mut bool,
+    ) -> Result<(), Stop> {
+        if !*reported {
+            let detail = format!("worker `{}` is not answering; waiting for it", link.name);
+            self.set_status("worker_offline", &detail).await?;
+            self.event(
+                "diagnostic",
+                json!({"code": "worker_offline", "message": detail}),
+            )
+            .await?;
+            *reported = true;
+        }
+        Ok(())
+    }
+
+    async fn report_online(
+        &self,
+        link: &crate::worker::WorkerLink,
+        reported: bool,
+    ) -> Result<(), Stop> {
+        if reported {
+            self.set_status("running", "").await?;
+            self.event("diagnostic", json!({"code": "worker_online", "message": format!("worker `{}` is back", link.name)}))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// A file or shell tool, here or on the session's Worker. An operation that certainly did
+    /// not reach the Worker waits for it and is sent again; one that may have run is reported,
+    /// never repeated.
+    async fn run_tool(
+        &self,
+        p: &Pinned,
+        limits: &Limits,
+        call: &ToolCallReq,
+        env: &[(String, String)],
+    ) -> Result<ToolOutput, Stop> {
+        let Some(link) = &p.worker else {
+            return Ok(tools::run(&p.env, limits, &call.name, &call.input, env).await);
+        };
+        let mut reported = false;
+        loop {
+            match link
+                .run(self.id, &call.name, &call.input, env, limits.timeout)
+                .await
+            {
+                Ok(out) => {
+                    self.report_online(link, reported).await?;
+                    return Ok(out);
+                }
+                Err(crate::worker::LinkError::Offline) => {
+                    self.report_offline(link, &mut reported).await?;
+                    self.r
+                        .wait_for_news(self.id, Duration::from_millis(500))
+                        .await;
+                }
+                Err(crate::worker::LinkError::Lost(e)) => {
+                    self.report_online(link, reported).await?;
+                    return Ok(ToolOutput {
+                        output: format!(
+                            "worker_offline: worker `{}` stopped answering during this call ({e}); it was not retried, its effects are unknown",
+                            link.name
+                        ),
+                        is_error: true,
+                    });
+                }
+            }
+        }
     }
 
     async fn journal(

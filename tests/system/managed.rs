@@ -69,6 +69,56 @@ async fn wait_outcomes(stack: &Stack, id: &str, n: usize) -> Value {
     .unwrap()
 }
 
+/// `agentscope worker --name NAME` with a fresh worker token, its sessions under `dir`; ready.
+async fn spawn_worker(stack: &Stack, name: &str, dir: &std::path::Path) -> kit::Proc {
+    let tok = stack
+        .api
+        .post("/v1/worker-tokens", json!({"name": name}))
+        .await
+        .unwrap();
+    let w = kit::Proc::spawn(
+        &format!("worker-{name}"),
+        &kit::bin("agentscope").unwrap(),
+        &["worker", "--name", name, "--dir", dir.to_str().unwrap()],
+        &[
+            (
+                "AGENTSCOPE_WORKER_TOKEN".into(),
+                tok["token"].as_str().unwrap().into(),
+            ),
+            ("AGENTSCOPE_NATS_URL".into(), stack.nats.url()),
+        ],
+        &stack.dir.path,
+    )
+    .unwrap();
+    let log = w.log.clone();
+    let ready = format!("worker {name} ready");
+    kit::wait_for("the worker to register", Duration::from_secs(30), || {
+        let log = log.clone();
+        let ready = ready.clone();
+        async move {
+            std::fs::read_to_string(&log)
+                .ok()?
+                .contains(&ready)
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    w
+}
+
+async fn start_on_worker(stack: &Stack, agent: &str, worker: &str, input: &str) -> String {
+    let s = stack
+        .api
+        .post(
+            "/v1/sessions",
+            json!({"agent_id": agent, "environment": "self_hosted", "worker": worker, "input": input}),
+        )
+        .await
+        .unwrap();
+    s["id"].as_str().unwrap().to_string()
+}
+
 async fn session_events(stack: &Stack, id: &str) -> Vec<Value> {
     stack
         .api
@@ -93,7 +143,7 @@ fn kinds(events: &[Value]) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_multi_step_session_completes_alike_in_local_and_sandbox() {
+async fn a_multi_step_session_completes_alike_in_local_sandbox_and_self_hosted() {
     let script = json!({
         "turns": [
             {"say": "Reading the notes.", "tool": "read_file", "args": {"path": "notes.txt"}, "expect": "hello"},
@@ -112,9 +162,15 @@ async fn a_multi_step_session_completes_alike_in_local_and_sandbox() {
         json!({"capability_files": {"notes.txt": "hello"}}),
     )
     .await;
+    let worker_dir = stack.dir.path.join("worker-laptop");
+    let _worker = spawn_worker(&stack, "laptop", &worker_dir).await;
     let mut sequences = vec![];
-    for environment in ["local", "sandbox"] {
-        let id = start_session(&stack, &agent, environment, "Update the notes.").await;
+    for environment in ["local", "sandbox", "self_hosted"] {
+        let id = if environment == "self_hosted" {
+            start_on_worker(&stack, &agent, "laptop", "Update the notes.").await
+        } else {
+            start_session(&stack, &agent, environment, "Update the notes.").await
+        };
         let s = wait_outcomes(&stack, &id, 1).await;
         let outcome = &s["inputs"][0]["outcome"];
         assert_eq!(outcome["status"], "completed", "{environment}: {s:#}");
@@ -122,9 +178,12 @@ async fn a_multi_step_session_completes_alike_in_local_and_sandbox() {
             s["status"], "completed_awaiting_acceptance",
             "finishing a turn is not accepting the Issue"
         );
-        let notes =
-            std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("notes.txt"))
-                .unwrap();
+        let root = if environment == "self_hosted" {
+            worker_dir.join(&id)
+        } else {
+            stack.dir.path.join("sessions").join(&id)
+        };
+        let notes = std::fs::read_to_string(root.join("notes.txt")).unwrap();
         assert_eq!(notes, "hello, world", "{environment}");
         let events = session_events(&stack, &id).await;
         assert!(
@@ -577,14 +636,21 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
     let (stack, _sim, log, simdir) = managed_stack("managed-vault", &script).await;
     let (st, v) = stack
         .api
-        .send(reqwest::Method::POST, "/v1/secrets", Some(json!({"name": "DEPLOY_TOKEN", "value": SECRET})))
+        .send(
+            reqwest::Method::POST,
+            "/v1/secrets",
+            Some(json!({"name": "DEPLOY_TOKEN", "value": SECRET})),
+        )
         .await
         .unwrap();
     assert_eq!((st, v["name"].as_str()), (201, Some("DEPLOY_TOKEN")), "{v}");
     assert!(!v.to_string().contains(SECRET));
     let listed = stack.api.get("/v1/secrets").await.unwrap();
     assert_eq!(listed["items"][0]["name"], "DEPLOY_TOKEN");
-    assert!(!listed.to_string().contains(SECRET), "values are never returned");
+    assert!(
+        !listed.to_string().contains(SECRET),
+        "values are never returned"
+    );
     let agent = managed_agent(
         &stack,
         "deployer",
@@ -596,8 +662,14 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
 
     let requests = std::fs::read_to_string(&log).unwrap();
-    assert!(requests.contains("token-matches"), "the tool had the secret");
-    assert!(requests.contains("[REDACTED:DEPLOY_TOKEN]"), "and the model saw it redacted");
+    assert!(
+        requests.contains("token-matches"),
+        "the tool had the secret"
+    );
+    assert!(
+        requests.contains("[REDACTED:DEPLOY_TOKEN]"),
+        "and the model saw it redacted"
+    );
     // Everything the platform keeps: events, messages, the journal, the Vault row, the logs.
     let dumped: (String,) = sqlx::query_as(
         "SELECT (SELECT COALESCE(string_agg(payload::text, ''), '') FROM session_events)
@@ -608,9 +680,15 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
     .fetch_one(&stack.pg)
     .await
     .unwrap();
-    assert!(!dumped.0.contains(SECRET), "no stored record holds the secret");
+    assert!(
+        !dumped.0.contains(SECRET),
+        "no stored record holds the secret"
+    );
     assert!(dumped.0.contains("[REDACTED:DEPLOY_TOKEN]"));
-    assert!(!requests.contains(SECRET), "no model request holds the secret");
+    assert!(
+        !requests.contains(SECRET),
+        "no model request holds the secret"
+    );
     for dir in [&stack.dir.path, &simdir.path] {
         for entry in std::fs::read_dir(dir).unwrap() {
             let p = entry.unwrap().path();
@@ -620,4 +698,60 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
             }
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_shows_worker_offline_until_its_worker_beats() {
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo on-the-worker > where.txt && cat where.txt"}, "expect": "on-the-worker"}],
+        "final": "Ran remotely."
+    });
+    let (stack, _sim, _log, _simdir) = managed_stack("managed-worker", &script).await;
+    let agent = managed_agent(&stack, "remote", json!({})).await;
+    let id = start_on_worker(&stack, &agent, "desk", "Run it on my machine.").await;
+    let api = stack.api.clone();
+    let path = format!("/v1/sessions/{id}");
+    let s = kit::wait_for("worker_offline", Duration::from_secs(30), || {
+        let api = api.clone();
+        let path = path.clone();
+        async move {
+            let s = api.get(&path).await.ok()?;
+            (s["status"] == "worker_offline").then_some(s)
+        }
+    })
+    .await
+    .unwrap();
+    assert!(s["detail"].as_str().unwrap().contains("desk"), "{s:#}");
+    let dir = stack.dir.path.join("worker-desk");
+    let mut worker = spawn_worker(&stack, "desk", &dir).await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join(&id).join("where.txt")).unwrap(),
+        "on-the-worker\n"
+    );
+    let codes: Vec<String> = session_events(&stack, &id)
+        .await
+        .iter()
+        .filter(|e| e["kind"] == "diagnostic")
+        .map(|e| e["payload"]["code"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(codes, ["worker_offline", "worker_online"]);
+
+    // A stopped Worker: the next session's operation is not delivered, so it waits, visibly,
+    // and runs once the Worker is back.
+    worker.kill9();
+    let id2 = start_on_worker(&stack, &agent, "desk", "Again.").await;
+    let path = format!("/v1/sessions/{id2}");
+    kit::wait_for("worker_offline again", Duration::from_secs(30), || {
+        let api = api.clone();
+        let path = path.clone();
+        async move { (api.get(&path).await.ok()?["status"] == "worker_offline").then_some(()) }
+    })
+    .await
+    .unwrap();
+    let _worker = spawn_worker(&stack, "desk", &dir).await;
+    let s = wait_outcomes(&stack, &id2, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    assert_eq!(std::fs::read_to_string(dir.join(&id2).join("where.txt")).unwrap(), "on-the-worker\n");
 }

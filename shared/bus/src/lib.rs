@@ -19,10 +19,15 @@ pub mod subjects {
     pub const APPROVALS_ALL: &str = "agentscope.approvals.>";
     pub const APPROVALS_REQUESTED_ALL: &str = "agentscope.approvals.requested.>";
     /// Decisions, request/reply, queue group [`super::SCHEDULER_QUEUE`].
+    /// Core request/reply, queue group `dataplane`: a self-hosted Worker registers.
+    pub const WORKER_REGISTER: &str = "agentscope.worker.register";
     /// Core NATS, gateway → every dataplane replica: a session has new work (payload: its id).
     pub const SESSIONS_NUDGE: &str = "agentscope.sessions.nudge";
     pub const APPROVAL_DECIDE: &str = "agentscope.approvals.decide";
 
+    pub fn worker_ops(worker_id: &str) -> String {
+        format!("agentscope.worker.{worker_id}.ops")
+    }
     pub fn events(attempt_id: &str) -> String {
         format!("agentscope.events.{attempt_id}")
     }
@@ -52,6 +57,7 @@ pub const STREAM_APPROVALS: &str = "AGENTSCOPE_APPROVALS";
 pub const BUCKET_LEASES: &str = "agentscope_leases";
 pub const BUCKET_PRESENCE: &str = "agentscope_presence";
 pub const BUCKET_SESSION_LEASES: &str = "agentscope_session_leases";
+pub const BUCKET_WORKERS: &str = "agentscope_workers";
 pub const CONSUMER_RECORDER: &str = "recorder";
 pub const CONSUMER_INTAKE: &str = "scheduler-intake";
 pub const CONSUMER_APPROVALS: &str = "scheduler-approvals";
@@ -214,6 +220,11 @@ impl Topology {
         ttl: Duration,
     ) -> Result<kv::Store, Error> {
         Self::bucket(js, BUCKET_SESSION_LEASES, ttl).await
+    }
+
+    /// Owner: svc-dataplane. Self-hosted Worker heartbeats; a key vanishes `ttl` after the last.
+    pub async fn workers(js: &jetstream::Context, ttl: Duration) -> Result<kv::Store, Error> {
+        Self::bucket(js, BUCKET_WORKERS, ttl).await
     }
 
     /// Owner: svc-scheduler. Host presence; a key vanishes `ttl` after the host's last heartbeat.

@@ -253,6 +253,8 @@ pub enum TokenKind {
     Host,
     /// Task-scoped executor credential: `agt_...`.
     Task,
+    /// Self-hosted Worker credential: `agw_...`.
+    Worker,
 }
 
 impl TokenKind {
@@ -261,6 +263,7 @@ impl TokenKind {
             Self::Api => "ags_",
             Self::Host => "agh_",
             Self::Task => "agt_",
+            Self::Worker => "agw_",
         }
     }
     pub fn as_str(self) -> &'static str {
@@ -268,6 +271,7 @@ impl TokenKind {
             Self::Api => "api",
             Self::Host => "host",
             Self::Task => "task",
+            Self::Worker => "worker",
         }
     }
 }

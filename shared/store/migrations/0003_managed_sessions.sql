@@ -7,7 +7,9 @@ CREATE TABLE sessions (
     workspace_id     uuid NOT NULL REFERENCES workspaces(id),
     agent_id         uuid NOT NULL REFERENCES agents(id),
     agent_version_id uuid NOT NULL REFERENCES agent_versions(id),
-    environment      text NOT NULL CHECK (environment IN ('local', 'sandbox')),
+    environment      text NOT NULL CHECK (environment IN ('local', 'sandbox', 'self_hosted')),
+    -- self_hosted: the Worker's name in the workspace.
+    worker           text CHECK ((environment = 'self_hosted') = (worker IS NOT NULL)),
     created_at       timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX sessions_workspace ON sessions (workspace_id, created_at DESC);
@@ -109,3 +111,7 @@ CREATE TABLE vault_secrets (
     updated_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (workspace_id, name)
 );
+
+-- Self-hosted Workers authenticate with tokens of their own kind.
+ALTER TABLE api_tokens DROP CONSTRAINT api_tokens_kind_check;
+ALTER TABLE api_tokens ADD CONSTRAINT api_tokens_kind_check CHECK (kind IN ('api', 'host', 'worker'));

@@ -60,6 +60,7 @@ pub fn routes(config: &crate::Config) -> Vec<Route> {
         route!(GET "/v1/workspace", get_workspace, "bearer", "The caller's workspace"),
         route!(POST "/v1/api-tokens", create_api_token, "bearer", 201, "Create a workspace API token"),
         route!(POST "/v1/host-tokens", create_host_token, "bearer", 201, "Create a host registration token"),
+        route!(POST "/v1/worker-tokens", create_worker_token, "bearer", 201, "Create a self-hosted Worker token"),
         route!(POST "/v1/agents", create_agent, "bearer", 201, "Create an agent with its first version"),
         route!(GET "/v1/agents", list_agents, "bearer", "List agents"),
         route!(GET "/v1/agents/{id}", get_agent, "bearer", "Show an agent and its current version"),

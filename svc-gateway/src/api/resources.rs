@@ -139,6 +139,19 @@ pub async fn create_host_token(
     ))
 }
 
+pub async fn create_worker_token(
+    State(s): State<AppState>,
+    auth: Auth,
+    Body(b): Body<NewToken>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    check_name("name", &b.name)?;
+    let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Worker, &b.name).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"id": id, "name": b.name, "token": token})),
+    ))
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NewVersion {

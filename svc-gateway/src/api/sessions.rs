@@ -23,6 +23,9 @@ pub struct NewSession {
     agent_id: Uuid,
     #[serde(default)]
     environment: Option<String>,
+    /// The self-hosted Worker (by name) of a `self_hosted` session.
+    #[serde(default)]
+    worker: Option<String>,
     input: String,
     #[serde(default)]
     idempotency_key: Option<String>,
@@ -71,11 +74,27 @@ pub async fn create(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     check_input(&b.input)?;
     let environment = b.environment.unwrap_or_else(|| "local".into());
-    if !["local", "sandbox"].contains(&environment.as_str()) {
+    if !["local", "sandbox", "self_hosted"].contains(&environment.as_str()) {
         return Err(ApiError::bad_request(
             "invalid_field",
-            format!("`environment` must be local or sandbox, not `{environment}`"),
+            format!("`environment` must be local, sandbox or self_hosted, not `{environment}`"),
         ));
+    }
+    match (&b.worker, environment == "self_hosted") {
+        (Some(w), true) => check_name("worker", w)?,
+        (None, false) => {}
+        (None, true) => {
+            return Err(ApiError::bad_request(
+                "invalid_field",
+                "a self_hosted session names its `worker`",
+            ));
+        }
+        (Some(_), false) => {
+            return Err(ApiError::bad_request(
+                "invalid_field",
+                "`worker` is only for self_hosted sessions",
+            ));
+        }
     }
     if let Some(k) = &b.idempotency_key {
         check_name("idempotency_key", k)?;
@@ -119,13 +138,14 @@ pub async fn create(
         }
     }
     sqlx::query(
-        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment) VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker) VALUES ($1, $2, $3, $4, $5, $6)",
     )
     .bind(id)
     .bind(auth.workspace_id)
     .bind(b.agent_id)
     .bind(version_id)
     .bind(&environment)
+    .bind(&b.worker)
     .execute(&mut *tx)
     .await?;
     sqlx::query(
@@ -280,6 +300,7 @@ async fn own_session(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
 async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<Value> {
     let row: Option<(Value,)> = sqlx::query_as(
         "SELECT json_build_object('id', s.id, 'agent_id', s.agent_id, 'environment', s.environment,
+            'worker', s.worker,
             'agent_version', json_build_object('id', v.id, 'version', v.version),
             'status', COALESCE(st.status, 'queued'), 'detail', COALESCE(st.detail, ''),
             'created_at', s.created_at,

@@ -133,6 +133,23 @@ enum Command {
     },
     /// Serve the executor commands as an MCP server over stdio (AGENTSCOPE_TASK_TOKEN).
     Mcp,
+    /// Run a self-hosted Worker: managed sessions' file and shell tools run here, in
+    /// DIR/<session id>, while the model stays in the dataplane (AGENTSCOPE_WORKER_TOKEN).
+    Worker {
+        /// The Worker's name in the workspace (sessions name it).
+        #[arg(long)]
+        name: String,
+        /// Where session directories are created.
+        #[arg(long)]
+        dir: std::path::PathBuf,
+        /// NATS server of the platform.
+        #[arg(
+            long,
+            env = "AGENTSCOPE_NATS_URL",
+            default_value = "nats://127.0.0.1:4222"
+        )]
+        nats_url: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -925,6 +942,22 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             print_json(&v);
         }
         Command::Mcp => executor::serve_mcp(executor::TaskApi::from_env(&cli_api)?).await?,
+        Command::Worker {
+            name,
+            dir,
+            nats_url,
+        } => {
+            let token = std::env::var("AGENTSCOPE_WORKER_TOKEN")
+                .context("AGENTSCOPE_WORKER_TOKEN is not set (POST /v1/worker-tokens)")?;
+            std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+            let cancel = tokio_util::sync::CancellationToken::new();
+            let stop = cancel.clone();
+            tokio::spawn(async move {
+                agentscope_telemetry::health::shutdown_signal().await;
+                stop.cancel();
+            });
+            svc_dataplane::worker::run_worker(&nats_url, &token, &name, dir, cancel).await?;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
