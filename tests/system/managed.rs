@@ -753,5 +753,8 @@ async fn a_session_shows_worker_offline_until_its_worker_beats() {
     let _worker = spawn_worker(&stack, "desk", &dir).await;
     let s = wait_outcomes(&stack, &id2, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
-    assert_eq!(std::fs::read_to_string(dir.join(&id2).join("where.txt")).unwrap(), "on-the-worker\n");
+    assert_eq!(
+        std::fs::read_to_string(dir.join(&id2).join("where.txt")).unwrap(),
+        "on-the-worker\n"
+    );
 }
