@@ -97,7 +97,6 @@ pub fn main_argument(tool: &str, input: &Value) -> String {
         "shell" => "command",
         "memory_search" => "query",
         "memory_write" | "comment" => "text",
-        "upload_artifact" => "name",
         _ => "path",
     };
     input

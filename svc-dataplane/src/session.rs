@@ -13,6 +13,7 @@ use crate::env::{Environment, Limits};
 use crate::model::{self, Message, ModelConfig, ModelError, ToolCallReq};
 use crate::policy::{Decision, Policy};
 use crate::tools::{self, ToolOutput};
+use agentscope_schemas::v1::issue_write::What;
 use async_nats::jetstream::kv;
 use serde_json::{Value, json};
 use std::collections::HashSet;
@@ -111,6 +112,49 @@ impl Runner {
         .fetch_all(&self.db)
         .await?;
         Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    /// Asks the gateway to write a comment or an Artifact on the session's Issue.
+    async fn issue_write(&self, p: &Pinned, session_id: Uuid, what: What) -> ToolOutput {
+        use agentscope_schemas::Message as _;
+        let kind = match &what {
+            What::Comment(_) => "comment",
+            What::Artifact(_) => "artifact",
+        };
+        let req = agentscope_schemas::v1::IssueWrite {
+            workspace_id: p.workspace_id.to_string(),
+            session_id: session_id.to_string(),
+            author: format!("session:{session_id}"),
+            what: Some(what),
+        };
+        let reply = tokio::time::timeout(
+            Duration::from_secs(10),
+            self.nats.request(
+                agentscope_bus::subjects::ISSUE_WRITE,
+                req.encode_to_vec().into(),
+            ),
+        )
+        .await;
+        let r = match reply {
+            Ok(Ok(m)) => agentscope_schemas::v1::IssueWriteReply::decode(m.payload.as_ref()).ok(),
+            _ => None,
+        };
+        match r {
+            Some(r) if r.ok => ToolOutput {
+                output: format!("{kind} {} written on the Issue", r.id),
+                is_error: false,
+            },
+            Some(r) => ToolOutput {
+                output: format!("{}: {}", r.error_code, r.message),
+                is_error: true,
+            },
+            None => ToolOutput {
+                output: format!(
+                    "unavailable: the gateway did not confirm the {kind}; it was not retried"
+                ),
+                is_error: true,
+            },
+        }
     }
 
     /// Opens the Vault secrets `names` of the workspace, now that a tool runs.
@@ -808,6 +852,18 @@ impl Session<'_> {
                 output: String::new(),
                 is_error: false,
             },
+            (Ok(_), "comment") => match call.input.get("text").and_then(Value::as_str) {
+                Some(text) => {
+                    self.r
+                        .issue_write(p, self.id, What::Comment(text.to_string()))
+                        .await
+                }
+                None => ToolOutput {
+                    output: "bad_arguments: `text` (a string) is required".into(),
+                    is_error: true,
+                },
+            },
+            (Ok(values), "upload_artifact") => self.upload(p, &limits, call, values).await?,
             (Ok(env), name) => {
                 let env: &[(String, String)] = if name == "shell" { env } else { &[] };
                 self.run_tool(p, &limits, call, env).await?
@@ -998,6 +1054,58 @@ impl Session<'_> {
                 .await?;
         }
         Ok(())
+    }
+
+    /// upload_artifact: the file's text (read where the session's files are), redacted of the
+    /// agent's secrets, becomes an Artifact of the session's Issue.
+    async fn upload(
+        &self,
+        p: &Pinned,
+        limits: &Limits,
+        call: &ToolCallReq,
+        secrets: &[(String, String)],
+    ) -> Result<ToolOutput, Stop> {
+        let Some(path) = call.input.get("path").and_then(Value::as_str) else {
+            return Ok(ToolOutput {
+                output: "bad_arguments: `path` (a string) is required".into(),
+                is_error: true,
+            });
+        };
+        let read = ToolCallReq {
+            id: call.id.clone(),
+            name: "read_file".into(),
+            input: json!({"path": path}),
+        };
+        let content = self.run_tool(p, limits, &read, &[]).await?;
+        if content.is_error {
+            return Ok(content);
+        }
+        let name = call
+            .input
+            .get("name")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .unwrap_or_else(|| path.rsplit('/').next().unwrap_or(path).to_string());
+        let text = agentscope_domain::vault::redact(&content.output, secrets);
+        let content_type = if name.ends_with(".md") {
+            "text/markdown"
+        } else if name.ends_with(".json") {
+            "application/json"
+        } else {
+            "text/plain"
+        };
+        Ok(self
+            .r
+            .issue_write(
+                p,
+                self.id,
+                What::Artifact(agentscope_schemas::v1::ArtifactUpload {
+                    name,
+                    content_type: content_type.into(),
+                    content: text.into_bytes(),
+                }),
+            )
+            .await)
     }
 
     /// A file or shell tool, here or on the session's Worker. An operation that certainly did

@@ -9,7 +9,7 @@ use uuid::Uuid;
 /// Longest tool output the model sees.
 pub const MAX_OUTPUT: usize = 64 * 1024;
 
-pub const ALL: [&str; 7] = [
+pub const ALL: [&str; 9] = [
     "read_file",
     "write_file",
     "edit_file",
@@ -17,6 +17,8 @@ pub const ALL: [&str; 7] = [
     "shell",
     "memory_search",
     "memory_write",
+    "comment",
+    "upload_artifact",
 ];
 
 fn obj(props: Value, required: &[&str]) -> Value {
@@ -73,6 +75,19 @@ pub fn specs(enabled: &[String]) -> Vec<ToolSpec> {
             "memory_write",
             "Add a note to the workspace's shared memory.",
             obj(json!({"text": s("the note")}), &["text"]),
+        ),
+        (
+            "comment",
+            "Comment on the Issue this session works on.",
+            obj(json!({"text": s("the comment (Markdown)")}), &["text"]),
+        ),
+        (
+            "upload_artifact",
+            "Upload a text file of the session directory as an Artifact of the Issue (at most 256 KiB).",
+            obj(
+                json!({"path": s("file in the session directory"), "name": s("Artifact name; default: the file's name")}),
+                &["path"],
+            ),
         ),
     ];
     all.into_iter()

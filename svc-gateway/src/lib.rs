@@ -8,6 +8,7 @@ pub mod api;
 mod config;
 mod error;
 mod extract;
+mod issue_writes;
 
 pub use config::Config;
 
@@ -82,6 +83,7 @@ impl App {
     ) -> anyhow::Result<()> {
         let cancel = CancellationToken::new();
         let fanout = tokio::spawn(fan_out_recorded(self.state.clone(), cancel.clone()));
+        let writes = tokio::spawn(issue_writes::serve(self.state.clone(), cancel.clone()));
         let app = router(self.state.clone());
         let c2 = cancel.clone();
         axum::serve(self.listener, app)
@@ -92,6 +94,7 @@ impl App {
             .await?;
         cancel.cancel();
         let _ = fanout.await;
+        let _ = writes.await;
         let _ = self.state.nats.flush().await;
         tracing::info!("svc-gateway stopped");
         Ok(())

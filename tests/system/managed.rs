@@ -151,7 +151,9 @@ async fn a_multi_step_session_completes_alike_in_local_sandbox_and_self_hosted()
             {"tool": "shell", "args": {"command": "cat notes.txt && ls"}, "expect": "hello, world"},
             {"tool": "memory_write", "args": {"text": "The release checklist lives in notes.txt"}, "expect": "remembered"},
             {"tool": "memory_search", "args": {"query": "release checklist"}, "expect": "notes.txt"},
-            {"tool": "list_files", "args": {"path": ""}, "expect": "notes.txt"}
+            {"tool": "list_files", "args": {"path": ""}, "expect": "notes.txt"},
+            {"tool": "comment", "args": {"text": "Notes updated."}, "expect": "written on the Issue"},
+            {"tool": "upload_artifact", "args": {"path": "notes.txt", "name": "notes.md"}, "expect": "written on the Issue"}
         ],
         "final": "All steps done."
     });
@@ -164,13 +166,25 @@ async fn a_multi_step_session_completes_alike_in_local_sandbox_and_self_hosted()
     .await;
     let worker_dir = stack.dir.path.join("worker-laptop");
     let _worker = spawn_worker(&stack, "laptop", &worker_dir).await;
+    let issue = stack
+        .api
+        .post(
+            "/v1/issues",
+            json!({"title": "Update the notes", "body": "Say hello to the world."}),
+        )
+        .await
+        .unwrap();
+    let issue_id = issue["id"].as_str().unwrap();
     let mut sequences = vec![];
     for environment in ["local", "sandbox", "self_hosted"] {
-        let id = if environment == "self_hosted" {
-            start_on_worker(&stack, &agent, "laptop", "Update the notes.").await
-        } else {
-            start_session(&stack, &agent, environment, "Update the notes.").await
-        };
+        let mut body = json!({"agent_id": agent, "environment": environment, "issue_id": issue_id, "input": "Update the notes."});
+        if environment == "self_hosted" {
+            body["worker"] = json!("laptop");
+        }
+        let id = stack.api.post("/v1/sessions", body).await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
         let s = wait_outcomes(&stack, &id, 1).await;
         let outcome = &s["inputs"][0]["outcome"];
         assert_eq!(outcome["status"], "completed", "{environment}: {s:#}");
@@ -199,8 +213,50 @@ async fn a_multi_step_session_completes_alike_in_local_sandbox_and_self_hosted()
     }
     assert_eq!(
         sequences[0], sequences[1],
-        "the same event sequence in both environments"
+        "the same event sequence in local and sandbox"
     );
+    assert_eq!(
+        sequences[0], sequences[2],
+        "the same event sequence in local and self_hosted"
+    );
+    let comments = stack
+        .api
+        .get(&format!("/v1/issues/{issue_id}/comments"))
+        .await
+        .unwrap();
+    let bodies: Vec<&str> = comments["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["body"].as_str())
+        .collect();
+    assert_eq!(bodies, ["Notes updated."; 3], "{comments:#}");
+    let artifacts = stack
+        .api
+        .get(&format!("/v1/issues/{issue_id}/artifacts"))
+        .await
+        .unwrap();
+    let items = artifacts["items"].as_array().unwrap();
+    assert_eq!(items.len(), 3, "{artifacts:#}");
+    for a in items {
+        assert_eq!(a["name"], "notes.md");
+        let body = stack
+            .api
+            .client
+            .get(format!(
+                "{}/v1/artifacts/{}/content",
+                stack.api.base,
+                a["id"].as_str().unwrap()
+            ))
+            .bearer_auth(&stack.api.token)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(body, "hello, world");
+    }
     let requests = std::fs::read_to_string(&log).unwrap();
     assert!(
         !requests.contains("SCRIPT EXPECTATION FAILED"),
@@ -629,7 +685,8 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
     let script = json!({
         "turns": [
             {"tool": "shell", "args": {"command": "echo \"token=$DEPLOY_TOKEN\"; test \"$DEPLOY_TOKEN\" = \"$(cat expected.txt)\" && echo token-matches; echo $DEPLOY_TOKEN > copy.txt"}, "expect": "token-matches"},
-            {"tool": "read_file", "args": {"path": "copy.txt"}, "expect": "REDACTED"}
+            {"tool": "read_file", "args": {"path": "copy.txt"}, "expect": "REDACTED"},
+            {"tool": "upload_artifact", "args": {"path": "copy.txt"}, "expect": "written on the Issue"}
         ],
         "final": "Deployed."
     });
@@ -657,7 +714,22 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
         json!({"policy": {"secrets": ["DEPLOY_TOKEN"]}, "capability_files": {"expected.txt": SECRET}}),
     )
     .await;
-    let id = start_session(&stack, &agent, "local", "Deploy.").await;
+    let issue = stack
+        .api
+        .post("/v1/issues", json!({"title": "Deploy"}))
+        .await
+        .unwrap();
+    let id = stack
+        .api
+        .post(
+            "/v1/sessions",
+            json!({"agent_id": agent, "environment": "local", "issue_id": issue["id"], "input": "Deploy."}),
+        )
+        .await
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let s = wait_outcomes(&stack, &id, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
 
@@ -675,7 +747,8 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
         "SELECT (SELECT COALESCE(string_agg(payload::text, ''), '') FROM session_events)
              || (SELECT COALESCE(string_agg(message::text, ''), '') FROM session_messages)
              || (SELECT COALESCE(string_agg(input::text || COALESCE(output, ''), ''), '') FROM session_tool_calls)
-             || (SELECT COALESCE(string_agg(encode(ciphertext, 'escape'), ''), '') FROM vault_secrets)",
+             || (SELECT COALESCE(string_agg(encode(ciphertext, 'escape'), ''), '') FROM vault_secrets)
+             || (SELECT COALESCE(string_agg(encode(content, 'escape'), ''), '') FROM artifacts)",
     )
     .fetch_one(&stack.pg)
     .await

@@ -19,6 +19,8 @@ pub mod subjects {
     pub const APPROVALS_ALL: &str = "agentscope.approvals.>";
     pub const APPROVALS_REQUESTED_ALL: &str = "agentscope.approvals.requested.>";
     /// Decisions, request/reply, queue group [`super::SCHEDULER_QUEUE`].
+    /// Core request/reply, queue group `gateway`: a managed session's comment or Artifact.
+    pub const ISSUE_WRITE: &str = "agentscope.issues.write";
     /// Core request/reply, queue group `dataplane`: a self-hosted Worker registers.
     pub const WORKER_REGISTER: &str = "agentscope.worker.register";
     /// Core NATS, gateway → every dataplane replica: a session has new work (payload: its id).

@@ -10,6 +10,8 @@ CREATE TABLE sessions (
     environment      text NOT NULL CHECK (environment IN ('local', 'sandbox', 'self_hosted')),
     -- self_hosted: the Worker's name in the workspace.
     worker           text CHECK ((environment = 'self_hosted') = (worker IS NOT NULL)),
+    -- The Issue the session works on: its comment and upload tools write there.
+    issue_id         uuid REFERENCES issues(id),
     created_at       timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX sessions_workspace ON sessions (workspace_id, created_at DESC);
@@ -115,3 +117,6 @@ CREATE TABLE vault_secrets (
 -- Self-hosted Workers authenticate with tokens of their own kind.
 ALTER TABLE api_tokens DROP CONSTRAINT api_tokens_kind_check;
 ALTER TABLE api_tokens ADD CONSTRAINT api_tokens_kind_check CHECK (kind IN ('api', 'host', 'worker'));
+
+-- Artifacts uploaded by managed sessions.
+ALTER TABLE artifacts ADD COLUMN session_id uuid REFERENCES sessions(id);

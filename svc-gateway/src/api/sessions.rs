@@ -26,6 +26,9 @@ pub struct NewSession {
     /// The self-hosted Worker (by name) of a `self_hosted` session.
     #[serde(default)]
     worker: Option<String>,
+    /// The Issue the session works on (its comment and upload tools write there).
+    #[serde(default)]
+    issue_id: Option<Uuid>,
     input: String,
     #[serde(default)]
     idempotency_key: Option<String>,
@@ -120,6 +123,17 @@ pub async fn create(
             ),
         ));
     }
+    if let Some(issue) = b.issue_id {
+        let found: Option<(Uuid,)> =
+            sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
+                .bind(issue)
+                .bind(auth.workspace_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if found.is_none() {
+            return Err(ApiError::not_found("issue"));
+        }
+    }
     let id = Uuid::now_v7();
     // The idempotency key of the first input identifies the session too.
     if let Some(k) = &b.idempotency_key {
@@ -138,7 +152,7 @@ pub async fn create(
         }
     }
     sqlx::query(
-        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker) VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker, issue_id) VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(id)
     .bind(auth.workspace_id)
@@ -146,6 +160,7 @@ pub async fn create(
     .bind(version_id)
     .bind(&environment)
     .bind(&b.worker)
+    .bind(b.issue_id)
     .execute(&mut *tx)
     .await?;
     sqlx::query(
@@ -300,7 +315,7 @@ async fn own_session(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
 async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<Value> {
     let row: Option<(Value,)> = sqlx::query_as(
         "SELECT json_build_object('id', s.id, 'agent_id', s.agent_id, 'environment', s.environment,
-            'worker', s.worker,
+            'worker', s.worker, 'issue_id', s.issue_id,
             'agent_version', json_build_object('id', v.id, 'version', v.version),
             'status', COALESCE(st.status, 'queued'), 'detail', COALESCE(st.detail, ''),
             'created_at', s.created_at,

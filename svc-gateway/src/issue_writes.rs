@@ -1,0 +1,136 @@
+//! Comments and Artifacts of managed sessions: the dataplane asks over NATS, the gateway (the
+//! only writer of comments and Artifacts) writes them on the session's Issue.
+
+use crate::AppState;
+use agentscope_schemas::Message as _;
+use agentscope_schemas::v1::{IssueWrite, IssueWriteReply, issue_write::What};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Largest Artifact a session may upload (it travels in one NATS message).
+pub const MAX_SESSION_ARTIFACT: usize = 256 * 1024;
+
+pub async fn serve(s: AppState, cancel: CancellationToken) {
+    let mut sub = match s
+        .nats
+        .queue_subscribe(agentscope_bus::subjects::ISSUE_WRITE, "gateway".into())
+        .await
+    {
+        Ok(sub) => sub,
+        Err(e) => {
+            tracing::error!(error = %e, "subscribe to session issue writes");
+            return;
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return,
+            m = sub.next() => match m { Some(m) => m, None => return },
+        };
+        let Some(reply) = msg.reply.clone() else {
+            continue;
+        };
+        let answer = match IssueWrite::decode(msg.payload.as_ref()) {
+            Ok(w) => write(&s, w).await,
+            Err(_) => refused("malformed", "malformed IssueWrite"),
+        };
+        let _ = s.nats.publish(reply, answer.encode_to_vec().into()).await;
+    }
+}
+
+fn refused(code: &str, message: &str) -> IssueWriteReply {
+    IssueWriteReply {
+        ok: false,
+        error_code: code.into(),
+        message: message.into(),
+        ..Default::default()
+    }
+}
+
+async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
+    let (Ok(ws), Ok(session)) = (w.workspace_id.parse::<Uuid>(), w.session_id.parse::<Uuid>())
+    else {
+        return refused("invalid_id", "workspace_id and session_id must be UUIDs");
+    };
+    let issue: Result<Option<(Option<Uuid>,)>, _> =
+        sqlx::query_as("SELECT issue_id FROM sessions WHERE id = $1 AND workspace_id = $2")
+            .bind(session)
+            .bind(ws)
+            .fetch_optional(&s.db)
+            .await;
+    let issue = match issue {
+        Ok(Some((Some(i),))) => i,
+        Ok(Some((None,))) => return refused("no_issue", "this session works on no Issue"),
+        Ok(None) => return refused("not_found", "session not found"),
+        Err(e) => {
+            tracing::warn!(error = %e, "session issue write");
+            return refused(
+                "unavailable",
+                "the gateway could not read the session; retry",
+            );
+        }
+    };
+    let id = Uuid::now_v7();
+    let done = match w.what {
+        Some(What::Comment(body)) => {
+            if body.trim().is_empty() || body.len() > 64 * 1024 {
+                return refused("invalid_field", "a comment is 1 byte to 64 KiB");
+            }
+            sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
+                .bind(id)
+                .bind(ws)
+                .bind(issue)
+                .bind(&w.author)
+                .bind(&body)
+                .execute(&s.db)
+                .await
+        }
+        Some(What::Artifact(a)) => {
+            let name_ok = !a.name.is_empty()
+                && a.name.len() <= 255
+                && !a.name.contains(['/', '\\'])
+                && a.name != ".."
+                && !a.name.chars().any(|c| c.is_control());
+            if !name_ok {
+                return refused("invalid_field", "an Artifact name is a plain file name");
+            }
+            if a.content.len() > MAX_SESSION_ARTIFACT {
+                return refused(
+                    "payload_too_large",
+                    "a session's Artifact is at most 256 KiB",
+                );
+            }
+            use sha2::Digest;
+            let sha = hex::encode(sha2::Sha256::digest(&a.content));
+            sqlx::query(
+                "INSERT INTO artifacts (id, workspace_id, issue_id, session_id, name, content_type, size_bytes, sha256, content, author)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            )
+            .bind(id)
+            .bind(ws)
+            .bind(issue)
+            .bind(session)
+            .bind(&a.name)
+            .bind(&a.content_type)
+            .bind(a.content.len() as i64)
+            .bind(&sha)
+            .bind(&a.content)
+            .bind(&w.author)
+            .execute(&s.db)
+            .await
+        }
+        None => return refused("malformed", "nothing to write"),
+    };
+    match done {
+        Ok(_) => IssueWriteReply {
+            ok: true,
+            id: id.to_string(),
+            ..Default::default()
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "session issue write");
+            refused("unavailable", "the gateway could not write; retry")
+        }
+    }
+}
