@@ -15,6 +15,8 @@ pub struct Config {
     pub replica_id: String,
     /// Where session directories live (`local` and `sandbox` environments).
     pub sessions_dir: String,
+    /// Shared storage every replica mounts, for `remote` sessions; empty: `<sessions_dir>/remote`.
+    pub remote_dir: String,
     /// A session lease vanishes this long after its holder's last renewal.
     pub session_lease_ttl_ms: u64,
     /// How often a replica looks for sessions with work and no live lease.
@@ -51,6 +53,7 @@ impl Config {
             .set_default("log_format", "")?
             .set_default("replica_id", "")?
             .set_default("sessions_dir", "/var/lib/agentscope/sessions")?
+            .set_default("remote_dir", "")?
             .set_default("session_lease_ttl_ms", 15_000)?
             .set_default("sweep_interval_ms", 1_000)?
             .set_default("model_api", "anthropic")?

@@ -313,7 +313,12 @@ impl Runner {
         .bind(session_id)
         .fetch_one(&self.db)
         .await?;
-        let root = PathBuf::from(&self.config.sessions_dir).join(session_id.to_string());
+        let base = match (environment.as_str(), self.config.remote_dir.as_str()) {
+            ("remote", "") => PathBuf::from(&self.config.sessions_dir).join("remote"),
+            ("remote", shared) => PathBuf::from(shared),
+            _ => PathBuf::from(&self.config.sessions_dir),
+        };
+        let root = base.join(session_id.to_string());
         tokio::fs::create_dir_all(&root)
             .await
             .map_err(|e| Stop::Db(sqlx::Error::Io(e)))?;

@@ -184,6 +184,13 @@ impl Stack {
             "AGENTSCOPE_SESSIONS_DIR".into(),
             dir.path.join("sessions").to_string_lossy().into_owned(),
         ));
+        denv.push((
+            "AGENTSCOPE_REMOTE_DIR".into(),
+            dir.path
+                .join("shared-storage")
+                .to_string_lossy()
+                .into_owned(),
+        ));
         denv.push(("AGENTSCOPE_SESSION_LEASE_TTL_MS".into(), "3000".into()));
         denv.push(("AGENTSCOPE_SWEEP_INTERVAL_MS".into(), "250".into()));
         denv.push(("AGENTSCOPE_MODEL_MAX_RETRIES".into(), "2".into()));

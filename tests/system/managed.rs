@@ -395,10 +395,11 @@ async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_
         ],
         "final": "Finished after the takeover."
     });
+    // Both replicas mount the same shared storage (`remote` sessions).
     let (mut stack, _sim, _log, _simdir) = managed_stack("managed-takeover", &script).await;
     let mut other = stack.spawn_dataplane("dp-1").await.unwrap();
     let agent = managed_agent(&stack, "worker", json!({})).await;
-    let id = start_session(&stack, &agent, "local", "Do the three steps.").await;
+    let id = start_session(&stack, &agent, "remote", "Do the three steps.").await;
     let pg = stack.pg.clone();
     let sid = id.clone();
     let holder: String = kit::wait_for("the blocking tool to start", Duration::from_secs(60), || {
@@ -431,7 +432,7 @@ async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_
         stack
             .dir
             .path
-            .join("sessions")
+            .join("shared-storage")
             .join(&id)
             .join("journal.txt"),
     )
@@ -829,5 +830,47 @@ async fn a_session_shows_worker_offline_until_its_worker_beats() {
     assert_eq!(
         std::fs::read_to_string(dir.join(&id2).join("where.txt")).unwrap(),
         "on-the-worker\n"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_model_ends_the_turn_as_model_connection_with_evidence() {
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let stack = Stack::start(
+        "managed-nomodel",
+        StackOptions {
+            dataplane_env: vec![
+                (
+                    "AGENTSCOPE_MODEL_BASE_URL".into(),
+                    format!("http://127.0.0.1:{port}"),
+                ),
+                ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-none".into()),
+            ],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let agent = managed_agent(&stack, "cutoff", json!({})).await;
+    let id = start_session(&stack, &agent, "local", "Hello?").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    let o = &s["inputs"][0]["outcome"];
+    assert_eq!(o["status"], "model_connection", "{s:#}");
+    assert_eq!(s["status"], "model_connection");
+    assert!(
+        o["detail"].as_str().unwrap().contains(&port.to_string())
+            || o["detail"].as_str().unwrap().contains("connect"),
+        "the evidence names what failed: {o}"
+    );
+    let events = session_events(&stack, &id).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e["kind"] == "diagnostic" && e["payload"]["code"] == "model_connection")
     );
 }

@@ -7,7 +7,7 @@ CREATE TABLE sessions (
     workspace_id     uuid NOT NULL REFERENCES workspaces(id),
     agent_id         uuid NOT NULL REFERENCES agents(id),
     agent_version_id uuid NOT NULL REFERENCES agent_versions(id),
-    environment      text NOT NULL CHECK (environment IN ('local', 'sandbox', 'self_hosted')),
+    environment      text NOT NULL CHECK (environment IN ('local', 'sandbox', 'remote', 'self_hosted')),
     -- self_hosted: the Worker's name in the workspace.
     worker           text CHECK ((environment = 'self_hosted') = (worker IS NOT NULL)),
     -- The Issue the session works on: its comment and upload tools write there.

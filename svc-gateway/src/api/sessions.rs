@@ -77,10 +77,12 @@ pub async fn create(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     check_input(&b.input)?;
     let environment = b.environment.unwrap_or_else(|| "local".into());
-    if !["local", "sandbox", "self_hosted"].contains(&environment.as_str()) {
+    if !["local", "sandbox", "remote", "self_hosted"].contains(&environment.as_str()) {
         return Err(ApiError::bad_request(
             "invalid_field",
-            format!("`environment` must be local, sandbox or self_hosted, not `{environment}`"),
+            format!(
+                "`environment` must be local, sandbox, remote or self_hosted, not `{environment}`"
+            ),
         ));
     }
     match (&b.worker, environment == "self_hosted") {
