@@ -52,6 +52,8 @@ pub(crate) struct Ctx {
     pub nats: async_nats::Client,
     pub js: jetstream::Context,
     pub leases: jetstream::kv::Store,
+    /// Host heartbeats: a host without a key here is offline.
+    pub presence: jetstream::kv::Store,
     pub events: jetstream::stream::Stream,
     pub config: Arc<Config>,
     pub metrics: Metrics,
@@ -77,7 +79,8 @@ impl App {
         Topology::tasks(&js).await?;
         Topology::approvals(&js).await?;
         let leases = Topology::leases(&js, Duration::from_millis(config.lease_ttl_ms)).await?;
-        Topology::presence(&js, Duration::from_millis(config.heartbeat_ttl_ms)).await?;
+        let presence =
+            Topology::presence(&js, Duration::from_millis(config.heartbeat_ttl_ms)).await?;
 
         let metrics = Metrics::default();
         let cancel = CancellationToken::new();
@@ -104,6 +107,7 @@ impl App {
                 nats,
                 js,
                 leases,
+                presence,
                 events,
                 config: Arc::new(config),
                 metrics,

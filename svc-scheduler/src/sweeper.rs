@@ -121,15 +121,27 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
         tracing::debug!(%attempt_id, "lease gone but events are still unrecorded; waiting");
         return Ok(());
     }
-    let retry = attempts::finish(
-        &mut tx,
-        &a,
-        AttemptStatus::Lost,
-        Some(FailureClass::LeaseLost),
-        "lease expired: the host stopped renewing it",
-        None,
-    )
-    .await?;
+    // A host that stopped heartbeating too is offline (crash, power, network); one that still
+    // beats lost only this lease.
+    let host_gone = match a.host_id {
+        Some(h) => !matches!(
+            ctx.presence.entry(agentscope_bus::presence_key(&h.to_string())).await,
+            Ok(Some(e)) if e.operation == Operation::Put
+        ),
+        None => false,
+    };
+    let (class, why) = if host_gone {
+        (
+            FailureClass::HostOffline,
+            "lease expired: the host stopped renewing it and stopped heartbeating",
+        )
+    } else {
+        (
+            FailureClass::LeaseLost,
+            "lease expired: the host stopped renewing it",
+        )
+    };
+    let retry = attempts::finish(&mut tx, &a, AttemptStatus::Lost, Some(class), why, None).await?;
     // The decision is part of the attempt's record, so logs and live streams show it.
     let next = a.last_seq + 1;
     sqlx::query(
@@ -139,9 +151,9 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
     .bind(next)
     .bind(serde_json::json!({
         "state": "lost",
-        "failure_class": FailureClass::LeaseLost.as_str(),
-        "remedy": FailureClass::LeaseLost.remedy(),
-        "detail": if retry.is_some() { "lease expired: the host stopped renewing it; a new attempt is scheduled" } else { "lease expired: the host stopped renewing it; no retry left" },
+        "failure_class": class.as_str(),
+        "remedy": class.remedy(),
+        "detail": if retry.is_some() { format!("{why}; a new attempt is scheduled") } else { format!("{why}; no retry left") },
         "exit_code": null,
         "recorded_by": "scheduler",
     }))

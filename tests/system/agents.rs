@@ -1088,9 +1088,15 @@ async fn a_host_killed_mid_task_resumes_the_opencode_session_after_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_that_never_returns_loses_its_lease_and_claude_succeeds_elsewhere() {
-    let stack = Stack::start("claude-failover", StackOptions::default())
-        .await
-        .unwrap();
+    let stack = Stack::start(
+        "claude-failover",
+        StackOptions {
+            lease_ttl_ms: 6_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let release = stack.shared.join("release");
     let script = json!({
         "turns": [{"tool": "shell", "args": {"command": format!("test -e {} || tail -f /dev/null; echo done-here", release.display())}, "expect": "done-here"}],
@@ -1136,7 +1142,7 @@ async fn a_host_that_never_returns_loses_its_lease_and_claude_succeeds_elsewhere
             attempts[0]["status"].as_str(),
             attempts[0]["failure_class"].as_str()
         ),
-        (Some("lost"), Some("lease_lost"))
+        (Some("lost"), Some("host_offline"))
     );
     assert_ne!(attempts[0]["host_id"], attempts[1]["host_id"]);
     assert_ne!(

@@ -396,9 +396,16 @@ async fn a_full_host_names_capacity_and_the_running_task_names_its_host() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_in_backoff_shows_the_idle_host_eligible_and_the_dead_one_offline() {
-    let stack = Stack::start("explain-backoff", StackOptions::default())
-        .await
-        .unwrap();
+    // The lease outlives the heartbeat: a killed host is known offline when its lease expires.
+    let stack = Stack::start(
+        "explain-backoff",
+        StackOptions {
+            lease_ttl_ms: 6_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let pool = stack
         .api
         .post("/v1/pools", json!({"name": "pool"}))
@@ -461,7 +468,7 @@ async fn a_retry_in_backoff_shows_the_idle_host_eligible_and_the_dead_one_offlin
         "{e:#}"
     );
     let attempts = e["attempts"].as_array().unwrap();
-    assert_eq!(attempts[0]["failure_class"], "lease_lost", "{e:#}");
+    assert_eq!(attempts[0]["failure_class"], "host_offline", "{e:#}");
 
     stack
         .api

@@ -10,9 +10,16 @@ use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
-    let stack = Stack::start("failover", StackOptions::default())
-        .await
-        .unwrap();
+    // The lease outlives the heartbeat: a killed host is known offline when its lease expires.
+    let stack = Stack::start(
+        "failover",
+        StackOptions {
+            lease_ttl_ms: 6_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let release = stack.dir.path.join("release");
     let script = format!(
         "if [ -e '{0}' ]; then echo released; exit 0; fi; echo waiting; sleep 60",
@@ -64,7 +71,7 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
         .wait_attempt(&task_id, 1, "lost", Duration::from_secs(30))
         .await
         .unwrap();
-    assert_eq!(lost["failure_class"], "lease_lost");
+    assert_eq!(lost["failure_class"], "host_offline");
     assert!(lost["remedy"].as_str().is_some_and(|r| !r.is_empty()));
     let task = stack
         .wait_task(&task_id, "succeeded", Duration::from_secs(60))
