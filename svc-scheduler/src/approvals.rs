@@ -67,11 +67,28 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
 async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
     let req = ToolRequest::decode(payload)
         .map_err(|_| Error::Rejected("malformed ToolRequest payload".into()))?;
-    if req.attempt_id.is_empty() && !req.session_id.is_empty() {
-        return record_session_request(ctx, &req).await;
-    }
-    let attempt_id = Uuid::parse_str(&req.attempt_id)
-        .map_err(|_| Error::Rejected("attempt_id is not a UUID".into()))?;
+    // A hosted attempt's request, or a managed session's (svc-dataplane); each is fenced by its
+    // holder's lease token: only the current holder may ask.
+    let (owner, query) = if req.attempt_id.is_empty() && !req.session_id.is_empty() {
+        (
+            &req.session_id,
+            r#"INSERT INTO approvals (id, workspace_id, session_id, request_id, tool_name, input, expires_at)
+               SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
+               FROM sessions s JOIN session_state st ON st.session_id = s.id
+               WHERE s.id = $2 AND st.lease_token = $7
+               ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
+        )
+    } else {
+        (
+            &req.attempt_id,
+            r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
+               SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
+               FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
+               ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
+        )
+    };
+    let owner_id = Uuid::parse_str(owner)
+        .map_err(|_| Error::Rejected("attempt_id or session_id is not a UUID".into()))?;
     let input: serde_json::Value = serde_json::from_str(&req.input_json)
         .unwrap_or(serde_json::Value::String(req.input_json.clone()));
     let timeout_ms = if req.timeout_ms == 0 {
@@ -79,59 +96,19 @@ async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
     } else {
         req.timeout_ms
     } as f64;
-    // Fencing: only the current lease holder of an active attempt may ask.
-    let inserted = sqlx::query(
-        r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
-           SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
-           FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
-           ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
-    )
-    .bind(Uuid::now_v7())
-    .bind(attempt_id)
-    .bind(&req.request_id)
-    .bind(&req.tool_name)
-    .bind(&input)
-    .bind(timeout_ms)
-    .bind(req.lease_token as i64)
-    .execute(&ctx.db)
-    .await?;
+    let inserted = sqlx::query(query)
+        .bind(Uuid::now_v7())
+        .bind(owner_id)
+        .bind(&req.request_id)
+        .bind(&req.tool_name)
+        .bind(&input)
+        .bind(timeout_ms)
+        .bind(req.lease_token as i64)
+        .execute(&ctx.db)
+        .await?;
     if inserted.rows_affected() == 1 {
         ctx.metrics.inc("agentscope_approvals_requested_total", &[]);
-        tracing::info!(%attempt_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested");
-    }
-    Ok(())
-}
-
-/// A managed session's tool request (svc-dataplane): fenced by the session's lease token.
-async fn record_session_request(ctx: &Ctx, req: &ToolRequest) -> Result<(), Error> {
-    let session_id = Uuid::parse_str(&req.session_id)
-        .map_err(|_| Error::Rejected("session_id is not a UUID".into()))?;
-    let input: serde_json::Value = serde_json::from_str(&req.input_json)
-        .unwrap_or(serde_json::Value::String(req.input_json.clone()));
-    let timeout_ms = if req.timeout_ms == 0 {
-        600_000
-    } else {
-        req.timeout_ms
-    } as f64;
-    let inserted = sqlx::query(
-        r#"INSERT INTO approvals (id, workspace_id, session_id, request_id, tool_name, input, expires_at)
-           SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
-           FROM sessions s JOIN session_state st ON st.session_id = s.id
-           WHERE s.id = $2 AND st.lease_token = $7
-           ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
-    )
-    .bind(Uuid::now_v7())
-    .bind(session_id)
-    .bind(&req.request_id)
-    .bind(&req.tool_name)
-    .bind(&input)
-    .bind(timeout_ms)
-    .bind(req.lease_token as i64)
-    .execute(&ctx.db)
-    .await?;
-    if inserted.rows_affected() == 1 {
-        ctx.metrics.inc("agentscope_approvals_requested_total", &[]);
-        tracing::info!(%session_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested by a managed session");
+        tracing::info!(owner = %owner_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested");
     }
     Ok(())
 }

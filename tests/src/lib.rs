@@ -42,6 +42,16 @@ impl Api {
         Ok((status, v))
     }
 
+    /// An Artifact's content, as served (headers included).
+    pub async fn artifact_content(&self, artifact_id: &str) -> Result<reqwest::Response> {
+        Ok(self
+            .client
+            .get(format!("{}/v1/artifacts/{artifact_id}/content", self.base))
+            .bearer_auth(&self.token)
+            .send()
+            .await?)
+    }
+
     pub async fn get(&self, path: &str) -> Result<Value> {
         let (st, v) = self.send(reqwest::Method::GET, path, None).await?;
         if st != 200 {
@@ -414,6 +424,18 @@ impl Stack {
     }
 
     /// Waits until the task reaches `status` (or any terminal status other than it: error).
+    /// Cancels task `id` and waits until it ends `cancelled` with that class.
+    pub async fn cancel_task(&self, id: &str, within: Duration) -> Result<Value> {
+        self.api
+            .post(&format!("/v1/tasks/{id}/cancel"), json!({}))
+            .await?;
+        let t = self.wait_task(id, "cancelled", within).await?;
+        if t["attempts"][0]["failure_class"] != "cancelled" {
+            bail!("task {id} ended cancelled without the class: {t}");
+        }
+        Ok(t)
+    }
+
     pub async fn wait_task(&self, id: &str, status: &str, within: Duration) -> Result<Value> {
         let api = self.api.clone();
         let path = format!("/v1/tasks/{id}");

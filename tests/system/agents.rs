@@ -295,14 +295,7 @@ async fn run_provider(provider: &str) -> (Stack, Value, Vec<Value>) {
         .expect("summary.md uploaded");
     let content = stack
         .api
-        .client
-        .get(format!(
-            "{}/v1/artifacts/{}/content",
-            stack.api.base,
-            art["id"].as_str().unwrap()
-        ))
-        .bearer_auth(&stack.api.token)
-        .send()
+        .artifact_content(art["id"].as_str().unwrap())
         .await
         .unwrap()
         .text()
@@ -771,15 +764,9 @@ async fn cancelling_claude_code_during_a_long_tool_call_leaves_no_process() {
     let attempt_id = attempt["id"].as_str().unwrap().to_string();
     wait_for_blocking_tool(&attempt_id).await;
     stack
-        .api
-        .post(&format!("/v1/tasks/{task_id}/cancel"), json!({}))
+        .cancel_task(&task_id, Duration::from_secs(60))
         .await
         .unwrap();
-    let t = stack
-        .wait_task(&task_id, "cancelled", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(t["attempts"][0]["failure_class"], "cancelled");
     let left = processes_of_attempt(&attempt_id);
     assert!(
         left.is_empty(),

@@ -8,8 +8,13 @@ use serde_json::{Value, json};
 use std::time::Duration;
 
 async fn pending_approval(stack: &Stack, task_id: &str) -> Value {
+    first_pending(stack, &format!("task_id={task_id}")).await
+}
+
+/// The first pending approval matching `filter` (`task_id=...` or `session_id=...`), waited for.
+pub(crate) async fn first_pending(stack: &Stack, filter: &str) -> Value {
     let api = stack.api.clone();
-    let path = format!("/v1/approvals?task_id={task_id}&status=pending");
+    let path = format!("/v1/approvals?{filter}&status=pending");
     kit::wait_for("a pending approval", Duration::from_secs(120), || {
         let api = api.clone();
         let path = path.clone();
@@ -369,15 +374,9 @@ async fn cancel_reaches_an_attempt_awaiting_approval() {
         "the provider waits for the decision"
     );
     stack
-        .api
-        .post(&format!("/v1/tasks/{task}/cancel"), json!({}))
+        .cancel_task(&task, Duration::from_secs(60))
         .await
         .unwrap();
-    let t = stack
-        .wait_task(&task, "cancelled", Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_eq!(t["attempts"][0]["failure_class"], "cancelled", "{t:#}");
     assert!(
         processes_of_attempt(&attempt).is_empty(),
         "no process of the tree is left"

@@ -152,14 +152,7 @@ async fn an_executor_comments_and_uploads_and_its_credential_reaches_nothing_els
     assert_eq!(art["content_type"], "text/markdown");
     let content = stack
         .api
-        .client
-        .get(format!(
-            "{}/v1/artifacts/{}/content",
-            stack.api.base,
-            art["id"].as_str().unwrap()
-        ))
-        .bearer_auth(&stack.api.token)
-        .send()
+        .artifact_content(art["id"].as_str().unwrap())
         .await
         .unwrap();
     assert_eq!(content.headers()["content-type"], "text/markdown");

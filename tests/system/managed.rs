@@ -242,14 +242,7 @@ async fn a_multi_step_session_completes_alike_in_local_sandbox_and_self_hosted()
         assert_eq!(a["name"], "notes.md");
         let body = stack
             .api
-            .client
-            .get(format!(
-                "{}/v1/artifacts/{}/content",
-                stack.api.base,
-                a["id"].as_str().unwrap()
-            ))
-            .bearer_auth(&stack.api.token)
-            .send()
+            .artifact_content(a["id"].as_str().unwrap())
             .await
             .unwrap()
             .text()
@@ -517,20 +510,7 @@ async fn a_sandbox_tool_cannot_write_outside_its_directory_nor_reach_the_network
 }
 
 async fn pending_session_approval(stack: &Stack, session: &str) -> Value {
-    let api = stack.api.clone();
-    let path = format!("/v1/approvals?session_id={session}&status=pending");
-    kit::wait_for("a pending approval", Duration::from_secs(60), || {
-        let api = api.clone();
-        let path = path.clone();
-        async move {
-            api.get(&path).await.ok()?["items"]
-                .as_array()?
-                .first()
-                .cloned()
-        }
-    })
-    .await
-    .unwrap()
+    crate::approvals::first_pending(stack, &format!("session_id={session}")).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
