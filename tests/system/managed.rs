@@ -854,3 +854,162 @@ async fn an_unreachable_model_ends_the_turn_as_model_connection_with_evidence() 
             .any(|e| e["kind"] == "diagnostic" && e["payload"]["code"] == "model_connection")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_session_input_gets_stable_codes_and_workspaces_never_see_each_others_sessions() {
+    let script = json!({"turns": [], "final": "Hi."});
+    let (stack, _sim, _log, _simdir) = managed_stack("managed-isolation", &script).await;
+    let agent = managed_agent(&stack, "mine", json!({})).await;
+    let hosted = stack
+        .api
+        .post(
+            "/v1/agents",
+            json!({"name": "hosted", "provider": "command"}),
+        )
+        .await
+        .unwrap();
+    let id = start_session(&stack, &agent, "local", "Hello.").await;
+    wait_outcomes(&stack, &id, 1).await;
+    stack
+        .api
+        .post(
+            "/v1/secrets",
+            json!({"name": "MY_TOKEN", "value": "workspace-a-only"}),
+        )
+        .await
+        .unwrap();
+
+    let post = |path: &str, body: Value| {
+        let api = stack.api.clone();
+        let path = path.to_string();
+        async move {
+            api.send(reqwest::Method::POST, &path, Some(body))
+                .await
+                .unwrap()
+        }
+    };
+    let inputs = format!("/v1/sessions/{id}/inputs");
+    for (path, body, status, code) in [
+        (
+            "/v1/sessions",
+            json!({"agent_id": agent, "input": "x", "colour": "blue"}),
+            422,
+            "invalid_field",
+        ),
+        (
+            "/v1/sessions",
+            json!({"agent_id": agent, "input": ""}),
+            400,
+            "invalid_field",
+        ),
+        (
+            "/v1/sessions",
+            json!({"agent_id": agent, "input": "x", "environment": "moon"}),
+            400,
+            "invalid_field",
+        ),
+        (
+            "/v1/sessions",
+            json!({"agent_id": agent, "input": "x", "environment": "self_hosted"}),
+            400,
+            "invalid_field",
+        ),
+        (
+            "/v1/sessions",
+            json!({"agent_id": agent, "input": "x", "worker": "w"}),
+            400,
+            "invalid_field",
+        ),
+        (
+            "/v1/sessions",
+            json!({"agent_id": hosted["id"], "input": "x"}),
+            400,
+            "not_managed",
+        ),
+        (
+            "/v1/sessions",
+            json!({"agent_id": "00000000-0000-0000-0000-000000000000", "input": "x"}),
+            404,
+            "not_found",
+        ),
+        (
+            "/v1/sessions",
+            json!({"agent_id": agent, "input": "x", "issue_id": "00000000-0000-0000-0000-000000000000"}),
+            404,
+            "not_found",
+        ),
+        (
+            inputs.as_str(),
+            json!({"text": "x", "when_awaiting_approval": "maybe"}),
+            400,
+            "invalid_field",
+        ),
+        (
+            "/v1/secrets",
+            json!({"name": "bad-name", "value": "long enough"}),
+            400,
+            "invalid_field",
+        ),
+        (
+            "/v1/secrets",
+            json!({"name": "SHORT", "value": "ab"}),
+            400,
+            "invalid_field",
+        ),
+    ] {
+        let (st, v) = post(path, body.clone()).await;
+        assert_eq!(
+            (st, v["error"]["code"].as_str().unwrap_or("")),
+            (status, code),
+            "{path} {body}: {v}"
+        );
+    }
+
+    let admin = stack.api.with_token(ADMIN_TOKEN);
+    let other = admin
+        .post("/v1/workspaces", json!({"name": "other"}))
+        .await
+        .unwrap();
+    let other = stack.api.with_token(other["api_token"].as_str().unwrap());
+    for path in [
+        format!("/v1/sessions/{id}"),
+        format!("/v1/sessions/{id}/events"),
+    ] {
+        let (st, v) = other.send(reqwest::Method::GET, &path, None).await.unwrap();
+        assert_eq!(
+            (st, v["error"]["code"].as_str()),
+            (404, Some("not_found")),
+            "{path}"
+        );
+    }
+    let (st, _) = other
+        .send(
+            reqwest::Method::POST,
+            &inputs,
+            Some(json!({"text": "sneaky"})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st, 404, "no input reaches another workspace's session");
+    let (st, _) = other
+        .send(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(json!({"agent_id": agent, "input": "borrowed agent"})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st, 404, "another workspace's agent is not found");
+    assert_eq!(other.get("/v1/secrets").await.unwrap()["items"], json!([]));
+    let approvals = other
+        .get(&format!("/v1/approvals?session_id={id}"))
+        .await
+        .unwrap();
+    assert_eq!(approvals["items"], json!([]));
+    let s = stack.api.get(&format!("/v1/sessions/{id}")).await.unwrap();
+    assert_eq!(
+        s["inputs"].as_array().unwrap().len(),
+        1,
+        "nothing was added: {s:#}"
+    );
+}
