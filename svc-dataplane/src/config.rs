@@ -35,6 +35,12 @@ pub struct Config {
     pub model_max_retries: u32,
     /// bubblewrap, for the `sandbox` environment.
     pub bwrap_path: String,
+    /// Backend of the `sandbox` environment: `bubblewrap` (local, no internet needed) or `e2b`.
+    pub sandbox_backend: String,
+    pub e2b_api_url: String,
+    pub e2b_api_key: agentscope_domain::vault::SecretString,
+    pub e2b_template: String,
+    pub e2b_domain: String,
     pub shell_timeout_secs: u64,
     /// A self-hosted Worker without a heartbeat for this long is offline.
     pub worker_ttl_ms: u64,
@@ -64,6 +70,11 @@ impl Config {
             .set_default("model_stream", true)?
             .set_default("model_max_retries", 3)?
             .set_default("bwrap_path", "/usr/bin/bwrap")?
+            .set_default("sandbox_backend", "bubblewrap")?
+            .set_default("e2b_api_url", "https://api.e2b.app")?
+            .set_default("e2b_api_key", "")?
+            .set_default("e2b_template", "base")?
+            .set_default("e2b_domain", "e2b.app")?
             .set_default("shell_timeout_secs", 300)?
             .set_default("worker_ttl_ms", 3_000)?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
@@ -81,6 +92,22 @@ impl Config {
         }
         if let Err(e) = agentscope_domain::vault::Keyring::parse(&config.vault_keys.0) {
             return Err(config::ConfigError::Message(e.to_string()));
+        }
+        match (
+            config.sandbox_backend.as_str(),
+            config.e2b_api_key.0.is_empty(),
+        ) {
+            ("bubblewrap", _) | ("e2b", false) => {}
+            ("e2b", true) => {
+                return Err(config::ConfigError::Message(
+                    "sandbox_backend e2b needs e2b_api_key".into(),
+                ));
+            }
+            (other, _) => {
+                return Err(config::ConfigError::Message(format!(
+                    "sandbox_backend must be bubblewrap or e2b, not `{other}`"
+                )));
+            }
         }
         if config.session_lease_ttl_ms < 1_000 {
             return Err(config::ConfigError::Message(

@@ -2,6 +2,7 @@
 //! and Postgres, and reports health; the Harness, Environments, Memory and Vault build on this.
 
 mod config;
+pub mod e2b;
 pub mod env;
 pub mod model;
 pub mod policy;
@@ -30,6 +31,8 @@ impl App {
             .await
             .context("start svc-dataplane")?;
         agentscope_store::migrate(&db).await?;
+        // TLS (E2B) on the ring provider; a second install is harmless.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let nats = agentscope_bus::connect(&config.nats_url, "svc-dataplane").await?;
         let cancel = CancellationToken::new();
         let js = async_nats::jetstream::new(nats.clone());

@@ -33,6 +33,10 @@ pub struct Runner {
     /// Woken by nudges (new input, a decided approval).
     news: tokio::sync::Notify,
     vault: Option<agentscope_domain::vault::Keyring>,
+    /// The E2B backend of `sandbox`, when configured.
+    e2b: Option<crate::e2b::E2b>,
+    /// This replica's E2B sandbox of each session.
+    sandboxes: tokio::sync::Mutex<std::collections::HashMap<Uuid, crate::e2b::Sandbox>>,
     pub http: reqwest::Client,
     pub config: Arc<Config>,
     pub replica: String,
@@ -67,6 +71,8 @@ struct Pinned {
     env: Environment,
     /// `self_hosted`: the Worker that runs the file and shell tools.
     worker: Option<crate::worker::WorkerLink>,
+    /// `sandbox` on the E2B backend.
+    e2b: bool,
     /// The definition's files, written into the session directory when it is new.
     files: Vec<(String, String)>,
 }
@@ -96,6 +102,14 @@ impl Runner {
             vault: agentscope_domain::vault::Keyring::parse(&config.vault_keys.0)
                 .ok()
                 .flatten(),
+            e2b: (config.sandbox_backend == "e2b").then(|| crate::e2b::E2b {
+                http: reqwest::Client::new(),
+                api_url: config.e2b_api_url.clone(),
+                api_key: config.e2b_api_key.0.clone(),
+                template: config.e2b_template.clone(),
+                domain: config.e2b_domain.clone(),
+            }),
+            sandboxes: Default::default(),
             http: reqwest::Client::new(),
             config,
             replica,
@@ -336,6 +350,7 @@ impl Runner {
             name,
         });
         Ok(Pinned {
+            e2b: environment == "sandbox" && self.e2b.is_some(),
             worker,
             files: files
                 .as_object()
@@ -989,28 +1004,19 @@ impl Session<'_> {
     async fn materialize(&self, p: &Pinned) -> Result<(), Stop> {
         let limits = self.r.limits();
         for (name, text) in &p.files {
-            let read = json!({"path": name});
-            let exists = match &p.worker {
-                None => p.env.read_file(name, &limits).await.is_ok(),
-                Some(link) => {
-                    self.wait_worker(link).await?;
-                    matches!(link.run(self.id, "read_file", &read, &[], limits.timeout).await, Ok(o) if !o.is_error)
-                }
+            let call = |tool: &str, input: Value| ToolCallReq {
+                id: format!("materialize:{name}"),
+                name: tool.into(),
+                input,
             };
-            if exists {
+            let read = self
+                .run_tool(p, &limits, &call("read_file", json!({"path": name})), &[])
+                .await?;
+            if !read.is_error {
                 continue;
             }
-            let write = json!({"path": name, "content": text});
-            let out = match &p.worker {
-                None => tools::run(&p.env, &limits, "write_file", &write, &[]).await,
-                Some(link) => link
-                    .run(self.id, "write_file", &write, &[], limits.timeout)
-                    .await
-                    .unwrap_or_else(|e| ToolOutput {
-                        output: format!("{e:?}"),
-                        is_error: true,
-                    }),
-            };
+            let write = call("write_file", json!({"path": name, "content": text}));
+            let out = self.run_tool(p, &limits, &write, &[]).await?;
             if out.is_error {
                 tracing::warn!(session_id = %self.id, file = %name, error = %out.output, "capability file not written");
             }
@@ -1113,6 +1119,38 @@ impl Session<'_> {
             .await)
     }
 
+    /// A file or shell tool in this session's E2B sandbox (created on first use).
+    async fn run_in_e2b(
+        &self,
+        limits: &Limits,
+        call: &ToolCallReq,
+        env: &[(String, String)],
+    ) -> ToolOutput {
+        let Some(e2b) = &self.r.e2b else {
+            return ToolOutput {
+                output: "sandbox_unavailable: no E2B backend is configured".into(),
+                is_error: true,
+            };
+        };
+        let sandbox = {
+            let mut boxes = self.r.sandboxes.lock().await;
+            match boxes.get(&self.id) {
+                Some(s) => s.clone(),
+                None => match e2b.create(Duration::from_secs(3600)).await {
+                    Ok(s) => {
+                        tracing::info!(session_id = %self.id, sandbox = %s.id, "E2B sandbox created");
+                        boxes.insert(self.id, s.clone());
+                        s
+                    }
+                    Err(out) => return out,
+                },
+            }
+        };
+        sandbox
+            .run(&e2b.http, &call.name, &call.input, env, limits)
+            .await
+    }
+
     /// A file or shell tool, here or on the session's Worker. An operation that certainly did
     /// not reach the Worker waits for it and is sent again; one that may have run is reported,
     /// never repeated.
@@ -1123,6 +1161,9 @@ impl Session<'_> {
         call: &ToolCallReq,
         env: &[(String, String)],
     ) -> Result<ToolOutput, Stop> {
+        if p.e2b {
+            return Ok(self.run_in_e2b(limits, call, env).await);
+        }
         let Some(link) = &p.worker else {
             return Ok(tools::run(&p.env, limits, &call.name, &call.input, env).await);
         };

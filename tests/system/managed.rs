@@ -1013,3 +1013,54 @@ async fn bad_session_input_gets_stable_codes_and_workspaces_never_see_each_other
         "nothing was added: {s:#}"
     );
 }
+
+/// E2B cannot be reached from this network: the backend is exercised up to its first request,
+/// and the model and the record get a clear `sandbox_unavailable` naming E2B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_e2b_sandbox_backend_reports_an_unreachable_e2b_clearly() {
+    let simdir = kit::TempDir::new("managed-e2b-model");
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo in-e2b > ran-here.txt"}, "expect": "sandbox_unavailable"}],
+        "final": "E2B is out of reach."
+    });
+    let (_sim, url, _log) = modelsim(&simdir.path, &script).await;
+    let stack = Stack::start(
+        "managed-e2b",
+        StackOptions {
+            dataplane_env: vec![
+                ("AGENTSCOPE_MODEL_BASE_URL".into(), url),
+                ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-modelsim".into()),
+                ("AGENTSCOPE_SANDBOX_BACKEND".into(), "e2b".into()),
+                ("AGENTSCOPE_E2B_API_KEY".into(), "e2b_not_a_real_key".into()),
+            ],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let agent = managed_agent(&stack, "cloudy", json!({})).await;
+    let id = start_session(&stack, &agent, "sandbox", "Run it in E2B.").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let events = session_events(&stack, &id).await;
+    let result = events
+        .iter()
+        .find(|e| e["kind"] == "tool_result")
+        .expect("a tool result");
+    let out = result["payload"]["output"].as_str().unwrap();
+    assert!(
+        out.starts_with("sandbox_unavailable: cannot reach E2B at https://api.e2b.app"),
+        "{out}"
+    );
+    assert_eq!(result["payload"]["is_error"], true);
+    assert!(
+        !stack
+            .dir
+            .path
+            .join("sessions")
+            .join(&id)
+            .join("in-e2b")
+            .exists(),
+        "nothing ran locally instead"
+    );
+}
