@@ -1059,7 +1059,7 @@ async fn the_e2b_sandbox_backend_reports_an_unreachable_e2b_clearly() {
             .path
             .join("sessions")
             .join(&id)
-            .join("in-e2b")
+            .join("ran-here.txt")
             .exists(),
         "nothing ran locally instead"
     );
