@@ -31,8 +31,7 @@ impl App {
             .await
             .context("start svc-dataplane")?;
         agentscope_store::migrate(&db).await?;
-        // TLS (E2B) on the ring provider; a second install is harmless.
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        agentscope_telemetry::install_tls_provider();
         let nats = agentscope_bus::connect(&config.nats_url, "svc-dataplane").await?;
         let cancel = CancellationToken::new();
         let js = async_nats::jetstream::new(nats.clone());

@@ -1168,6 +1168,11 @@ impl StreamAcc for ResponsesAcc {
 
 #[cfg(test)]
 mod tests {
+    fn test_http() -> reqwest::Client {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    }
+
     use super::*;
     use std::net::SocketAddr;
     use std::path::{Path, PathBuf};
@@ -1233,7 +1238,7 @@ mod tests {
             &log,
         )
         .await;
-        let http = reqwest::Client::new();
+        let http = test_http();
         let cfg = cfg(api, format!("http://{addr}"), stream);
         let tools = read_file_tool();
         let mut history = vec![Message::User {
@@ -1385,7 +1390,7 @@ mod tests {
                     },
                 ];
                 let turn = complete(
-                    &reqwest::Client::new(),
+                    &test_http(),
                     &cfg(api, format!("http://{addr}/"), stream),
                     "",
                     &history,
@@ -1455,7 +1460,7 @@ mod tests {
         for api in APIS {
             let mut c = cfg(api, format!("http://127.0.0.1:{port}"), true);
             c.max_retries = 3;
-            let err = complete(&reqwest::Client::new(), &c, "", &[], &read_file_tool())
+            let err = complete(&test_http(), &c, "", &[], &read_file_tool())
                 .await
                 .unwrap_err();
             match err {
@@ -1474,7 +1479,7 @@ mod tests {
             c.api_key = agentscope_modelsim::REJECTED_KEY.into();
             c.max_retries = 5;
             let history = [Message::User { text: "hi".into() }];
-            let err = complete(&reqwest::Client::new(), &c, "", &history, &read_file_tool())
+            let err = complete(&test_http(), &c, "", &history, &read_file_tool())
                 .await
                 .unwrap_err();
             match err {
@@ -1538,7 +1543,7 @@ mod tests {
         ])
         .await;
         let c = cfg(Api::Anthropic, base, false);
-        let turn = complete(&reqwest::Client::new(), &c, "", &[], &[])
+        let turn = complete(&test_http(), &c, "", &[], &[])
             .await
             .expect("third attempt succeeds");
         assert_eq!(turn.text, "ok");
@@ -1551,9 +1556,7 @@ mod tests {
         let (base, hits) = plan_server(vec![server_error()]).await;
         let mut c = cfg(Api::OpenaiChat, base, false);
         c.max_retries = 1;
-        let err = complete(&reqwest::Client::new(), &c, "", &[], &[])
-            .await
-            .unwrap_err();
+        let err = complete(&test_http(), &c, "", &[], &[]).await.unwrap_err();
         match err {
             ModelError::Rejected(msg) => assert!(msg.contains("500") && msg.contains("boom")),
             other => panic!("expected Rejected, got {other:?}"),
@@ -1571,9 +1574,7 @@ mod tests {
         .await;
         let mut c = cfg(Api::OpenaiResponses, base, true);
         c.max_retries = 4;
-        let err = complete(&reqwest::Client::new(), &c, "", &[], &[])
-            .await
-            .unwrap_err();
+        let err = complete(&test_http(), &c, "", &[], &[]).await.unwrap_err();
         match err {
             ModelError::Rejected(msg) => assert!(msg.contains("400") && msg.contains("bad field")),
             other => panic!("expected Rejected, got {other:?}"),
@@ -1585,7 +1586,7 @@ mod tests {
     async fn malformed_body_is_rejected() {
         let (base, hits) = plan_server(vec![(200, "application/json", "not json".into())]).await;
         let err = complete(
-            &reqwest::Client::new(),
+            &test_http(),
             &cfg(Api::Anthropic, base, false),
             "",
             &[],
@@ -1617,15 +1618,9 @@ mod tests {
             (200, "text/event-stream", full),
         ])
         .await;
-        let turn = complete(
-            &reqwest::Client::new(),
-            &cfg(Api::Anthropic, base, true),
-            "",
-            &[],
-            &[],
-        )
-        .await
-        .expect("second attempt succeeds");
+        let turn = complete(&test_http(), &cfg(Api::Anthropic, base, true), "", &[], &[])
+            .await
+            .expect("second attempt succeeds");
         assert_eq!(hits.load(Ordering::SeqCst), 2);
         assert_eq!(turn.tool_calls.len(), 1);
         assert_eq!(turn.tool_calls[0].input, json!({"_raw": "{not json"}));

@@ -221,7 +221,7 @@ impl Stack {
         let admin = Api {
             base: base.clone(),
             token: ADMIN_TOKEN.into(),
-            client: reqwest::Client::new(),
+            client: kit::http_client(),
         };
         let ws = admin
             .post("/v1/workspaces", json!({"name": format!("ws-{label}")}))

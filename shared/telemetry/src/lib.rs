@@ -28,7 +28,15 @@ impl Drop for Guard {
     }
 }
 
+/// Installs the process's TLS crypto provider (ring, which async-nats already uses). HTTPS
+/// clients (E2B, OTLP) need one; every binary calls this first, through [`init`] or directly.
+pub fn install_tls_provider() {
+    // A second install is refused, harmlessly.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 pub fn init(service: &'static str, options: &Options) -> anyhow::Result<Guard> {
+    install_tls_provider();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let fmt = if options.log_format == "json" {
         tracing_subscriber::fmt::layer()

@@ -405,7 +405,7 @@ pub async fn spawn_on_free_port(
     ready_path: &str,
     dir: &Path,
 ) -> Result<(Proc, u16)> {
-    let client = reqwest::Client::new();
+    let client = http_client();
     let mut last = String::new();
     for _ in 0..5 {
         let port = free_port();
@@ -440,9 +440,15 @@ pub async fn spawn_on_free_port(
     bail!("{name} did not start: {last}")
 }
 
+/// An HTTP client for tests (with the TLS provider installed first, as the binaries do).
+pub fn http_client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
 /// Waits until `url` answers 200.
 pub async fn wait_http_ok(url: &str, within: Duration) -> Result<()> {
-    let client = reqwest::Client::new();
+    let client = http_client();
     wait_for(&format!("{url} to answer 200"), within, || {
         let client = client.clone();
         async move {

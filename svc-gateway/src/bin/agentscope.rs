@@ -355,6 +355,7 @@ fn parse_param(s: &str) -> Result<(String, String), String> {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    agentscope_telemetry::install_tls_provider();
     let cli = Cli::parse();
     match run(cli).await {
         Ok(code) => code,
