@@ -12,16 +12,27 @@ async fn managed_stack(
     label: &str,
     script: &Value,
 ) -> (Stack, kit::Proc, std::path::PathBuf, kit::TempDir) {
+    managed_stack_with(label, script, &[]).await
+}
+
+/// [`managed_stack`] with more dataplane settings (later ones win).
+async fn managed_stack_with(
+    label: &str,
+    script: &Value,
+    extra: &[(&str, &str)],
+) -> (Stack, kit::Proc, std::path::PathBuf, kit::TempDir) {
     let simdir = kit::TempDir::new(&format!("{label}-model"));
     let (sim, url, log) = modelsim(&simdir.path, script).await;
+    let mut dataplane_env: Vec<(String, String)> = vec![
+        ("AGENTSCOPE_MODEL_API".into(), "anthropic".into()),
+        ("AGENTSCOPE_MODEL_BASE_URL".into(), url),
+        ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-modelsim".into()),
+    ];
+    dataplane_env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     let stack = Stack::start(
         label,
         StackOptions {
-            dataplane_env: vec![
-                ("AGENTSCOPE_MODEL_API".into(), "anthropic".into()),
-                ("AGENTSCOPE_MODEL_BASE_URL".into(), url),
-                ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-modelsim".into()),
-            ],
+            dataplane_env,
             ..Default::default()
         },
     )
@@ -821,21 +832,13 @@ async fn an_unreachable_model_ends_the_turn_as_model_connection_with_evidence() 
         .local_addr()
         .unwrap()
         .port();
-    let stack = Stack::start(
+    let base = format!("http://127.0.0.1:{port}");
+    let (stack, _sim, _log, _simdir) = managed_stack_with(
         "managed-nomodel",
-        StackOptions {
-            dataplane_env: vec![
-                (
-                    "AGENTSCOPE_MODEL_BASE_URL".into(),
-                    format!("http://127.0.0.1:{port}"),
-                ),
-                ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-none".into()),
-            ],
-            ..Default::default()
-        },
+        &json!({"turns": []}),
+        &[("AGENTSCOPE_MODEL_BASE_URL", &base)],
     )
-    .await
-    .unwrap();
+    .await;
     let agent = managed_agent(&stack, "cutoff", json!({})).await;
     let id = start_session(&stack, &agent, "local", "Hello?").await;
     let s = wait_outcomes(&stack, &id, 1).await;
@@ -1018,26 +1021,19 @@ async fn bad_session_input_gets_stable_codes_and_workspaces_never_see_each_other
 /// and the model and the record get a clear `sandbox_unavailable` naming E2B.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_e2b_sandbox_backend_reports_an_unreachable_e2b_clearly() {
-    let simdir = kit::TempDir::new("managed-e2b-model");
     let script = json!({
         "turns": [{"tool": "shell", "args": {"command": "echo in-e2b > ran-here.txt"}, "expect": "sandbox_unavailable"}],
         "final": "E2B is out of reach."
     });
-    let (_sim, url, _log) = modelsim(&simdir.path, &script).await;
-    let stack = Stack::start(
+    let (stack, _sim, _log, _simdir) = managed_stack_with(
         "managed-e2b",
-        StackOptions {
-            dataplane_env: vec![
-                ("AGENTSCOPE_MODEL_BASE_URL".into(), url),
-                ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-modelsim".into()),
-                ("AGENTSCOPE_SANDBOX_BACKEND".into(), "e2b".into()),
-                ("AGENTSCOPE_E2B_API_KEY".into(), "e2b_not_a_real_key".into()),
-            ],
-            ..Default::default()
-        },
+        &script,
+        &[
+            ("AGENTSCOPE_SANDBOX_BACKEND", "e2b"),
+            ("AGENTSCOPE_E2B_API_KEY", "e2b_not_a_real_key"),
+        ],
     )
-    .await
-    .unwrap();
+    .await;
     let agent = managed_agent(&stack, "cloudy", json!({})).await;
     let id = start_session(&stack, &agent, "sandbox", "Run it in E2B.").await;
     let s = wait_outcomes(&stack, &id, 1).await;
