@@ -7,20 +7,22 @@ use agentscope_system_tests::*;
 use serde_json::{Value, json};
 use std::time::Duration;
 
-/// A stack whose dataplane replicas talk to a scripted model server running `script`.
-async fn managed_stack(
-    label: &str,
-    script: &Value,
-) -> (Stack, kit::Proc, std::path::PathBuf, kit::TempDir) {
+/// A stack with two dataplane replicas (`dp-0`, the stack's, and `dp-1`, returned last) that talk
+/// to a scripted model server running `script`; also the model server, its request log and dir.
+type Managed = (
+    Stack,
+    kit::Proc,
+    std::path::PathBuf,
+    kit::TempDir,
+    kit::Proc,
+);
+
+async fn managed_stack(label: &str, script: &Value) -> Managed {
     managed_stack_with(label, script, &[]).await
 }
 
 /// [`managed_stack`] with more dataplane settings (later ones win).
-async fn managed_stack_with(
-    label: &str,
-    script: &Value,
-    extra: &[(&str, &str)],
-) -> (Stack, kit::Proc, std::path::PathBuf, kit::TempDir) {
+async fn managed_stack_with(label: &str, script: &Value, extra: &[(&str, &str)]) -> Managed {
     let simdir = kit::TempDir::new(&format!("{label}-model"));
     let (sim, url, log) = modelsim(&simdir.path, script).await;
     let mut dataplane_env: Vec<(String, String)> = vec![
@@ -38,7 +40,8 @@ async fn managed_stack_with(
     )
     .await
     .unwrap();
-    (stack, sim, log, simdir)
+    let second = stack.spawn_dataplane("dp-1").await.unwrap();
+    (stack, sim, log, simdir, second)
 }
 
 async fn managed_agent(stack: &Stack, name: &str, extra: Value) -> String {
@@ -168,7 +171,7 @@ async fn a_multi_step_session_completes_alike_in_local_sandbox_and_self_hosted()
         ],
         "final": "All steps done."
     });
-    let (stack, _sim, log, _simdir) = managed_stack("managed-steps", &script).await;
+    let (stack, _sim, log, _simdir, _second) = managed_stack("managed-steps", &script).await;
     let agent = managed_agent(
         &stack,
         "steps",
@@ -279,7 +282,7 @@ async fn max_iters_stops_a_looping_model_and_a_denied_tool_is_reported() {
         turns.push(json!({"tool": "shell", "args": {"command": "echo again"}}));
     }
     let script = json!({"turns": turns, "final": "Stopped looping."});
-    let (stack, _sim, log, _simdir) = managed_stack("managed-limits", &script).await;
+    let (stack, _sim, log, _simdir, _second) = managed_stack("managed-limits", &script).await;
     let looping = managed_agent(&stack, "looper", json!({"max_iters": 3})).await;
     let careful = managed_agent(
         &stack,
@@ -335,7 +338,7 @@ async fn saving_the_agent_does_not_change_a_running_session() {
         "turns": [{"tool": "shell", "args": {"command": format!("while [ ! -e {} ]; do sleep 0.05; done; echo released", release.display())}, "expect": "released"}],
         "final": "Done."
     });
-    let (stack, _sim, log, _simdir) = managed_stack("managed-pin", &script).await;
+    let (stack, _sim, log, _simdir, _second) = managed_stack("managed-pin", &script).await;
     let agent = managed_agent(
         &stack,
         "pinned",
@@ -400,8 +403,8 @@ async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_
         "final": "Finished after the takeover."
     });
     // Both replicas mount the same shared storage (`remote` sessions).
-    let (mut stack, _sim, _log, _simdir) = managed_stack("managed-takeover", &script).await;
-    let mut other = stack.spawn_dataplane("dp-1").await.unwrap();
+    let (mut stack, _sim, _log, _simdir, mut other) =
+        managed_stack("managed-takeover", &script).await;
     let agent = managed_agent(&stack, "worker", json!({})).await;
     let id = start_session(&stack, &agent, "remote", "Do the three steps.").await;
     let pg = stack.pg.clone();
@@ -493,7 +496,7 @@ async fn a_sandbox_tool_cannot_write_outside_its_directory_nor_reach_the_network
         ],
         "final": "Checked."
     });
-    let (stack, _sim, log, _simdir) = managed_stack("managed-sandbox", &script).await;
+    let (stack, _sim, log, _simdir, _second) = managed_stack("managed-sandbox", &script).await;
     let agent = managed_agent(&stack, "boxed", json!({})).await;
     let id = start_session(&stack, &agent, "sandbox", "Try to escape.").await;
     let s = wait_outcomes(&stack, &id, 1).await;
@@ -530,7 +533,7 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
         "turns": [{"tool": "shell", "args": {"command": "echo approved-once >> ask.txt"}}],
         "final": "Done asking."
     });
-    let (stack, _sim, log, _simdir) = managed_stack("managed-ask", &script).await;
+    let (stack, _sim, log, _simdir, _second) = managed_stack("managed-ask", &script).await;
     let agent = managed_agent(
         &stack,
         "asker",
@@ -682,7 +685,7 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
         ],
         "final": "Deployed."
     });
-    let (stack, _sim, log, simdir) = managed_stack("managed-vault", &script).await;
+    let (stack, _sim, log, simdir, _second) = managed_stack("managed-vault", &script).await;
     let (st, v) = stack
         .api
         .send(
@@ -771,7 +774,7 @@ async fn a_session_shows_worker_offline_until_its_worker_beats() {
         "turns": [{"tool": "shell", "args": {"command": "echo on-the-worker > where.txt && cat where.txt"}, "expect": "on-the-worker"}],
         "final": "Ran remotely."
     });
-    let (stack, _sim, _log, _simdir) = managed_stack("managed-worker", &script).await;
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-worker", &script).await;
     let agent = managed_agent(&stack, "remote", json!({})).await;
     let id = start_on_worker(&stack, &agent, "desk", "Run it on my machine.").await;
     let api = stack.api.clone();
@@ -833,7 +836,7 @@ async fn an_unreachable_model_ends_the_turn_as_model_connection_with_evidence() 
         .unwrap()
         .port();
     let base = format!("http://127.0.0.1:{port}");
-    let (stack, _sim, _log, _simdir) = managed_stack_with(
+    let (stack, _sim, _log, _simdir, _second) = managed_stack_with(
         "managed-nomodel",
         &json!({"turns": []}),
         &[("AGENTSCOPE_MODEL_BASE_URL", &base)],
@@ -861,7 +864,7 @@ async fn an_unreachable_model_ends_the_turn_as_model_connection_with_evidence() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_session_input_gets_stable_codes_and_workspaces_never_see_each_others_sessions() {
     let script = json!({"turns": [], "final": "Hi."});
-    let (stack, _sim, _log, _simdir) = managed_stack("managed-isolation", &script).await;
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-isolation", &script).await;
     let agent = managed_agent(&stack, "mine", json!({})).await;
     let hosted = stack
         .api
@@ -1025,7 +1028,7 @@ async fn the_e2b_sandbox_backend_reports_an_unreachable_e2b_clearly() {
         "turns": [{"tool": "shell", "args": {"command": "echo in-e2b > ran-here.txt"}, "expect": "sandbox_unavailable"}],
         "final": "E2B is out of reach."
     });
-    let (stack, _sim, _log, _simdir) = managed_stack_with(
+    let (stack, _sim, _log, _simdir, _second) = managed_stack_with(
         "managed-e2b",
         &script,
         &[
