@@ -971,6 +971,19 @@ async fn bad_session_input_gets_stable_codes_and_workspaces_never_see_each_other
         );
     }
 
+    // The same create request twice, even at once, is one session.
+    let body = json!({"agent_id": agent, "input": "Once.", "idempotency_key": "create-1"});
+    let (a, b) = tokio::join!(
+        post("/v1/sessions", body.clone()),
+        post("/v1/sessions", body.clone())
+    );
+    let mut statuses = [a.0, b.0];
+    statuses.sort();
+    assert_eq!(statuses, [200, 201], "{a:?} {b:?}");
+    assert_eq!(a.1["id"], b.1["id"]);
+    let (st, again) = post("/v1/sessions", body).await;
+    assert_eq!((st, &again["id"]), (200, &a.1["id"]));
+
     let admin = stack.api.with_token(ADMIN_TOKEN);
     let other = admin
         .post("/v1/workspaces", json!({"name": "other"}))

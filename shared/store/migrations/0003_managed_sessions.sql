@@ -12,7 +12,10 @@ CREATE TABLE sessions (
     worker           text CHECK ((environment = 'self_hosted') = (worker IS NOT NULL)),
     -- The Issue the session works on: its comment and upload tools write there.
     issue_id         uuid REFERENCES issues(id),
-    created_at       timestamptz NOT NULL DEFAULT now()
+    -- The same create request twice is one session.
+    idempotency_key  text,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    UNIQUE (workspace_id, idempotency_key)
 );
 CREATE INDEX sessions_workspace ON sessions (workspace_id, created_at DESC);
 

@@ -137,24 +137,12 @@ pub async fn create(
         }
     }
     let id = Uuid::now_v7();
-    // The idempotency key of the first input identifies the session too.
-    if let Some(k) = &b.idempotency_key {
-        let existing: Option<(Uuid,)> = sqlx::query_as(
-            "SELECT i.session_id FROM session_inputs i WHERE i.workspace_id = $1 AND i.idempotency_key = $2
-             AND NOT EXISTS (SELECT 1 FROM session_inputs e WHERE e.session_id = i.session_id AND e.id < i.id)
-             LIMIT 1",
-        )
-        .bind(auth.workspace_id)
-        .bind(k)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if let Some((sid,)) = existing {
-            tx.rollback().await?;
-            return Ok((StatusCode::OK, Json(session_json(&s, auth, sid).await?)));
-        }
-    }
-    sqlx::query(
-        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker, issue_id) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    // The same request again (same idempotency key) is the session it created: a unique key per
+    // workspace, so concurrent duplicates make one session.
+    let created: Option<(Uuid,)> = sqlx::query_as(
+        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker, issue_id, idempotency_key)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+         ON CONFLICT (workspace_id, idempotency_key) DO NOTHING RETURNING id",
     )
     .bind(id)
     .bind(auth.workspace_id)
@@ -163,8 +151,20 @@ pub async fn create(
     .bind(&environment)
     .bind(&b.worker)
     .bind(b.issue_id)
-    .execute(&mut *tx)
+    .bind(&b.idempotency_key)
+    .fetch_optional(&mut *tx)
     .await?;
+    if created.is_none() {
+        tx.rollback().await?;
+        let (sid,): (Uuid,) = sqlx::query_as(
+            "SELECT id FROM sessions WHERE workspace_id = $1 AND idempotency_key = $2",
+        )
+        .bind(auth.workspace_id)
+        .bind(&b.idempotency_key)
+        .fetch_one(&s.db)
+        .await?;
+        return Ok((StatusCode::OK, Json(session_json(&s, auth, sid).await?)));
+    }
     sqlx::query(
         "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key) VALUES ($1, $2, $3, $4, $5)",
     )
