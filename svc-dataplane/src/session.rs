@@ -92,6 +92,8 @@ impl Runner {
         config: Arc<Config>,
         replica: String,
     ) -> Arc<Self> {
+        // One connection pool for the model and E2B.
+        let http = reqwest::Client::new();
         Arc::new(Runner {
             db,
             nats,
@@ -103,14 +105,14 @@ impl Runner {
                 .ok()
                 .flatten(),
             e2b: (config.sandbox_backend == "e2b").then(|| crate::e2b::E2b {
-                http: reqwest::Client::new(),
+                http: http.clone(),
                 api_url: config.e2b_api_url.clone(),
                 api_key: config.e2b_api_key.0.clone(),
                 template: config.e2b_template.clone(),
                 domain: config.e2b_domain.clone(),
             }),
             sandboxes: Default::default(),
-            http: reqwest::Client::new(),
+            http,
             config,
             replica,
             active: Mutex::new(HashSet::new()),
@@ -235,7 +237,7 @@ impl Runner {
     }
 
     /// Returns on news for any session, or after `at_most`.
-    async fn wait_for_news(&self, _session_id: Uuid, at_most: Duration) {
+    async fn wait_for_news(&self, at_most: Duration) {
         let _ = tokio::time::timeout(at_most, self.news.notified()).await;
     }
 
@@ -953,9 +955,7 @@ impl Session<'_> {
                 }
                 None => {}
             }
-            self.r
-                .wait_for_news(self.id, Duration::from_millis(500))
-                .await;
+            self.r.wait_for_news(Duration::from_millis(500)).await;
         };
         let allowed = status == "allowed";
         let decided = json!({"call_id": call.id, "allow": allowed, "status": status, "reason": reason, "decided_by": decided_by});
@@ -1029,9 +1029,7 @@ impl Session<'_> {
         let mut reported = false;
         while !link.online().await {
             self.report_offline(link, &mut reported).await?;
-            self.r
-                .wait_for_news(self.id, Duration::from_millis(500))
-                .await;
+            self.r.wait_for_news(Duration::from_millis(500)).await;
         }
         self.report_online(link, reported).await
     }
@@ -1179,9 +1177,7 @@ impl Session<'_> {
                 }
                 Err(crate::worker::LinkError::Offline) => {
                     self.report_offline(link, &mut reported).await?;
-                    self.r
-                        .wait_for_news(self.id, Duration::from_millis(500))
-                        .await;
+                    self.r.wait_for_news(Duration::from_millis(500)).await;
                 }
                 Err(crate::worker::LinkError::Lost(e)) => {
                     self.report_online(link, reported).await?;

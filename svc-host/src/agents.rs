@@ -396,13 +396,6 @@ impl Adapter for ClaudeCode {
             )
         })
     }
-
-    fn ends_session(&self, body: &agentscope_schemas::v1::execution_event::Body) -> bool {
-        matches!(
-            body,
-            agentscope_schemas::v1::execution_event::Body::Result(_)
-        )
-    }
 }
 
 // ------------------------------------------------------------------------------------- Codex
@@ -624,13 +617,6 @@ impl Adapter for Codex {
         json!({"id": req.rpc_id, "result": {"decision": decision}}).to_string() + "\n"
     }
 
-    fn ends_session(&self, body: &agentscope_schemas::v1::execution_event::Body) -> bool {
-        matches!(
-            body,
-            agentscope_schemas::v1::execution_event::Body::Result(_)
-        )
-    }
-
     fn resume_rejected(&self, line: &str) -> bool {
         line.contains("no rollout found") || line.contains("invalid session id")
     }
@@ -840,13 +826,6 @@ impl Adapter for Opencode {
         };
         json!({"jsonrpc": "2.0", "id": req.rpc_id, "result": {"outcome": outcome}}).to_string()
             + "\n"
-    }
-
-    fn ends_session(&self, body: &agentscope_schemas::v1::execution_event::Body) -> bool {
-        matches!(
-            body,
-            agentscope_schemas::v1::execution_event::Body::Result(_)
-        )
     }
 
     fn resume_launch(&self, ctx: &LaunchCtx, session_id: &str) -> Option<Result<Launch, Refusal>> {

@@ -777,7 +777,9 @@ async fn execute(
                     }
                     let mut end = false;
                     for body in parser.line(&text, truncated) {
-                        end |= adapter.ends_session(&body);
+                        // The provider's final result ends its work: stdin closes (providers
+                        // driven over stdin exit then).
+                        end |= matches!(body, Body::Result(_));
                         if let Body::Result(r) = &body {
                             result_error = Some(r.is_error.then(|| r.text.clone()));
                         }

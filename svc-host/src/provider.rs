@@ -104,10 +104,6 @@ pub trait Adapter: Send + Sync {
     fn fatal(&self, _line: &str) -> Option<(FailureClass, String)> {
         None
     }
-    /// Whether `body` ends the provider's work (its stdin is closed then).
-    fn ends_session(&self, _body: &Body) -> bool {
-        false
-    }
     /// How to continue provider session `session_id` in the same task directory (H15), if the
     /// provider can.
     fn resume_launch(

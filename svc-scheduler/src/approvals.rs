@@ -198,46 +198,27 @@ async fn decide(
             status: current,
         });
     }
-    let Some(attempt_id) = attempt_id else {
-        // A managed session's request: the dataplane replica holding the session reads the
-        // decision from the record once woken.
-        sqlx::query("UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1")
-            .bind(id)
-            .bind(status)
-            .bind(&d.decided_by)
-            .bind(&d.reason)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        if let Some(session) = session_id {
-            let _ = ctx
-                .nats
-                .publish(subjects::SESSIONS_NUDGE, session.into())
-                .await;
+    // A hosted attempt's request is told to the host holding the attempt, which must still be
+    // active; a managed session's is read from the record by the replica holding the session,
+    // once nudged.
+    let mut host = None;
+    if let Some(attempt_id) = attempt_id {
+        let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
+            return Ok(refused("not_found", "approval not found", ""));
+        };
+        if !a.status.is_active() {
+            sqlx::query("UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform', reason = 'the attempt had ended' WHERE id = $1")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            return Ok(refused(
+                "attempt_ended",
+                "the attempt that asked has ended",
+                "denied",
+            ));
         }
-        ctx.metrics
-            .inc("agentscope_approvals_decided_total", &[("status", status)]);
-        tracing::info!(approval_id = %id, status, by = %d.decided_by, "session approval decided");
-        return Ok(DecideApprovalReply {
-            ok: true,
-            status: status.into(),
-            ..Default::default()
-        });
-    };
-    let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
-        return Ok(refused("not_found", "approval not found", ""));
-    };
-    if !a.status.is_active() {
-        sqlx::query("UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform', reason = 'the attempt had ended' WHERE id = $1")
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        return Ok(refused(
-            "attempt_ended",
-            "the attempt that asked has ended",
-            "denied",
-        ));
+        host = a.host_id.map(|h| (h, attempt_id));
     }
     sqlx::query("UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1")
         .bind(id)
@@ -247,7 +228,7 @@ async fn decide(
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
-    if let Some(host) = a.host_id {
+    if let Some((host, attempt_id)) = host {
         let cmd = HostCommand {
             command_id: format!("decision:{id}"),
             command: Some(host_command::Command::ApprovalDecision(ApprovalDecision {
@@ -274,10 +255,15 @@ async fn decide(
             .map_err(Error::bus)?
             .await
             .map_err(Error::bus)?;
+    } else if let Some(session) = session_id {
+        let _ = ctx
+            .nats
+            .publish(subjects::SESSIONS_NUDGE, session.into())
+            .await;
     }
     ctx.metrics
         .inc("agentscope_approvals_decided_total", &[("status", status)]);
-    tracing::info!(approval_id = %id, %attempt_id, status, by = %d.decided_by, "approval decided");
+    tracing::info!(approval_id = %id, attempt_id = ?attempt_id, status, by = %d.decided_by, "approval decided");
     Ok(DecideApprovalReply {
         ok: true,
         status: status.into(),
