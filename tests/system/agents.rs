@@ -563,32 +563,14 @@ async fn a_bad_runtime_parameter_fails_early_and_names_the_field() {
     let stack = Stack::start("badparam", StackOptions::default())
         .await
         .unwrap();
-    let pool = stack
-        .api
-        .post("/v1/pools", json!({"name": "agents"}))
-        .await
-        .unwrap();
-    let profile = stack
-        .api
-        .post(
-            "/v1/runtime-profiles",
-            json!({"name": "p", "provider": "claude-code", "params": {"permission_mode": "yolo"}}),
-        )
-        .await
-        .unwrap();
-    let agent = stack
-        .api
-        .post(
-            "/v1/agents",
-            json!({"name": "a", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    stack
-        .api
-        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
-        .await
-        .unwrap();
+    let agent = provider_agent(
+        &stack,
+        "a",
+        "claude-code",
+        json!({"permission_mode": "yolo"}),
+        json!({}),
+    )
+    .await;
     let mut env = provider_env();
     env.extend([
         (
@@ -604,7 +586,7 @@ async fn a_bad_runtime_parameter_fails_early_and_names_the_field() {
     stack.wait_host_ready("h").await.unwrap();
     let t = stack
         .api
-        .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+        .post("/v1/tasks", json!({"agent_id": agent}))
         .await
         .unwrap();
     let t = stack
@@ -642,32 +624,7 @@ printf '{"type":"result","subtype":"success","is_error":false,"result":"ok","num
 "#;
     std::fs::write(&fake, script).unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let pool = stack
-        .api
-        .post("/v1/pools", json!({"name": "agents"}))
-        .await
-        .unwrap();
-    let profile = stack
-        .api
-        .post(
-            "/v1/runtime-profiles",
-            json!({"name": "p", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    let agent = stack
-        .api
-        .post(
-            "/v1/agents",
-            json!({"name": "a", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    stack
-        .api
-        .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
-        .await
-        .unwrap();
+    let agent = provider_agent(&stack, "a", "claude-code", json!({}), json!({})).await;
     let fake_s = fake.to_string_lossy().into_owned();
     let _host = stack
         .spawn_host(
@@ -687,7 +644,7 @@ printf '{"type":"result","subtype":"success","is_error":false,"result":"ok","num
     for round in 0..2 {
         let t = stack
             .api
-            .post("/v1/tasks", json!({"agent_id": agent["id"]}))
+            .post("/v1/tasks", json!({"agent_id": agent}))
             .await
             .unwrap();
         let t = stack
@@ -781,11 +738,6 @@ async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
         .unwrap();
     let script = json!({"turns": [], "final": "Done from the context pack."});
     let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
-    let pool = stack
-        .api
-        .post("/v1/pools", json!({"name": "agents"}))
-        .await
-        .unwrap();
     // Earlier work on the Issue: an Artifact and a comment by an executor, a comment by a person.
     let (helper, _) = stack
         .command_agent(
@@ -796,31 +748,14 @@ async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
         )
         .await
         .unwrap();
-    let profile = stack
-        .api
-        .post(
-            "/v1/runtime-profiles",
-            json!({"name": "claude", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    let agent = stack
-        .api
-        .post(
-            "/v1/agents",
-            json!({"name": "coder", "provider": "claude-code"}),
-        )
-        .await
-        .unwrap();
-    stack
-        .api
-        .post(
-            "/v1/bindings",
-            json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"],
-                   "max_attempts": 2, "fallback_providers": ["codex"]}),
-        )
-        .await
-        .unwrap();
+    let agent = provider_agent(
+        &stack,
+        "coder",
+        "claude-code",
+        json!({}),
+        json!({"max_attempts": 2, "fallback_providers": ["codex"]}),
+    )
+    .await;
     let mut env = provider_env();
     env.extend([
         (
@@ -866,7 +801,7 @@ async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
         .api
         .post(
             "/v1/tasks",
-            json!({"agent_id": agent["id"], "issue_id": issue_id}),
+            json!({"agent_id": agent, "issue_id": issue_id}),
         )
         .await
         .unwrap();
@@ -963,15 +898,21 @@ async fn host_restart_resumes(provider: &str, params: Value) {
         let path = format!("/v1/approvals?task_id={task_id}&status=pending");
         tokio::spawn(async move {
             loop {
-                if let Ok(v) = api.get(&path).await {
-                    for ap in v["items"].as_array().into_iter().flatten() {
-                        let id = ap["id"].as_str().unwrap_or_default();
-                        let _ = api
-                            .post(&format!("/v1/approvals/{id}/approve"), json!({}))
-                            .await;
+                let next = kit::wait_for("a pending approval", Duration::from_secs(300), || {
+                    let api = api.clone();
+                    let path = path.clone();
+                    async move {
+                        let v = api.get(&path).await.ok()?;
+                        v["items"].as_array()?.first()?["id"]
+                            .as_str()
+                            .map(str::to_string)
                     }
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                })
+                .await;
+                let Ok(id) = next else { return };
+                let _ = api
+                    .post(&format!("/v1/approvals/{id}/approve"), json!({}))
+                    .await;
             }
         })
     });

@@ -2,7 +2,7 @@
 //! decision from the API, and the decision is applied exactly once; an undecided request times
 //! out into a deny with the class `approval_timeout`.
 
-use crate::agents::{modelsim, provider_env};
+use crate::agents::{agent_host, modelsim, provider_agent};
 use agentscope_system_tests::*;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -51,50 +51,22 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
         "final": "Finished."
     });
     let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
-    let pool = stack
-        .api
-        .post("/v1/pools", json!({"name": "agents"}))
-        .await
-        .unwrap();
     let mut agents = Vec::new();
     for (name, timeout) in [("patient", "600"), ("hasty", "2")] {
-        let profile = stack
-            .api
-            .post(
-                "/v1/runtime-profiles",
-                json!({"name": name, "provider": "claude-code", "params": {"approvals": "ask", "approval_timeout_secs": timeout}}),
-            )
-            .await
-            .unwrap();
-        let agent = stack
-            .api
-            .post(
-                "/v1/agents",
-                json!({"name": name, "provider": "claude-code"}),
-            )
-            .await
-            .unwrap();
-        stack
-            .api
-            .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool["id"], "runtime_profile_id": profile["id"], "max_attempts": 1}))
-            .await
-            .unwrap();
-        agents.push(agent["id"].as_str().unwrap().to_string());
+        let params = json!({"approvals": "ask", "approval_timeout_secs": timeout});
+        agents.push(provider_agent(&stack, name, "claude-code", params, json!({})).await);
     }
-    let mut env = provider_env();
-    env.extend([
-        (
-            "AGENTSCOPE_PROVIDERS".to_string(),
-            "claude-code".to_string(),
-        ),
-        ("ANTHROPIC_BASE_URL".to_string(), url),
-        ("ANTHROPIC_API_KEY".to_string(), "sk-modelsim".to_string()),
-    ]);
-    let extra: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let _host = stack
-        .spawn_host("h", "agents", 1, &stack.dir.path.join("hs"), &extra)
-        .unwrap();
-    stack.wait_host_ready("h").await.unwrap();
+    let _host = agent_host(
+        &stack,
+        "h",
+        &stack.dir.path.join("hs"),
+        "claude-code",
+        &[
+            ("ANTHROPIC_BASE_URL", &url),
+            ("ANTHROPIC_API_KEY", "sk-modelsim"),
+        ],
+    )
+    .await;
 
     // 1. Approved: the command runs. A conflicting second decision is refused; the same one is
     //    a harmless replay.
@@ -250,7 +222,7 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
         "final": "Finished."
     });
     let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
-    let agent = crate::agents::provider_agent(
+    let agent = provider_agent(
         &stack,
         label,
         provider,
@@ -259,7 +231,7 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
     )
     .await;
     let base = format!("{url}/v1");
-    let _host = crate::agents::agent_host(
+    let _host = agent_host(
         &stack,
         "h",
         &stack.dir.path.join("hs"),
@@ -346,11 +318,9 @@ async fn cancel_reaches_an_attempt_awaiting_approval() {
         "final": "Finished."
     });
     let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
-    let agent =
-        crate::agents::provider_agent(&stack, "a", "codex", json!({"approvals": "ask"}), json!({}))
-            .await;
+    let agent = provider_agent(&stack, "a", "codex", json!({"approvals": "ask"}), json!({})).await;
     let base = format!("{url}/v1");
-    let _host = crate::agents::agent_host(
+    let _host = agent_host(
         &stack,
         "h",
         &stack.dir.path.join("hs"),

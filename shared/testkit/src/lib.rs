@@ -265,22 +265,16 @@ impl Nats {
     /// Ready when our own process says so (a port that answers could be another test's server).
     async fn wait_ready(&mut self) -> Result<()> {
         let log = self.proc.log.clone();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if self.proc.exited().is_some() {
-                bail!(
-                    "nats-server exited: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            if std::fs::read_to_string(&log).is_ok_and(|l| l.contains("Server is ready")) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("nats-server did not become ready in 20 s");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let proc = &mut self.proc;
+        wait_for("nats-server to be ready", Duration::from_secs(20), || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            std::future::ready(if proc.exited().is_some() {
+                Some(Err(anyhow::anyhow!("nats-server exited: {text}")))
+            } else {
+                text.contains("Server is ready").then_some(Ok(()))
+            })
+        })
+        .await?
     }
 
     pub fn url(&self) -> String {
@@ -411,31 +405,36 @@ pub async fn spawn_on_free_port(
         let port = free_port();
         let mut proc = Proc::spawn(name, program, &[], &env_for(port), dir)?;
         let url = format!("http://127.0.0.1:{port}{ready_path}");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if proc.exited().is_some() {
-                last = proc.log_text();
-                let _ = std::fs::rename(&proc.log, dir.join(format!("{name}-failed-{port}.log")));
-                break;
-            }
-            // Ours only if our own process says it listens there (a process that failed to bind
-            // exits instead, and the port may answer for a parallel test's service).
-            let listening = proc.log_text().contains(&format!("127.0.0.1:{port}"));
-            if listening
-                && proc.exited().is_none()
-                && client
-                    .get(&url)
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status().is_success())
-            {
-                return Ok((proc, port));
-            }
-            if Instant::now() > deadline {
-                bail!("{name} did not become ready in 60 s: {}", proc.log_text());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        // Ours only if our own process says it listens there (a process that failed to bind
+        // exits instead, and the port may answer for a parallel test's service).
+        let ready = wait_for(
+            &format!("{name} to be ready"),
+            Duration::from_secs(60),
+            || {
+                let exited = proc.exited().is_some();
+                let listening = proc.log_text().contains(&format!("127.0.0.1:{port}"));
+                let (client, url) = (client.clone(), url.clone());
+                async move {
+                    if exited {
+                        return Some(false);
+                    }
+                    let answers = listening
+                        && client
+                            .get(&url)
+                            .send()
+                            .await
+                            .is_ok_and(|r| r.status().is_success());
+                    answers.then_some(true)
+                }
+            },
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("{name} did not become ready in 60 s: {}", proc.log_text()))?;
+        if ready {
+            return Ok((proc, port));
         }
+        last = proc.log_text();
+        let _ = std::fs::rename(&proc.log, dir.join(format!("{name}-failed-{port}.log")));
     }
     bail!("{name} did not start: {last}")
 }
