@@ -219,10 +219,7 @@ impl Runner {
         let sent = async {
             self.js
                 .publish_with_headers(
-                    agentscope_bus::subjects::approval_requested(&format!(
-                        "session-{}",
-                        req.session_id
-                    )),
+                    agentscope_bus::subjects::session_approval_requested(&req.session_id),
                     agentscope_bus::headers(&msg_id),
                     req.encode_to_vec().into(),
                 )

@@ -22,11 +22,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// The id of Worker `name` in `workspace_id`.
-pub fn worker_id(workspace_id: &str, name: &str) -> String {
-    use sha2::Digest;
-    let digest = sha2::Sha256::digest(format!("agentscope-worker:{workspace_id}:{name}"));
-    hex::encode(&digest[..16])
-}
+pub use agentscope_domain::worker_id;
 
 fn key(worker_id: &str) -> String {
     format!("worker.{worker_id}")
@@ -183,6 +179,12 @@ impl WorkerLink {
     }
 }
 
+/// A Worker accepts a NATS server without authentication only on a development install
+/// (AGENTSCOPE_NATS_ALLOW_OPEN=true).
+fn allow_open_nats() -> bool {
+    std::env::var("AGENTSCOPE_NATS_ALLOW_OPEN").is_ok_and(|v| v == "true" || v == "1")
+}
+
 /// The `agentscope worker` process: registers, beats, and runs tool operations in `dir`.
 pub async fn run_worker(
     nats_url: &str,
@@ -191,7 +193,16 @@ pub async fn run_worker(
     dir: PathBuf,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
-    let nats = agentscope_bus::connect(nats_url, "agentscope-worker").await?;
+    let nats = agentscope_bus::connect(
+        nats_url,
+        "agentscope-worker",
+        &agentscope_bus::Credentials::Worker {
+            name: name.to_string(),
+            token: token.to_string(),
+        },
+        allow_open_nats(),
+    )
+    .await?;
     let registration = WorkerRegistration {
         worker_token: token.to_string(),
         name: name.to_string(),

@@ -40,7 +40,7 @@ pub struct EventSink {
 
 impl EventSink {
     pub fn new(ctx: Ctx, entry: Entry, lease_lost: CancellationToken) -> Self {
-        let subject = subjects::events(&entry.attempt_id);
+        let subject = subjects::events(&ctx.host_id.to_string(), &entry.attempt_id);
         Self {
             ctx,
             entry,
@@ -183,7 +183,7 @@ async fn request_approval(
         let sent = async {
             ctx.js
                 .publish_with_headers(
-                    subjects::approval_requested(&a.attempt_id),
+                    subjects::approval_requested(&ctx.host_id.to_string(), &a.attempt_id),
                     agentscope_bus::headers(&msg_id),
                     tr.encode_to_vec().into(),
                 )

@@ -5,6 +5,11 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize)]
 pub struct Config {
     pub nats_url: String,
+    /// Accept a NATS server without authentication (a development install only). Otherwise the
+    /// host connects as its host id with its host token, which the scheduler's auth callout
+    /// checks.
+    #[serde(default)]
+    pub nats_allow_open: bool,
     /// Health listener (`/healthz`, `/readyz`, `/metrics`); port 0 picks a free port.
     pub health_addr: String,
     /// Identity, journal and task directories live here; keep it across restarts.

@@ -196,7 +196,16 @@ impl App {
                 "providers run as an unprivileged user"
             );
         }
-        let nats = agentscope_bus::connect(&config.nats_url, "svc-host").await?;
+        let nats = agentscope_bus::connect(
+            &config.nats_url,
+            "svc-host",
+            &agentscope_bus::Credentials::Host {
+                host_id: host_id.to_string(),
+                token: config.host_token.clone(),
+            },
+            config.nats_allow_open,
+        )
+        .await?;
         let js = jetstream::new(nats.clone());
         let leases = Topology::open_bucket(&js, agentscope_bus::BUCKET_LEASES).await?;
         let adapters: Vec<Box<dyn Adapter>> = config
@@ -370,8 +379,10 @@ async fn register(ctx: &Ctx, cancel: &CancellationToken) -> anyhow::Result<HostR
         reg.checks = ctx.checks();
         let res = tokio::time::timeout(
             Duration::from_secs(5),
-            ctx.nats
-                .request(subjects::HOST_REGISTER, reg.encode_to_vec().into()),
+            ctx.nats.request(
+                subjects::host_register(&ctx.host_id.to_string()),
+                reg.encode_to_vec().into(),
+            ),
         )
         .await;
         match res {
@@ -440,7 +451,7 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
         let sent = async {
             ctx.js
                 .publish_with_headers(
-                    subjects::events(&e.attempt_id),
+                    subjects::events(&ctx.host_id.to_string(), &e.attempt_id),
                     agentscope_bus::headers(&msg_id),
                     ev.encode_to_vec().into(),
                 )
@@ -502,7 +513,7 @@ fn spawn_attempt(
         // A slot is free: ask again now.
         let _ = ctx
             .nats
-            .publish(subjects::pool_work(&pool), bytes::Bytes::new())
+            .publish(nudge_subject(&ctx, &pool), bytes::Bytes::new())
             .await;
     });
 }
@@ -550,12 +561,25 @@ async fn resumable(
 const RESUME_WINDOW_MS: i64 = 10 * 60 * 1000;
 
 /// The newest event seq of an attempt in the stream (the journal may lag it by one).
+/// The work nudges of a pool of this host's workspace.
+fn nudge_subject(ctx: &Ctx, pool_id: &str) -> String {
+    let ws = ctx
+        .state
+        .lock()
+        .expect("host state")
+        .registered
+        .as_ref()
+        .map(|r| r.workspace_id.clone())
+        .unwrap_or_default();
+    subjects::pool_work(&ws, pool_id)
+}
+
 async fn published_seq(ctx: &Ctx, attempt_id: &str) -> u64 {
     let Ok(stream) = ctx.js.get_stream(agentscope_bus::STREAM_EVENTS).await else {
         return 0;
     };
     match stream
-        .get_last_raw_message_by_subject(&subjects::events(attempt_id))
+        .direct_get_last_for_subject(subjects::events(&ctx.host_id.to_string(), attempt_id))
         .await
     {
         Ok(m) => ExecutionEvent::decode(m.payload.as_ref())
@@ -696,7 +720,7 @@ async fn claim_loop(
     let mut nudges = if pool_id.is_empty() {
         None
     } else {
-        Some(ctx.nats.subscribe(subjects::pool_work(&pool_id)).await?)
+        Some(ctx.nats.subscribe(nudge_subject(&ctx, &pool_id)).await?)
     };
     let poll = Duration::from_millis(ctx.config.poll_interval_ms);
     loop {
@@ -722,8 +746,10 @@ async fn claim_loop(
             let wait = Duration::from_millis((ctx.lease_ttl_ms() / 3).clamp(500, 5_000));
             match tokio::time::timeout(
                 wait,
-                ctx.nats
-                    .request(subjects::HOST_CLAIM, req.encode_to_vec().into()),
+                ctx.nats.request(
+                    subjects::host_claim(&ctx.host_id.to_string()),
+                    req.encode_to_vec().into(),
+                ),
             )
             .await
             {

@@ -45,7 +45,7 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
             },
         };
         let subject = msg.subject.to_string();
-        let ack = match record_request(&ctx, &msg.payload).await {
+        let ack = match record_request(&ctx, &subject, &msg.payload).await {
             Ok(()) => AckKind::Ack,
             Err(e) if e.retryable() => AckKind::Nak(Some(Duration::from_millis(500))),
             Err(e) => {
@@ -64,9 +64,26 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
     }
 }
 
-async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
+async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), Error> {
     let req = ToolRequest::decode(payload)
         .map_err(|_| Error::Rejected("malformed ToolRequest payload".into()))?;
+    // The subject names who published it (NATS permissions confine hosts to their own host id
+    // and leave sessions' subjects to the dataplane); the hosted query below checks the host.
+    let subject_host = if req.attempt_id.is_empty() && !req.session_id.is_empty() {
+        if subject != subjects::session_approval_requested(&req.session_id) {
+            return Err(Error::Rejected("subject does not match session_id".into()));
+        }
+        None
+    } else {
+        let host = subjects::token(subject, 4).unwrap_or_default();
+        if subject != subjects::approval_requested(host, &req.attempt_id) {
+            return Err(Error::Rejected("subject does not match attempt_id".into()));
+        }
+        Some(
+            Uuid::parse_str(host)
+                .map_err(|_| Error::Rejected("the subject's host id is not a UUID".into()))?,
+        )
+    };
     // A hosted attempt's request, or a managed session's (svc-dataplane); each is fenced by its
     // holder's lease token: only the current holder may ask.
     let (owner, query) = if req.attempt_id.is_empty() && !req.session_id.is_empty() {
@@ -84,6 +101,7 @@ async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
             r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
                SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
                FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
+                 AND a.host_id = $8
                ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
         )
     };
@@ -104,6 +122,7 @@ async fn record_request(ctx: &Ctx, payload: &[u8]) -> Result<(), Error> {
         .bind(&input)
         .bind(timeout_ms)
         .bind(req.lease_token as i64)
+        .bind(subject_host)
         .execute(&ctx.db)
         .await?;
     if inserted.rows_affected() == 1 {
@@ -128,6 +147,11 @@ pub(crate) async fn serve_decisions(ctx: Ctx, cancel: CancellationToken) -> anyh
                     return;
                 };
                 let answer = match DecideApproval::decode(msg.payload.as_ref()) {
+                    // Every decision from the bus names the workspace it was made in; only the
+                    // sweeper's timeouts (in-process) decide without one.
+                    Ok(d) if Uuid::parse_str(&d.workspace_id).is_err() => {
+                        refused("not_found", "approval not found", "")
+                    }
                     Ok(d) => decide(&ctx, d, "allowed", "denied")
                         .await
                         .unwrap_or_else(|e| {

@@ -5,6 +5,7 @@ use crate::{Ctx, Error};
 use agentscope_domain::{AttemptStatus, FailureClass, RetryPolicy};
 use serde_json::json;
 use sqlx::{Postgres, Row, Transaction};
+use std::collections::HashMap;
 use uuid::Uuid;
 
 type Tx<'a> = Transaction<'a, Postgres>;
@@ -440,12 +441,31 @@ async fn context_pack(tx: &mut Tx<'_>, task_id: Uuid) -> Result<String, Error> {
     Ok(out)
 }
 
-/// Wakes the hosts of a pool so they ask for work now instead of at their next poll.
+/// Wakes the hosts of a pool so they ask for work now instead of at their next poll. The
+/// subject names the pool's workspace, so that NATS lets only that workspace's hosts hear it.
 pub(crate) async fn nudge(ctx: &Ctx, pool_id: Uuid) {
+    static WORKSPACES: std::sync::OnceLock<std::sync::Mutex<HashMap<Uuid, Uuid>>> =
+        std::sync::OnceLock::new();
+    let cache = WORKSPACES.get_or_init(Default::default);
+    let known = cache.lock().expect("pool cache").get(&pool_id).copied();
+    let workspace_id = match known {
+        Some(w) => w,
+        None => {
+            // A pool never changes workspace: one look-up per pool and process.
+            let row: Result<Option<(Uuid,)>, _> =
+                sqlx::query_as("SELECT workspace_id FROM pools WHERE id = $1")
+                    .bind(pool_id)
+                    .fetch_optional(&ctx.db)
+                    .await;
+            let Ok(Some((w,))) = row else { return };
+            cache.lock().expect("pool cache").insert(pool_id, w);
+            w
+        }
+    };
     let _ = ctx
         .nats
         .publish(
-            agentscope_bus::subjects::pool_work(&pool_id.to_string()),
+            agentscope_bus::subjects::pool_work(&workspace_id.to_string(), &pool_id.to_string()),
             bytes::Bytes::new(),
         )
         .await;

@@ -14,7 +14,7 @@ use uuid::Uuid;
 pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let sub = ctx
         .nats
-        .queue_subscribe(subjects::HOST_CLAIM, SCHEDULER_QUEUE.into())
+        .queue_subscribe(subjects::HOST_CLAIM_ALL, SCHEDULER_QUEUE.into())
         .await
         .map_err(Error::bus)?;
     // Claims run concurrently; those of one workspace serialize on its advisory lock.
@@ -26,6 +26,11 @@ pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result
                     return;
                 };
                 let offer = match ClaimRequest::decode(msg.payload.as_ref()) {
+                    // The subject's host id is the one NATS authorized: a host claims only as
+                    // itself.
+                    Ok(req) if subjects::token(&msg.subject, 2) != Some(req.host_id.as_str()) => {
+                        refused("forbidden", "host_id does not match the claim subject")
+                    }
                     Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
                         tracing::error!(error = ?e, "claim failed");
                         refused("internal", "claim failed; retry")
@@ -201,7 +206,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     // Lease first, then record: a lease whose row never commits just expires.
     let mut created_keys = Vec::new();
     for c in &taken {
-        let key = lease_key(&c.id.to_string());
+        let key = lease_key(&host_id.to_string(), &c.id.to_string());
         let now = agentscope_bus::now_ms();
         let record = LeaseRecord {
             attempt_id: c.id.to_string(),
@@ -278,10 +283,10 @@ async fn reoffer(
         let id: Uuid = r.try_get("id")?;
         let token: Option<i64> = r.try_get("lease_token")?;
         // The host got the first offer if it reported anything; never run an attempt twice.
-        if crate::last_published(ctx, id).await?.is_some() {
+        if crate::last_published(ctx, host_id, id).await?.is_some() {
             continue;
         }
-        let key = lease_key(&id.to_string());
+        let key = lease_key(&host_id.to_string(), &id.to_string());
         let Ok(Some(entry)) = ctx.leases.entry(&key).await else {
             continue;
         };

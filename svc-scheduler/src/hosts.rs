@@ -27,7 +27,7 @@ pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<U
 pub(crate) async fn serve_register(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let mut sub = ctx
         .nats
-        .queue_subscribe(subjects::HOST_REGISTER, SCHEDULER_QUEUE.into())
+        .queue_subscribe(subjects::HOST_REGISTER_ALL, SCHEDULER_QUEUE.into())
         .await
         .map_err(Error::bus)?;
     loop {
@@ -39,6 +39,10 @@ pub(crate) async fn serve_register(ctx: Ctx, cancel: CancellationToken) -> anyho
             continue;
         };
         let answer = match HostRegistration::decode(msg.payload.as_ref()) {
+            Ok(reg) if subjects::token(&msg.subject, 2) != Some(reg.host_id.as_str()) => refused(
+                "forbidden",
+                "host_id does not match the registration subject",
+            ),
             Ok(reg) => register(&ctx, reg).await.unwrap_or_else(|e| {
                 tracing::error!(error = ?e, "host registration failed");
                 refused("internal", "registration failed; retry")

@@ -6,6 +6,7 @@
 
 mod approvals;
 mod attempts;
+mod callout;
 mod claim;
 mod config;
 mod hosts;
@@ -72,7 +73,13 @@ impl App {
             .await
             .context("start svc-scheduler")?;
         agentscope_store::migrate(&db).await?;
-        let nats = agentscope_bus::connect(&config.nats_url, "svc-scheduler").await?;
+        let nats = agentscope_bus::connect(
+            &config.nats_url,
+            "svc-scheduler",
+            &config.nats_credentials().map_err(anyhow::Error::msg)?,
+            config.nats_allow_open,
+        )
+        .await?;
         let js = jetstream::new(nats.clone());
         let events = Topology::events(&js).await?;
         Topology::control(&js).await?;
@@ -118,6 +125,21 @@ impl App {
         })
     }
 
+    fn callout_issuer(&self) -> anyhow::Result<Option<agentscope_bus::auth::AccountKey>> {
+        let c = &self.ctx.config;
+        let seed = agentscope_bus::secret_setting(
+            "nats_callout_seed",
+            c.nats_callout_seed.as_deref(),
+            c.nats_callout_seed_file.as_deref(),
+        )
+        .map_err(anyhow::Error::msg)?;
+        seed.map(|s| {
+            agentscope_bus::auth::AccountKey::from_seed(&s)
+                .map_err(|e| anyhow::anyhow!("nats_callout_seed: {e}"))
+        })
+        .transpose()
+    }
+
     pub fn health_addr(&self) -> SocketAddr {
         self.health_addr
     }
@@ -153,6 +175,21 @@ impl App {
             "approval-decisions",
             approvals::serve_decisions(ctx.clone(), cancel.clone()),
         ));
+        match self.callout_issuer()? {
+            Some(issuer) => {
+                tracing::info!(
+                    issuer = %issuer.public_key(),
+                    "serving the NATS auth callout for hosts and workers"
+                );
+                tasks.spawn(named(
+                    "nats-callout",
+                    callout::serve(ctx.clone(), Arc::new(issuer), cancel.clone()),
+                ));
+            }
+            None => tracing::info!(
+                "not serving the NATS auth callout (no nats_callout_seed): hosts and workers connect only where another scheduler serves it or NATS is open"
+            ),
+        }
         tracing::info!("svc-scheduler running");
 
         tokio::select! {
@@ -207,11 +244,12 @@ pub(crate) async fn readiness(db: &PgPool, nats: &async_nats::Client) -> Result<
 /// never reported anything.
 pub(crate) async fn last_published(
     ctx: &Ctx,
+    host_id: uuid::Uuid,
     attempt_id: uuid::Uuid,
 ) -> Result<Option<(u64, i64)>, Error> {
     use agentscope_schemas::Message;
     use async_nats::jetstream::stream::LastRawMessageErrorKind;
-    let subject = agentscope_bus::subjects::events(&attempt_id.to_string());
+    let subject = agentscope_bus::subjects::events(&host_id.to_string(), &attempt_id.to_string());
     match ctx.events.get_last_raw_message_by_subject(&subject).await {
         Ok(m) => Ok(Some(
             agentscope_schemas::v1::ExecutionEvent::decode(m.payload.as_ref())

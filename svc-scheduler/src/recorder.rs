@@ -131,8 +131,12 @@ enum Outcome {
 async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome, Error> {
     let attempt_id = Uuid::parse_str(&ev.attempt_id)
         .map_err(|_| Error::Rejected("attempt_id is not a UUID".into()))?;
-    if subject != agentscope_bus::subjects::events(&ev.attempt_id) {
-        return Err(Error::Rejected("subject does not match attempt_id".into()));
+    // The subject's host id is the one NATS authorized to publish it; the attempt's host is
+    // checked against it below.
+    if subject != agentscope_bus::subjects::events(&ev.host_id, &ev.attempt_id) {
+        return Err(Error::Rejected(
+            "subject does not match host_id and attempt_id".into(),
+        ));
     }
     if ev.seq == 0 || ev.seq > i64::MAX as u64 {
         return Err(Error::Rejected("seq must be positive".into()));
@@ -244,7 +248,12 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     ctx.metrics.inc("agentscope_events_recorded_total", &[]);
     if terminal {
         // The attempt is over: release its lease so nothing can renew it.
-        let _ = ctx.leases.purge(lease_key(&attempt_id.to_string())).await;
+        if let Some(host) = a.host_id {
+            let _ = ctx
+                .leases
+                .purge(lease_key(&host.to_string(), &attempt_id.to_string()))
+                .await;
+        }
         if let Some(pool) = a.pool_id {
             attempts::nudge(ctx, pool).await;
         }

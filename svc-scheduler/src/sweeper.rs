@@ -32,13 +32,13 @@ async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
 
 async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
     // 1. Active attempts whose lease key is gone (expired or purged) are lost.
-    let active: Vec<(Uuid, i64)> = sqlx::query_as(
-        "SELECT id, lease_token FROM attempts WHERE status IN ('claimed','running') AND lease_token IS NOT NULL",
+    let active: Vec<(Uuid, i64, Uuid)> = sqlx::query_as(
+        "SELECT id, lease_token, host_id FROM attempts WHERE status IN ('claimed','running') AND lease_token IS NOT NULL AND host_id IS NOT NULL",
     )
     .fetch_all(&ctx.db)
     .await?;
-    for (attempt_id, token) in active {
-        let key = lease_key(&attempt_id.to_string());
+    for (attempt_id, token, host_id) in active {
+        let key = lease_key(&host_id.to_string(), &attempt_id.to_string());
         let alive = match ctx.leases.entry(&key).await {
             Ok(Some(e)) => e.operation == Operation::Put,
             Ok(None) => false,
@@ -58,10 +58,14 @@ async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
 /// they are still on their way (a message that can never be recorded must not block forever).
 async fn unrecorded_events(
     ctx: &Ctx,
+    host_id: Option<Uuid>,
     attempt_id: Uuid,
     last_seq: i64,
 ) -> Result<bool, crate::Error> {
-    Ok(crate::last_published(ctx, attempt_id)
+    let Some(host_id) = host_id else {
+        return Ok(false);
+    };
+    Ok(crate::last_published(ctx, host_id, attempt_id)
         .await?
         .is_some_and(|(seq, at_ms)| {
             seq as i64 > last_seq && agentscope_bus::now_ms() - at_ms < 60_000
@@ -117,7 +121,7 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
     }
     // The host's last words may still be on their way to the recorder (a scheduler restart
     // delays redelivery): an attempt is lost only once everything it published is recorded.
-    if unrecorded_events(ctx, attempt_id, a.last_seq).await? {
+    if unrecorded_events(ctx, a.host_id, attempt_id, a.last_seq).await? {
         tracing::debug!(%attempt_id, "lease gone but events are still unrecorded; waiting");
         return Ok(());
     }

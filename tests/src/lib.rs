@@ -123,15 +123,16 @@ pub struct Stack {
     pub dir: TempDir,
 }
 
-fn common_env(nats: &Nats, db: &TestDb) -> Vec<(String, String)> {
-    vec![
-        ("AGENTSCOPE_NATS_URL".into(), nats.url()),
+fn common_env(nats: &Nats, db: &TestDb, service: &str) -> Vec<(String, String)> {
+    let mut env = nats.service_env(service);
+    env.extend([
         ("AGENTSCOPE_DATABASE_URL".into(), db.url()),
         (
             "RUST_LOG".into(),
             std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
         ),
-    ]
+    ]);
+    env
 }
 
 impl Stack {
@@ -141,7 +142,7 @@ impl Stack {
         let db = TestDb::create().await?;
         // Kept if start-up fails (removed below once everything is up).
         std::fs::write(dir.path.join(".keep"), "start-up failed")?;
-        let mut env = common_env(&nats, &db);
+        let mut env = common_env(&nats, &db, "gateway");
         env.push(("AGENTSCOPE_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()));
         env.push(("AGENTSCOPE_VAULT_KEYS".into(), VAULT_KEYS.into()));
         env.push((
@@ -150,7 +151,7 @@ impl Stack {
         ));
         env.extend(opts.gateway_env.iter().cloned());
         // Start the scheduler first: it runs the migrations the gateway also checks.
-        let mut senv = common_env(&nats, &db);
+        let mut senv = common_env(&nats, &db, "scheduler");
         senv.push((
             "AGENTSCOPE_LEASE_TTL_MS".into(),
             opts.lease_ttl_ms.to_string(),
@@ -189,7 +190,7 @@ impl Stack {
             &dir.path,
         )
         .await?;
-        let mut denv = common_env(&nats, &db);
+        let mut denv = common_env(&nats, &db, "dataplane");
         denv.push((
             "AGENTSCOPE_SESSIONS_DIR".into(),
             dir.path.join("sessions").to_string_lossy().into_owned(),

@@ -224,12 +224,15 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
     let stack = Stack::start("poison", StackOptions::default())
         .await
         .unwrap();
-    let nats = async_nats::connect(stack.nats.url()).await.unwrap();
+    let nats = async_nats::connect(stack.nats.service_url("gateway"))
+        .await
+        .unwrap();
     let js = async_nats::jetstream::new(nats);
     let ghost = uuid::Uuid::new_v4();
+    let ghost_host = uuid::Uuid::new_v4();
     // Garbage bytes, and a well-formed event for an attempt that does not exist.
     js.publish(
-        format!("agentscope.events.{ghost}"),
+        format!("agentscope.events.{ghost_host}.{ghost}"),
         vec![0xff, 0x01, 0x02, 0x03].into(),
     )
     .await
@@ -240,7 +243,7 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
         attempt_id: ghost.to_string(),
         seq: 1,
         lease_token: 1,
-        host_id: uuid::Uuid::new_v4().to_string(),
+        host_id: ghost_host.to_string(),
         at_ms: 0,
         body: Some(Body::Output(Output {
             stream: "stdout".into(),
@@ -249,7 +252,7 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
         })),
     };
     js.publish(
-        format!("agentscope.events.{ghost}"),
+        format!("agentscope.events.{ghost_host}.{ghost}"),
         ev.encode_to_vec().into(),
     )
     .await

@@ -31,6 +31,7 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
         .unwrap();
     let (mut host_a, state_a) = stack.host("a", "pool", 1).await.unwrap();
     let id_a = std::fs::read_to_string(state_a.join("host_id")).unwrap();
+    let events_a1 = |a1: &str| format!("agentscope.events.{}.{a1}", id_a.trim());
 
     let task = stack
         .api
@@ -140,7 +141,7 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
                 sqlx::query_scalar::<_, String>(
                     "SELECT reason FROM rejected_messages WHERE subject = $1",
                 )
-                .bind(format!("agentscope.events.{a1}"))
+                .bind(events_a1(&a1))
                 .fetch_optional(&pg)
                 .await
                 .ok()
@@ -153,7 +154,9 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
     assert!(reason.contains("fenced"), "{reason}");
 
     // A forged event with the old fencing token changes nothing either.
-    let nats = async_nats::connect(stack.nats.url()).await.unwrap();
+    let nats = async_nats::connect(stack.nats.service_url("scheduler"))
+        .await
+        .unwrap();
     let js = async_nats::jetstream::new(nats);
     let forged = ExecutionEvent {
         attempt_id: attempt1.clone(),
@@ -168,7 +171,7 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
         })),
     };
     js.publish(
-        format!("agentscope.events.{attempt1}"),
+        format!("agentscope.events.{}.{attempt1}", id_a.trim()),
         forged.encode_to_vec().into(),
     )
     .await
@@ -186,7 +189,7 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
             async move {
                 let n: i64 =
                     sqlx::query_scalar("SELECT count(*) FROM rejected_messages WHERE subject = $1")
-                        .bind(format!("agentscope.events.{a1}"))
+                        .bind(events_a1(&a1))
                         .fetch_one(&pg)
                         .await
                         .ok()?;

@@ -1,15 +1,18 @@
 //! The bus: subject names, stream and bucket definitions, connection with a server version check,
 //! and trace-context headers. Architecture invariant: every subject string is built here.
 
+pub mod auth;
+
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, kv, stream};
 use std::time::Duration;
 
 pub mod subjects {
-    /// Host registration, request/reply, queue group [`super::SCHEDULER_QUEUE`].
-    pub const HOST_REGISTER: &str = "agentscope.host.register";
-    /// Claim requests, request/reply, queue group [`super::SCHEDULER_QUEUE`].
-    pub const HOST_CLAIM: &str = "agentscope.host.claim";
+    /// Every host's registration (`agentscope.host.<host_id>.register`), request/reply, queue
+    /// group [`super::SCHEDULER_QUEUE`]. The host id in the subject is the one NATS authorized.
+    pub const HOST_REGISTER_ALL: &str = "agentscope.host.*.register";
+    /// Every host's claim requests (`agentscope.host.<host_id>.claim`).
+    pub const HOST_CLAIM_ALL: &str = "agentscope.host.*.claim";
     pub const TASK_SUBMITTED: &str = "agentscope.tasks.submitted";
     pub const TASK_CANCEL: &str = "agentscope.tasks.cancel";
     pub const TASKS_ALL: &str = "agentscope.tasks.>";
@@ -21,7 +24,8 @@ pub mod subjects {
     /// Decisions, request/reply, queue group [`super::SCHEDULER_QUEUE`].
     /// Core request/reply, queue group `gateway`: a managed session's comment or Artifact.
     pub const ISSUE_WRITE: &str = "agentscope.issues.write";
-    /// Core request/reply, queue group `dataplane`: a self-hosted Worker registers.
+    /// Core request/reply, queue group `dataplane`: a self-hosted Worker registers (its token
+    /// in the payload decides what it gets).
     pub const WORKER_REGISTER: &str = "agentscope.worker.register";
     /// Core NATS, gateway → every dataplane replica: a session has new work (payload: its id).
     pub const SESSIONS_NUDGE: &str = "agentscope.sessions.nudge";
@@ -30,8 +34,19 @@ pub mod subjects {
     pub fn worker_ops(worker_id: &str) -> String {
         format!("agentscope.worker.{worker_id}.ops")
     }
-    pub fn events(attempt_id: &str) -> String {
-        format!("agentscope.events.{attempt_id}")
+    pub fn host_register(host_id: &str) -> String {
+        format!("agentscope.host.{host_id}.register")
+    }
+    pub fn host_claim(host_id: &str) -> String {
+        format!("agentscope.host.{host_id}.claim")
+    }
+    /// The token of `subject` at `index` (0-based), e.g. the host id of a claim subject.
+    pub fn token(subject: &str, index: usize) -> Option<&str> {
+        subject.split('.').nth(index)
+    }
+    /// An attempt's events, under the id of the host that runs it.
+    pub fn events(host_id: &str, attempt_id: &str) -> String {
+        format!("agentscope.events.{host_id}.{attempt_id}")
     }
     pub fn control(host_id: &str) -> String {
         format!("agentscope.control.{host_id}")
@@ -40,11 +55,16 @@ pub mod subjects {
         format!("agentscope.recorded.{attempt_id}")
     }
     /// Core NATS nudge: "work is queued in this pool, ask for it now".
-    pub fn pool_work(pool_id: &str) -> String {
-        format!("agentscope.pool.{pool_id}.work")
+    pub fn pool_work(workspace_id: &str, pool_id: &str) -> String {
+        format!("agentscope.pool.{workspace_id}.{pool_id}.work")
     }
-    pub fn approval_requested(attempt_id: &str) -> String {
-        format!("agentscope.approvals.requested.{attempt_id}")
+    /// A hosted attempt's tool request, under the id of the host that runs it.
+    pub fn approval_requested(host_id: &str, attempt_id: &str) -> String {
+        format!("agentscope.approvals.requested.host.{host_id}.{attempt_id}")
+    }
+    /// A managed session's tool request (published by the dataplane).
+    pub fn session_approval_requested(session_id: &str) -> String {
+        format!("agentscope.approvals.requested.session.{session_id}")
     }
     pub fn approval_decided(attempt_id: &str) -> String {
         format!("agentscope.approvals.decided.{attempt_id}")
@@ -67,8 +87,10 @@ pub const CONSUMER_APPROVALS: &str = "scheduler-approvals";
 /// Largest payload a publisher may send (the server's default max_payload is 1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 512 * 1024;
 
-pub fn lease_key(attempt_id: &str) -> String {
-    format!("attempt.{attempt_id}")
+/// An attempt's lease key, under the id of the host that holds it (so that NATS permissions
+/// can let a host renew only its own leases).
+pub fn lease_key(host_id: &str, attempt_id: &str) -> String {
+    format!("attempt.{host_id}.{attempt_id}")
 }
 pub fn presence_key(host_id: &str) -> String {
     format!("host.{host_id}")
@@ -91,6 +113,10 @@ pub enum Error {
     ServerTooOld { url: String, found: String },
     #[error("nats-server at {url} has JetStream disabled: start it with -js")]
     NoJetStream { url: String },
+    #[error(
+        "nats-server at {url} lets any client in: run it with authentication (see README, NATS authentication), or set AGENTSCOPE_NATS_ALLOW_OPEN=true on a development install"
+    )]
+    OpenServer { url: String },
     #[error("create or update {what}")]
     Setup {
         what: String,
@@ -99,26 +125,106 @@ pub enum Error {
     },
 }
 
-/// Connect and refuse servers older than [`MIN_SERVER`] or without JetStream.
-pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, Error> {
-    let client = async_nats::ConnectOptions::new()
+/// How a process proves who it is to NATS.
+#[derive(Clone, Default)]
+pub enum Credentials {
+    /// No credential: only for a development install whose NATS has authentication off.
+    #[default]
+    None,
+    /// A service user of the server's configuration (gateway, scheduler, dataplane).
+    Service { user: String, password: String },
+    /// A Runtime Host: its id and its host token, checked by the scheduler's auth callout.
+    Host { host_id: String, token: String },
+    /// A self-hosted Worker: its name and its worker token, checked likewise.
+    Worker { name: String, token: String },
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credentials::None => write!(f, "None"),
+            Credentials::Service { user, .. } => write!(f, "Service({user})"),
+            Credentials::Host { host_id, .. } => write!(f, "Host({host_id})"),
+            Credentials::Worker { name, .. } => write!(f, "Worker({name})"),
+        }
+    }
+}
+
+impl Credentials {
+    /// A service's credentials from its settings: both or neither of user and password.
+    pub fn service(user: Option<&str>, password: Option<&str>) -> Result<Credentials, String> {
+        match (
+            user.filter(|u| !u.is_empty()),
+            password.filter(|p| !p.is_empty()),
+        ) {
+            (Some(u), Some(p)) => Ok(Credentials::Service {
+                user: u.to_string(),
+                password: p.to_string(),
+            }),
+            (None, None) => Ok(Credentials::None),
+            _ => Err("nats_user and nats_password are set together".into()),
+        }
+    }
+}
+
+/// A secret setting given either inline or as a file to read (`<name>_file`), not both.
+pub fn secret_setting(
+    name: &str,
+    inline: Option<&str>,
+    file: Option<&str>,
+) -> Result<Option<String>, String> {
+    match (
+        inline.filter(|v| !v.is_empty()),
+        file.filter(|v| !v.is_empty()),
+    ) {
+        (Some(_), Some(_)) => Err(format!("set {name} or {name}_file, not both")),
+        (Some(v), None) => Ok(Some(v.to_string())),
+        (None, Some(path)) => std::fs::read_to_string(path)
+            .map(|v| Some(v.trim().to_string()))
+            .map_err(|e| format!("{name}_file {path}: {e}")),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Connect and refuse servers older than [`MIN_SERVER`] or without JetStream, and servers that
+/// let anyone in, unless `allow_open` says this is a development install.
+pub async fn connect(
+    url: &str,
+    name: &str,
+    creds: &Credentials,
+    allow_open: bool,
+) -> Result<async_nats::Client, Error> {
+    let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .retry_on_initial_connect()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await
-        .map_err(|source| Error::Connect {
-            url: url.to_string(),
-            source,
-        })?;
+        .connection_timeout(Duration::from_secs(5));
+    opts = match creds {
+        Credentials::None => opts,
+        Credentials::Service { user, password } => {
+            opts.user_and_password(user.clone(), password.clone())
+        }
+        Credentials::Host { host_id, token } => opts
+            .user_and_password(host_id.clone(), token.clone())
+            .custom_inbox_prefix(auth::host_inbox(host_id)),
+        Credentials::Worker { name, token } => opts
+            .user_and_password(name.clone(), token.clone())
+            .custom_inbox_prefix(auth::worker_inbox(token)),
+    };
+    let client = opts.connect(url).await.map_err(|source| Error::Connect {
+        url: url.to_string(),
+        source,
+    })?;
     // retry_on_initial_connect returns before the handshake; wait for it with a deadline.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     while client.connection_state() != async_nats::connection::State::Connected {
         if tokio::time::Instant::now() > deadline {
             return Err(Error::Connect {
                 url: url.to_string(),
-                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in 15 s")
-                    .into(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no answer in 15 s (or the server refused the credentials)",
+                )
+                .into(),
             });
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -133,6 +239,11 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, Error>
     }
     if !info.jetstream {
         return Err(Error::NoJetStream {
+            url: url.to_string(),
+        });
+    }
+    if !info.auth_required && !allow_open {
+        return Err(Error::OpenServer {
             url: url.to_string(),
         });
     }
@@ -160,6 +271,9 @@ impl Topology {
             duplicate_window: Duration::from_secs(120),
             max_message_size: MAX_MESSAGE_BYTES as i32 + 4096,
             storage: stream::StorageType::File,
+            // Hosts read their own last event by subject (DIRECT.GET names the subject, so NATS
+            // permissions can confine it to the host's own events).
+            allow_direct: true,
             ..Default::default()
         })
         .await

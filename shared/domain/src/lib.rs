@@ -351,3 +351,10 @@ mod tests {
         assert_eq!(task_status(Some(AttemptStatus::Running)), "running");
     }
 }
+
+/// A self-hosted Worker's id: stable per workspace and worker name.
+pub fn worker_id(workspace_id: &str, name: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(format!("agentscope-worker:{workspace_id}:{name}"));
+    hex::encode(&digest[..16])
+}

@@ -212,10 +212,13 @@ impl Drop for Proc {
     }
 }
 
-/// A nats-server with JetStream on a free port and its own store directory.
+/// A nats-server with JetStream on a free port and its own store directory, with
+/// authentication on as in production: the services as configured users, hosts and workers
+/// through the scheduler's auth callout.
 pub struct Nats {
     pub port: u16,
     pub store: PathBuf,
+    pub auth: agentscope_bus::auth::Setup,
     proc: Proc,
     dir: PathBuf,
 }
@@ -223,14 +226,20 @@ pub struct Nats {
 impl Nats {
     pub async fn start(dir: &Path) -> Result<Nats> {
         let store = dir.join("nats-store");
+        let auth = agentscope_bus::auth::Setup::generate();
         // A free port can be taken by a parallel test before we bind it: try again elsewhere.
         let mut last = None;
         for _ in 0..5 {
             let port = free_port();
-            let proc = Self::spawn(port, &store, dir)?;
+            Self::write_config(port, &store, dir, &auth)?;
+            let proc = Self::spawn(dir)?;
             let mut nats = Nats {
                 port,
                 store: store.clone(),
+                auth: agentscope_bus::auth::Setup {
+                    issuer: agentscope_bus::auth::AccountKey::from_seed(&auth.issuer.seed())?,
+                    passwords: auth.passwords.clone(),
+                },
                 proc,
                 dir: dir.to_path_buf(),
             };
@@ -249,16 +258,53 @@ impl Nats {
         Err(last.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
     }
 
-    fn spawn(port: u16, store: &Path, dir: &Path) -> Result<Proc> {
+    fn write_config(
+        port: u16,
+        store: &Path,
+        dir: &Path,
+        auth: &agentscope_bus::auth::Setup,
+    ) -> Result<()> {
+        let conf = format!(
+            "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{}\" }}\n{}",
+            store.display(),
+            auth.server_config()
+        );
+        std::fs::write(dir.join("nats.conf"), conf)?;
+        Ok(())
+    }
+
+    fn spawn(dir: &Path) -> Result<Proc> {
         let bin = nats_server_bin()?;
-        let port_s = port.to_string();
-        let store_s = store.to_string_lossy().to_string();
-        Proc::spawn(
-            "nats",
-            &bin,
-            &["-a", "127.0.0.1", "-p", &port_s, "-js", "-sd", &store_s],
-            &[],
-            dir,
+        let conf = dir.join("nats.conf").to_string_lossy().to_string();
+        Proc::spawn("nats", &bin, &["-c", &conf], &[], dir)
+    }
+
+    /// A service's settings for this server (`gateway`, `scheduler` or `dataplane`); the
+    /// scheduler's include the auth callout's issuer seed.
+    pub fn service_env(&self, user: &str) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("AGENTSCOPE_NATS_URL".to_string(), self.url()),
+            ("AGENTSCOPE_NATS_USER".to_string(), user.to_string()),
+            (
+                "AGENTSCOPE_NATS_PASSWORD".to_string(),
+                self.auth.password(user).to_string(),
+            ),
+        ];
+        if user == "scheduler" {
+            env.push((
+                "AGENTSCOPE_NATS_CALLOUT_SEED".to_string(),
+                self.auth.issuer.seed(),
+            ));
+        }
+        env
+    }
+
+    /// A URL with a service's credentials, for raw clients in tests.
+    pub fn service_url(&self, user: &str) -> String {
+        format!(
+            "nats://{user}:{}@127.0.0.1:{}",
+            self.auth.password(user),
+            self.port
         )
     }
 
@@ -289,7 +335,7 @@ impl Nats {
     pub async fn restart(&mut self) -> Result<()> {
         self.proc.kill9();
         let _ = std::fs::remove_file(&self.proc.log);
-        self.proc = Self::spawn(self.port, &self.store, &self.dir)?;
+        self.proc = Self::spawn(&self.dir)?;
         self.wait_ready().await
     }
 }
