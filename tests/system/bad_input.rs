@@ -224,9 +224,7 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
     let stack = Stack::start("poison", StackOptions::default())
         .await
         .unwrap();
-    let nats = async_nats::connect(stack.nats.service_url("gateway"))
-        .await
-        .unwrap();
+    let nats = stack.nats.service_client("gateway").await.unwrap();
     let js = async_nats::jetstream::new(nats);
     let ghost = uuid::Uuid::new_v4();
     let ghost_host = uuid::Uuid::new_v4();

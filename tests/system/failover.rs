@@ -154,9 +154,7 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
     assert!(reason.contains("fenced"), "{reason}");
 
     // A forged event with the old fencing token changes nothing either.
-    let nats = async_nats::connect(stack.nats.service_url("scheduler"))
-        .await
-        .unwrap();
+    let nats = stack.nats.service_client("scheduler").await.unwrap();
     let js = async_nats::jetstream::new(nats);
     let forged = ExecutionEvent {
         attempt_id: attempt1.clone(),

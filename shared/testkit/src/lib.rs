@@ -225,13 +225,22 @@ pub struct Nats {
 
 impl Nats {
     pub async fn start(dir: &Path) -> Result<Nats> {
+        Self::start_with(dir, true).await
+    }
+
+    /// A nats-server that lets anyone in, as a careless install would run it.
+    pub async fn start_open(dir: &Path) -> Result<Nats> {
+        Self::start_with(dir, false).await
+    }
+
+    async fn start_with(dir: &Path, with_auth: bool) -> Result<Nats> {
         let store = dir.join("nats-store");
         let auth = agentscope_bus::auth::Setup::generate();
         // A free port can be taken by a parallel test before we bind it: try again elsewhere.
         let mut last = None;
         for _ in 0..5 {
             let port = free_port();
-            Self::write_config(port, &store, dir, &auth)?;
+            Self::write_config(port, &store, dir, with_auth.then_some(&auth))?;
             let proc = Self::spawn(dir)?;
             let mut nats = Nats {
                 port,
@@ -262,12 +271,12 @@ impl Nats {
         port: u16,
         store: &Path,
         dir: &Path,
-        auth: &agentscope_bus::auth::Setup,
+        auth: Option<&agentscope_bus::auth::Setup>,
     ) -> Result<()> {
         let conf = format!(
             "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{}\" }}\n{}",
             store.display(),
-            auth.server_config()
+            auth.map(|a| a.server_config()).unwrap_or_default()
         );
         std::fs::write(dir.join("nats.conf"), conf)?;
         Ok(())
@@ -299,13 +308,12 @@ impl Nats {
         env
     }
 
-    /// A URL with a service's credentials, for raw clients in tests.
-    pub fn service_url(&self, user: &str) -> String {
-        format!(
-            "nats://{user}:{}@127.0.0.1:{}",
-            self.auth.password(user),
-            self.port
-        )
+    /// A raw client with a service's credentials, for tests that play a service.
+    pub async fn service_client(&self, user: &str) -> Result<async_nats::Client> {
+        Ok(async_nats::ConnectOptions::new()
+            .user_and_password(user.into(), self.auth.password(user).into())
+            .connect(self.url())
+            .await?)
     }
 
     /// Ready when our own process says so (a port that answers could be another test's server).
