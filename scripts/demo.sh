@@ -68,17 +68,34 @@ wait_ok() { # what, command...
     exit 1
 }
 
-say "starting nats-server (JetStream) on 127.0.0.1:$NATS_PORT and database $DB"
-start nats "$AGENTSCOPE_NATS_SERVER" -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$RUN/nats"
+say "starting nats-server (JetStream, authentication on) on 127.0.0.1:$NATS_PORT and database $DB"
+# Services connect with their own passwords; hosts and workers with their tokens, checked by the
+# scheduler's auth callout (ARCHITECTURE.md, Security).
+rm -rf "$RUN/nats-auth"
+"$BIN/agentscope" nats-auth --dir "$RUN/nats-auth" >/dev/null
+cat >"$RUN/nats.conf" <<EOF
+listen: "127.0.0.1:$NATS_PORT"
+jetstream { store_dir: "$RUN/nats" }
+include "nats-auth/auth.conf"
+EOF
+start nats "$AGENTSCOPE_NATS_SERVER" -c "$RUN/nats.conf"
 PGOPTIONS="--client-min-messages=warning" psql -q -h 127.0.0.1 -U postgres -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" -c "CREATE DATABASE $DB" >/dev/null
 export AGENTSCOPE_NATS_URL="nats://127.0.0.1:$NATS_PORT"
 export AGENTSCOPE_DATABASE_URL="postgres://postgres@127.0.0.1:5432/$DB"
 wait_ok nats-server bash -c "exec 3<>/dev/tcp/127.0.0.1/$NATS_PORT"
 
 say "starting svc-scheduler, svc-gateway (:$API_PORT) and svc-dataplane"
-AGENTSCOPE_HEALTH_ADDR=127.0.0.1:0 start scheduler "$BIN/svc-scheduler"
-AGENTSCOPE_HTTP_ADDR="127.0.0.1:$API_PORT" AGENTSCOPE_ADMIN_TOKEN="$ADMIN_TOKEN" start gateway "$BIN/svc-gateway"
-AGENTSCOPE_HEALTH_ADDR=127.0.0.1:0 start dataplane "$BIN/svc-dataplane"
+nats_as() { # service: its NATS user and password file
+    echo "AGENTSCOPE_NATS_USER=$1 AGENTSCOPE_NATS_PASSWORD_FILE=$RUN/nats-auth/$1.password"
+}
+# shellcheck disable=SC2046
+start scheduler env $(nats_as scheduler) AGENTSCOPE_NATS_CALLOUT_SEED_FILE="$RUN/nats-auth/callout.seed" \
+    AGENTSCOPE_HEALTH_ADDR=127.0.0.1:0 "$BIN/svc-scheduler"
+# shellcheck disable=SC2046
+start gateway env $(nats_as gateway) AGENTSCOPE_HTTP_ADDR="127.0.0.1:$API_PORT" \
+    AGENTSCOPE_ADMIN_TOKEN="$ADMIN_TOKEN" "$BIN/svc-gateway"
+# shellcheck disable=SC2046
+start dataplane env $(nats_as dataplane) AGENTSCOPE_HEALTH_ADDR=127.0.0.1:0 "$BIN/svc-dataplane"
 wait_ok svc-gateway "$BIN/agentscope" health
 
 cli() { "$BIN/agentscope" "$@"; }

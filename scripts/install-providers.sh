@@ -8,8 +8,10 @@
 #   * OpenClaw     (openclaw), run under Node.js 24 from the npm package `node`, through the
 #                  wrapper $PREFIX/bin/openclaw (OpenClaw needs node >= 24.16, `node:sqlite`).
 #
-# Prefix: $AGENTSCOPE_PROVIDERS_DIR, default $HOME/.cache/agentscope/providers. Each package gets
-# its own npm prefix below it, so one can be upgraded without touching the others.
+# Prefix: $AGENTSCOPE_PROVIDERS_DIR, default /opt/agentscope/providers: a system prefix, owned by
+# root and readable by everyone, so that the unprivileged users hosts run tasks as can run the CLIs
+# without any directory of root's (/root) being opened. Each package gets its own npm prefix
+# below it, so one can be upgraded without touching the others.
 #
 # Meant to run as root on Debian 12 with node/npm available. Idempotent: a package already present
 # at the pinned version is skipped without touching the network. Quiet: prints only the final
@@ -23,7 +25,7 @@
 # and writes the same paths to $PREFIX/env as `export AGENTSCOPE_CLAUDE_BIN=...` etc. The output
 # of npm is shown only when it fails.
 #
-# Usage:  scripts/install-providers.sh && . "${AGENTSCOPE_PROVIDERS_DIR:-$HOME/.cache/agentscope/providers}/env"
+# Usage:  scripts/install-providers.sh && . "${AGENTSCOPE_PROVIDERS_DIR:-/opt/agentscope/providers}/env"
 set -euo pipefail
 
 CLAUDE_VERSION=2.1.332
@@ -32,7 +34,9 @@ OPENCODE_VERSION=1.18.33
 OPENCLAW_VERSION=2026.9.6
 NODE24_VERSION=24.21.0
 
-PREFIX="${AGENTSCOPE_PROVIDERS_DIR:-$HOME/.cache/agentscope/providers}"
+PREFIX="${AGENTSCOPE_PROVIDERS_DIR:-/opt/agentscope/providers}"
+# Where earlier versions of this script installed: reused (copied) instead of downloaded again.
+OLD_PREFIX="$HOME/.cache/agentscope/providers"
 
 export npm_config_update_notifier=false
 export npm_config_fund=false
@@ -47,6 +51,12 @@ die() {
 
 command -v npm >/dev/null 2>&1 || die "npm not found (apt-get install -y npm, or install Node.js)"
 
+if [[ ! -d "$PREFIX/claude-code" && -d "$OLD_PREFIX/claude-code" && "$PREFIX" != "$OLD_PREFIX" ]]; then
+    mkdir -p "$PREFIX"
+    for d in claude-code codex opencode node24 openclaw; do
+        [[ -d "$OLD_PREFIX/$d" ]] && cp -a "$OLD_PREFIX/$d" "$PREFIX/$d"
+    done
+fi
 mkdir -p "$PREFIX/bin"
 PREFIX="$(cd "$PREFIX" && pwd -P)"
 
@@ -126,12 +136,13 @@ for pair in claude:claude-code codex:codex opencode:opencode; do
 done
 
 # The installed tree must be readable and its programs runnable by the unprivileged users the
-# hosts run tasks as: everything under the prefix a+rX, and the directories leading to it (e.g.
-# /root, usually 0700) get the search bit (o+x) only, never read.
-chmod -R a+rX "$PREFIX" 2>/dev/null || true
+# hosts run tasks as, and writable by nobody else: everything under the prefix a+rX, go-w.
+chmod -R a+rX,go-w "$PREFIX" 2>/dev/null || true
+# The prefix must be reachable without opening anyone's home: refuse one that is not.
 d="$(dirname "$PREFIX")"
 while [[ "$d" != "/" ]]; do
-    [[ "$(stat -c %A "$d")" == ?????????[xt] ]] || chmod o+x "$d" 2>/dev/null || true
+    [[ "$(stat -c %A "$d")" == ?????????[xt] ]] ||
+        die "$d is not searchable by other users: install under a system prefix such as /opt/agentscope/providers"
     d="$(dirname "$d")"
 done
 

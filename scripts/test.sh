@@ -9,7 +9,7 @@ scripts/ensure-deps.sh >/dev/null
 # The real provider CLIs (Claude Code, Codex, opencode, OpenClaw) at pinned versions, from npm.
 scripts/install-providers.sh >/dev/null
 # shellcheck disable=SC1091
-. "${AGENTSCOPE_PROVIDERS_DIR:-$HOME/.cache/agentscope/providers}/env"
+. "${AGENTSCOPE_PROVIDERS_DIR:-/opt/agentscope/providers}/env"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/agentscope/target}"
 export CARGO_TERM_COLOR=never
 echo "== fmt"

@@ -75,6 +75,12 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), config::ConfigError> {
         let bad = |m: &str| Err(config::ConfigError::Message(m.to_string()));
+        if self.admin_token == "change-me-admin-token" {
+            return Err(config::ConfigError::Message(
+                "admin_token is the published default `change-me-admin-token`: set a random one"
+                    .into(),
+            ));
+        }
         if !self.admin_token.is_empty() && self.admin_token.len() < 16 {
             return bad(
                 "admin_token must be at least 16 characters (or empty to disable workspace creation)",

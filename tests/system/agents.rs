@@ -19,12 +19,8 @@ pub(crate) fn provider_env() -> Vec<(String, String)> {
         .filter_map(|n| std::env::var(n).ok().map(|v| (n.to_string(), v)))
         .collect();
     if out.len() < names.len() {
-        let dir = std::env::var("AGENTSCOPE_PROVIDERS_DIR").unwrap_or_else(|_| {
-            format!(
-                "{}/.cache/agentscope/providers",
-                std::env::var("HOME").unwrap_or_default()
-            )
-        });
+        let dir = std::env::var("AGENTSCOPE_PROVIDERS_DIR")
+            .unwrap_or_else(|_| "/opt/agentscope/providers".to_string());
         let env = std::fs::read_to_string(format!("{dir}/env")).unwrap_or_else(|_| {
             panic!(
                 "provider CLIs are not installed: run scripts/install-providers.sh (no {dir}/env)"

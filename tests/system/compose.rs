@@ -805,3 +805,55 @@ fn ensure_deps_script_exists_and_is_executable() {
         "{ENSURE_DEPS} should run with `set -euo pipefail`"
     );
 }
+
+#[test]
+fn the_gateway_needs_a_chosen_admin_token_and_listens_on_loopback_by_default() {
+    let doc = compose();
+    let text = serde_yaml::to_string(service(&doc, "gateway")).unwrap();
+    assert!(
+        text.contains("${AGENTSCOPE_ADMIN_TOKEN:?"),
+        "compose must refuse to start without an admin token:\n{text}"
+    );
+    assert!(!text.contains("change-me-admin-token"), "{text}");
+    let ports = string_list(service(&doc, "gateway").get("ports"));
+    assert!(
+        ports
+            .iter()
+            .all(|p| p.starts_with("${AGENTSCOPE_PUBLISH_ADDR:-127.0.0.1}:")),
+        "the API is published on 127.0.0.1 unless told otherwise: {ports:?}"
+    );
+}
+
+#[test]
+fn nats_runs_with_authentication_and_every_service_has_its_credentials() {
+    let doc = compose();
+    let cmd = command(service(&doc, "nats"));
+    let conf_at = cmd
+        .iter()
+        .position(|a| a == "-c")
+        .expect("nats runs with -c");
+    assert_eq!(cmd[conf_at + 1], "/etc/nats/nats.conf");
+    let conf = read(&root().join("docker/nats.conf"));
+    assert!(conf.contains("include \"auth/auth.conf\""), "{conf}");
+    assert!(
+        command(service(&doc, "nats-auth"))
+            .windows(2)
+            .any(|w| w[0] == "agentscope" && w[1] == "nats-auth")
+    );
+    for name in ["gateway", "scheduler", "dataplane"] {
+        let env = env_var_names(service(&doc, name));
+        for var in ["AGENTSCOPE_NATS_USER", "AGENTSCOPE_NATS_PASSWORD_FILE"] {
+            assert!(env.iter().any(|e| e == var), "{name} lacks {var}");
+        }
+        assert!(
+            !env.iter().any(|e| e == "AGENTSCOPE_NATS_ALLOW_OPEN"),
+            "{name} must not accept an open NATS"
+        );
+    }
+    assert!(
+        env_var_names(service(&doc, "scheduler"))
+            .iter()
+            .any(|e| e == "AGENTSCOPE_NATS_CALLOUT_SEED_FILE"),
+        "the scheduler serves the auth callout"
+    );
+}

@@ -13,12 +13,8 @@ fn codex_bin() -> String {
     if let Ok(b) = std::env::var("AGENTSCOPE_CODEX_BIN") {
         return b;
     }
-    let dir = std::env::var("AGENTSCOPE_PROVIDERS_DIR").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/agentscope/providers",
-            std::env::var("HOME").unwrap_or_default()
-        )
-    });
+    let dir = std::env::var("AGENTSCOPE_PROVIDERS_DIR")
+        .unwrap_or_else(|_| "/opt/agentscope/providers".to_string());
     let env = std::fs::read_to_string(format!("{dir}/env")).unwrap_or_else(|_| {
         panic!("provider CLIs are not installed: run scripts/install-providers.sh (no {dir}/env)")
     });

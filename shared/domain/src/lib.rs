@@ -298,6 +298,13 @@ pub const MANAGED_PROVIDER: &str = "managed";
 
 pub const KNOWN_PROVIDERS: [&str; 5] = ["command", "claude-code", "codex", "opencode", "openclaw"];
 
+/// A self-hosted Worker's id: stable per workspace and worker name.
+pub fn worker_id(workspace_id: &str, name: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(format!("agentscope-worker:{workspace_id}:{name}"));
+    hex::encode(&digest[..16])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,11 +357,4 @@ mod tests {
         assert_eq!(task_status(Some(AttemptStatus::Lost)), "failed");
         assert_eq!(task_status(Some(AttemptStatus::Running)), "running");
     }
-}
-
-/// A self-hosted Worker's id: stable per workspace and worker name.
-pub fn worker_id(workspace_id: &str, name: &str) -> String {
-    use sha2::Digest;
-    let digest = sha2::Sha256::digest(format!("agentscope-worker:{workspace_id}:{name}"));
-    hex::encode(&digest[..16])
 }

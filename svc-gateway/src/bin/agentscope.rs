@@ -150,6 +150,14 @@ enum Command {
         )]
         nats_url: String,
     },
+    /// Generate NATS credentials for an installation into DIR (once: an existing DIR/auth.conf
+    /// is kept): `auth.conf` for nats-server's configuration (`include auth.conf`), one password
+    /// file per service (`gateway.password`, ...) and the auth callout's seed
+    /// (`callout.seed`, for svc-scheduler), each 0600.
+    NatsAuth {
+        #[arg(long)]
+        dir: std::path::PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -943,6 +951,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             print_json(&v);
         }
         Command::Mcp => executor::serve_mcp(executor::TaskApi::from_env(&cli_api)?).await?,
+        Command::NatsAuth { dir } => nats_auth(&dir)?,
         Command::Worker {
             name,
             dir,
@@ -1832,4 +1841,34 @@ async fn stream_once(
             print_event(&v, json);
         }
     }
+}
+
+fn nats_auth(dir: &std::path::Path) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    if dir.join("auth.conf").exists() {
+        println!("{} already holds NATS credentials; kept", dir.display());
+        return Ok(());
+    }
+    let setup = agentscope_bus::auth::Setup::generate();
+    let write = |name: &str, text: &str| -> anyhow::Result<()> {
+        let path = dir.join(name);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .with_context(|| format!("create {}", path.display()))?;
+        f.write_all(text.as_bytes())?;
+        Ok(())
+    };
+    for (user, password) in &setup.passwords {
+        write(&format!("{user}.password"), password)?;
+    }
+    write("callout.seed", &setup.issuer.seed())?;
+    // Last: its presence says the directory is complete.
+    write("auth.conf", &setup.server_config())?;
+    println!("NATS credentials written to {}", dir.display());
+    Ok(())
 }
