@@ -317,7 +317,12 @@ mod tests {
     #[test]
     fn an_opaque_line_gets_the_strictest_shell_decision() {
         let p = deny_rm();
-        for line in ["echo 'unbalanced", "$X -rf x", "echo rm -rf x | sh", "/bin/r? -rf x"] {
+        for line in [
+            "echo 'unbalanced",
+            "$X -rf x",
+            "echo rm -rf x | sh",
+            "/bin/r? -rf x",
+        ] {
             let (d, why) = p.decide("shell", &json!({"command": line}));
             assert_eq!(d, Decision::Deny, "{line:?}: {why}");
             assert!(why.contains("cannot be analysed"), "{why}");

@@ -414,7 +414,14 @@ mod tests {
     #[test]
     fn our_base64_is_base64() {
         use base64::Engine as _;
-        for v in [&b"a"[..], b"ab", b"abc", b"abcd", b"\xff\xfe\x00 x?/+", b"hunter2-secret"] {
+        for v in [
+            &b"a"[..],
+            b"ab",
+            b"abc",
+            b"abcd",
+            b"\xff\xfe\x00 x?/+",
+            b"hunter2-secret",
+        ] {
             let mut padded = String::from_utf8(base64(v, B64_STD)).unwrap();
             while padded.len() % 4 != 0 {
                 padded.push('=');
@@ -432,7 +439,9 @@ mod tests {
     #[test]
     fn encoded_forms_of_a_secret_are_redacted() {
         use base64::Engine as _;
-        use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+        use base64::engine::general_purpose::{
+            STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD,
+        };
         let secrets = vec![("TOKEN".to_string(), S.to_string())];
         let r = Redactor::new(&secrets);
         let b = S.as_bytes();
@@ -462,7 +471,10 @@ mod tests {
             for suffix in ["", "\n", "!", "ab", "and more text after it"] {
                 let text = std_b64(format!("{prefix}{S}{suffix}").as_bytes());
                 let out = r.redact(&text);
-                assert!(out.contains("[REDACTED:TOKEN]"), "{prefix:?}/{suffix:?}: {out}");
+                assert!(
+                    out.contains("[REDACTED:TOKEN]"),
+                    "{prefix:?}/{suffix:?}: {out}"
+                );
                 // What is left of the encoding decodes to at most a few bytes of the secret.
                 let left: String = out.replace("[REDACTED:TOKEN]", "");
                 assert!(left.len() <= std_b64(format!("{prefix}{suffix}").as_bytes()).len() + 8);

@@ -95,7 +95,10 @@ fn commands_at(chars: &[char], depth: usize) -> Result<Vec<String>, Opaque> {
 }
 
 fn is_meta(c: char) -> bool {
-    matches!(c, ' ' | '\t' | '\n' | ';' | '&' | '|' | '<' | '>' | '(' | ')')
+    matches!(
+        c,
+        ' ' | '\t' | '\n' | ';' | '&' | '|' | '<' | '>' | '(' | ')'
+    )
 }
 
 fn is_name_start(c: char) -> bool {
@@ -911,10 +914,10 @@ fn unwrap_command(words: &[Word], depth: usize, out: &mut Vec<String>) -> Result
             }
             inner(j, out)?;
         }
-        "command" | "builtin" | "nohup" | "unbuffer" | "exec" | "nice" | "setsid"
-        | "stdbuf" | "time" | "ionice" | "doas" | "sudo" | "strace" | "ltrace" | "catchsegv"
-        | "fakeroot" | "proxychains" | "torsocks" | "firejail" | "bwrap" | "unshare"
-        | "nsenter" | "systemd-run" | "runuser" | "chpst" | "caffeinate" => {
+        "command" | "builtin" | "nohup" | "unbuffer" | "exec" | "nice" | "setsid" | "stdbuf"
+        | "time" | "ionice" | "doas" | "sudo" | "strace" | "ltrace" | "catchsegv" | "fakeroot"
+        | "proxychains" | "torsocks" | "firejail" | "bwrap" | "unshare" | "nsenter"
+        | "systemd-run" | "runuser" | "chpst" | "caffeinate" => {
             let with_arg: &str = match name.as_str() {
                 "exec" => "a",
                 "nice" => "n",
@@ -959,7 +962,9 @@ fn unwrap_command(words: &[Word], depth: usize, out: &mut Vec<String>) -> Result
         }
         "chroot" | "taskset" | "flock" | "chrt" => {
             if name == "flock"
-                && let Some(c) = args.iter().position(|w| w.text == "-c" || w.text == "--command")
+                && let Some(c) = args
+                    .iter()
+                    .position(|w| w.text == "-c" || w.text == "--command")
             {
                 if let Some(s) = args.get(c + 1) {
                     nested(&static_text(s)?, out)?;
@@ -995,7 +1000,9 @@ fn unwrap_command(words: &[Word], depth: usize, out: &mut Vec<String>) -> Result
         "busybox" | "toybox" => inner(0, out)?,
         "watch" => {
             let j = skip_options(args, "nq", &["--interval", "--differences"]);
-            let exec = args[..j].iter().any(|w| w.text == "-x" || w.text == "--exec");
+            let exec = args[..j]
+                .iter()
+                .any(|w| w.text == "-x" || w.text == "--exec");
             if exec {
                 inner(j, out)?;
             } else {
@@ -1007,7 +1014,9 @@ fn unwrap_command(words: &[Word], depth: usize, out: &mut Vec<String>) -> Result
             }
         }
         "script" => {
-            if let Some(c) = args.iter().position(|w| w.text == "-c" || w.text == "--command")
+            if let Some(c) = args
+                .iter()
+                .position(|w| w.text == "-c" || w.text == "--command")
                 && let Some(s) = args.get(c + 1)
             {
                 nested(&static_text(s)?, out)?;
@@ -1243,7 +1252,10 @@ mod tests {
             assert!(!runs_rm(line), "{line:?} gave {:?}", simple_commands(line));
         }
         assert_eq!(cmds("echo hi"), ["echo hi"]);
-        assert_eq!(cmds("cd /tmp && ls -l | wc -l"), ["cd /tmp", "ls -l", "wc -l"]);
+        assert_eq!(
+            cmds("cd /tmp && ls -l | wc -l"),
+            ["cd /tmp", "ls -l", "wc -l"]
+        );
         assert_eq!(cmds("/bin/ls"), ["/bin/ls", "ls"]);
         assert_eq!(cmds(""), Vec::<String>::new());
         assert_eq!(cmds("a=1"), Vec::<String>::new());
@@ -1283,7 +1295,11 @@ mod tests {
             "ls @(a|b)",
             "echo \\$(rm -rf x)",
         ] {
-            assert!(simple_commands(line).is_err(), "{line:?} gave {:?}", simple_commands(line));
+            assert!(
+                simple_commands(line).is_err(),
+                "{line:?} gave {:?}",
+                simple_commands(line)
+            );
         }
         let deep = format!("{}rm -rf x{}", "$(".repeat(40), ")".repeat(40));
         assert!(simple_commands(&deep).is_err());

@@ -48,7 +48,9 @@ pub struct NewInput {
 
 /// What makes two inputs the same request (everything but the key).
 fn input_hash(text: &str, when_awaiting_approval: &str) -> String {
-    crate::api::request_hash(&json!({"text": text, "when_awaiting_approval": when_awaiting_approval}))
+    crate::api::request_hash(
+        &json!({"text": text, "when_awaiting_approval": when_awaiting_approval}),
+    )
 }
 
 /// The input an earlier submission with `key` created, if the request was the same.
