@@ -281,7 +281,7 @@ pub fn encoded_forms(value: &[u8]) -> Vec<Vec<u8>> {
     for alphabet in [B64_STD, B64_URL] {
         let plain = base64(value, alphabet);
         let mut padded = plain.clone();
-        while padded.len() % 4 != 0 {
+        while !padded.len().is_multiple_of(4) {
             padded.push(b'=');
         }
         forms.push(padded);
@@ -423,7 +423,7 @@ mod tests {
             b"hunter2-secret",
         ] {
             let mut padded = String::from_utf8(base64(v, B64_STD)).unwrap();
-            while padded.len() % 4 != 0 {
+            while !padded.len().is_multiple_of(4) {
                 padded.push('=');
             }
             assert_eq!(padded, std_b64(v));

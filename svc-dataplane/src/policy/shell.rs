@@ -189,7 +189,7 @@ impl Parser<'_> {
                     };
                 }
                 '(' => {
-                    if words.iter().all(|w| is_reserved(w)) {
+                    if words.iter().all(is_reserved) {
                         if self.peek_at(1) == Some('(') {
                             // `(( arithmetic ))`
                             self.i += 2;
@@ -971,11 +971,7 @@ fn unwrap_command(words: &[Word], depth: usize, out: &mut Vec<String>) -> Result
                 }
                 return Ok(());
             }
-            let with_arg = match name.as_str() {
-                "flock" => "wE",
-                "chroot" => "",
-                _ => "",
-            };
+            let with_arg = if name == "flock" { "wE" } else { "" };
             let j = skip_options(args, with_arg, &["--userspec", "--groups", "--timeout"]);
             inner(j + 1, out)?;
         }

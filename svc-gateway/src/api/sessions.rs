@@ -245,13 +245,13 @@ pub async fn submit(
     let hash = input_hash(&b.text, policy);
     // The same request again is answered with what it created, whatever the session does now;
     // another request under the same key is a conflict.
-    if let Some(k) = &b.idempotency_key {
-        if let Some(input_id) = existing_input(&s, id, k, &hash).await? {
-            return Ok((
-                StatusCode::OK,
-                Json(json!({"id": input_id, "session_id": id})),
-            ));
-        }
+    if let Some(k) = &b.idempotency_key
+        && let Some(input_id) = existing_input(&s, id, k, &hash).await?
+    {
+        return Ok((
+            StatusCode::OK,
+            Json(json!({"id": input_id, "session_id": id})),
+        ));
     }
     let (waiting, pending): (bool, Vec<Uuid>) = {
         let st: Option<(String,)> =
