@@ -5,9 +5,19 @@
 //!  "tools": {"shell": "ask"},
 //!  "rules": [{"tool": "shell", "match": "rm *", "decision": "deny"}]}
 //! ```
-//! Rules are tried in order against the tool's main argument (a shell command, a file path, a
-//! memory query or text), `*` matching any run of characters and `?` one; then the per-tool
-//! setting; then the default (allow).
+//! Rules are tried in order against the tool's main argument (a file path, a memory query or
+//! text), `*` matching any run of characters and `?` one; then the per-tool setting; then the
+//! default (allow).
+//!
+//! A shell command line is decided per simple command: it is parsed ([`shell`]) into every
+//! simple command it would run (sequences, pipelines, subshells, substitutions, wrappers such as
+//! `env` or `sudo`, nested `sh -c` and `eval`, with quotes removed and program paths also tried
+//! by their basename), each is decided as above, and the line gets the strictest of those
+//! decisions (deny > ask > allow). A line that cannot be analysed without running it (see
+//! [`shell::Opaque`]) gets the strictest decision any shell rule, the shell's tool setting or the
+//! default could give.
+
+pub mod shell;
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -48,6 +58,17 @@ pub struct Policy {
     pub secrets: Vec<String>,
 }
 
+impl Decision {
+    /// deny > ask > allow.
+    fn severity(self) -> u8 {
+        match self {
+            Decision::Allow => 0,
+            Decision::Ask => 1,
+            Decision::Deny => 2,
+        }
+    }
+}
+
 fn allow() -> Decision {
     Decision::Allow
 }
@@ -76,8 +97,47 @@ impl Policy {
     /// The decision for `tool` called with `input`, and the rule that made it.
     pub fn decide(&self, tool: &str, input: &Value) -> (Decision, String) {
         let arg = main_argument(tool, input);
+        if tool != "shell" {
+            return self.decide_one(tool, &arg);
+        }
+        match shell::simple_commands(&arg) {
+            Ok(commands) if commands.is_empty() => self.decide_one(tool, ""),
+            Ok(commands) => {
+                let mut worst: Option<(Decision, String)> = None;
+                for c in &commands {
+                    let (d, why) = self.decide_one(tool, c);
+                    if worst
+                        .as_ref()
+                        .is_none_or(|(w, _)| d.severity() > w.severity())
+                    {
+                        worst = Some((d, format!("{why} for `{c}`")));
+                    }
+                }
+                worst.unwrap_or_else(|| self.decide_one(tool, ""))
+            }
+            Err(shell::Opaque(why)) => {
+                let strictest = self
+                    .rules
+                    .iter()
+                    .filter(|r| r.tool == tool || r.tool == "*")
+                    .map(|r| r.decision)
+                    .chain([self.tools.get(tool).copied().unwrap_or(self.default)])
+                    .max_by_key(|d| d.severity())
+                    .unwrap_or(self.default);
+                (
+                    strictest,
+                    format!(
+                        "the command line cannot be analysed ({why}): the strictest shell decision applies"
+                    ),
+                )
+            }
+        }
+    }
+
+    /// The first rule of `tool` matching `arg`, else the tool's setting, else the default.
+    fn decide_one(&self, tool: &str, arg: &str) -> (Decision, String) {
         for r in &self.rules {
-            if (r.tool == tool || r.tool == "*") && glob(&r.pattern, &arg) {
+            if (r.tool == tool || r.tool == "*") && glob(&r.pattern, arg) {
                 return (
                     r.decision,
                     format!("rule {{tool: {}, match: {:?}}}", r.tool, r.pattern),
@@ -185,6 +245,108 @@ mod tests {
                 .unwrap()
                 .decide("shell", &json!({}))
                 .0,
+            Decision::Allow
+        );
+    }
+
+    fn deny_rm() -> Policy {
+        Policy::from_json(&json!({
+            "rules": [{"tool": "shell", "match": "rm *", "decision": "deny"}]
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_shell_rule_matches_every_simple_command_of_the_line() {
+        let p = deny_rm();
+        for line in [
+            "rm -rf x",
+            "cd . && rm -rf x",
+            "/bin/rm -rf x",
+            "echo $(rm -rf x)",
+            "echo `rm -rf x`",
+            "sh -c \"rm -rf x\"",
+            "bash -c 'cd . ; rm -rf x'",
+            "eval 'rm -rf x'",
+            "(rm -rf x)",
+            "{ rm -rf x; }",
+            "ls | rm -rf x",
+            "true || rm -rf x",
+            "cat <(rm -rf x)",
+            "FOO=1 rm -rf x",
+            "env rm -rf x",
+            "command rm -rf x",
+            "exec rm -rf x",
+            "nice rm -rf x",
+            "nohup rm -rf x",
+            "timeout 5 rm -rf x",
+            "echo x | xargs rm -rf",
+            "sudo rm -rf x",
+            "busybox rm -rf x",
+            "r\"\"m -rf x",
+            "\\rm -rf x",
+            "echo \"$(rm -rf x)\"",
+        ] {
+            let (d, why) = p.decide("shell", &json!({"command": line}));
+            assert_eq!(d, Decision::Deny, "{line:?}: {why}");
+        }
+        for line in ["echo 'rm -rf x'", "ls -l", "cd . && ls", "grep rm file"] {
+            let (d, why) = p.decide("shell", &json!({"command": line}));
+            assert_eq!(d, Decision::Allow, "{line:?}: {why}");
+        }
+    }
+
+    #[test]
+    fn a_line_gets_the_strictest_decision_of_its_commands() {
+        let p = Policy::from_json(&json!({
+            "tools": {"shell": "ask"},
+            "rules": [{"tool": "shell", "match": "echo *", "decision": "allow"},
+                      {"tool": "shell", "match": "ls*", "decision": "allow"},
+                      {"tool": "shell", "match": "curl *", "decision": "deny"}]
+        }))
+        .unwrap();
+        let d = |c: &str| p.decide("shell", &json!({"command": c})).0;
+        assert_eq!(d("echo a && ls"), Decision::Allow);
+        assert_eq!(d("echo a && make"), Decision::Ask);
+        assert_eq!(d("echo $(curl http://x) && make"), Decision::Deny);
+        let (dec, why) = p.decide("shell", &json!({"command": "echo a; curl -s x"}));
+        assert_eq!(dec, Decision::Deny);
+        assert!(why.contains("curl -s x"), "{why}");
+    }
+
+    #[test]
+    fn an_opaque_line_gets_the_strictest_shell_decision() {
+        let p = deny_rm();
+        for line in [
+            "echo 'unbalanced",
+            "$X -rf x",
+            "echo rm -rf x | sh",
+            "/bin/r? -rf x",
+        ] {
+            let (d, why) = p.decide("shell", &json!({"command": line}));
+            assert_eq!(d, Decision::Deny, "{line:?}: {why}");
+            assert!(why.contains("cannot be analysed"), "{why}");
+        }
+        // With only allow rules and an `ask` shell, the strictest is ask.
+        let p = Policy::from_json(&json!({
+            "tools": {"shell": "ask"},
+            "rules": [{"tool": "shell", "match": "ls*", "decision": "allow"}]
+        }))
+        .unwrap();
+        assert_eq!(
+            p.decide("shell", &json!({"command": "$X"})).0,
+            Decision::Ask
+        );
+        // Allow-all stays allow-all.
+        assert_eq!(
+            Policy::default()
+                .decide("shell", &json!({"command": "$X"}))
+                .0,
+            Decision::Allow
+        );
+        // Other tools are matched on their argument as before.
+        assert_eq!(
+            p.decide("read_file", &json!({"path": "a'b"})).0,
             Decision::Allow
         );
     }

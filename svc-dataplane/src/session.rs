@@ -896,7 +896,7 @@ impl Session<'_> {
             out
         };
         if let Ok(values) = &secrets {
-            out.output = agentscope_domain::vault::redact(&out.output, values);
+            out.output = agentscope_domain::vault::Redactor::new(values).redact(&out.output);
         }
         sqlx::query("UPDATE session_tool_calls SET status = 'completed', output = $3, is_error = $4, finished_at = now() WHERE session_id = $1 AND call_id = $2")
             .bind(self.id)

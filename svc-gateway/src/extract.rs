@@ -33,10 +33,20 @@ impl<S: Send + Sync> FromRequestParts<S> for Id {
 }
 
 /// A caller authenticated by a workspace API token. Everything it reads or writes is scoped to
-/// `workspace_id`.
+/// `workspace_id`; what it writes in its own name (comments) is by `token:<token_id>`.
 #[derive(Debug, Clone, Copy)]
 pub struct Auth {
     pub workspace_id: Uuid,
+    /// The `api_tokens` row the caller presented.
+    pub token_id: Uuid,
+}
+
+impl Auth {
+    /// The author of what this credential writes: its token's id, which no request can choose
+    /// (token names can: any token may create another with any name).
+    pub fn author(&self) -> String {
+        format!("token:{}", self.token_id)
+    }
 }
 
 fn bearer(parts: &Parts) -> Option<&str> {
@@ -57,15 +67,18 @@ impl FromRequestParts<AppState> for Auth {
             return Err(ApiError::unauthorized());
         }
         let hash = agentscope_domain::hash_token(token);
-        let row: Option<(Uuid,)> = sqlx::query_as(
-            "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
+        let row: Option<(Uuid, Uuid)> = sqlx::query_as(
+            "SELECT workspace_id, id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
         )
         .bind(hash)
         .fetch_optional(&state.db)
         .await?;
-        let (workspace_id,) = row.ok_or_else(ApiError::unauthorized)?;
+        let (workspace_id, token_id) = row.ok_or_else(ApiError::unauthorized)?;
         tracing::Span::current().record("workspace_id", tracing::field::display(workspace_id));
-        Ok(Auth { workspace_id })
+        Ok(Auth {
+            workspace_id,
+            token_id,
+        })
     }
 }
 

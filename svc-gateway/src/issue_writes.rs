@@ -71,6 +71,9 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
             );
         }
     };
+    // The author is the session the write is for (checked above to be of this workspace),
+    // never the message's `author` field.
+    let author = format!("session:{session}");
     let id = Uuid::now_v7();
     let done = match w.what {
         Some(What::Comment(body)) => {
@@ -81,7 +84,7 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
                 .bind(id)
                 .bind(ws)
                 .bind(issue)
-                .bind(&w.author)
+                .bind(&author)
                 .bind(&body)
                 .execute(&s.db)
                 .await
@@ -116,7 +119,7 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
             .bind(a.content.len() as i64)
             .bind(&sha)
             .bind(&a.content)
-            .bind(&w.author)
+            .bind(&author)
             .execute(&s.db)
             .await
         }

@@ -11,6 +11,7 @@ mod executor;
 mod explain;
 mod failover;
 mod isolation_nats;
+mod isolation_policy;
 mod limits;
 mod managed;
 mod restart;

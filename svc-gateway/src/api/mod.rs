@@ -171,3 +171,29 @@ pub fn openapi(routes: &[Route]) -> Value {
         },
     })
 }
+
+/// The hash stored with an idempotency key: SHA-256 of the request's normalized JSON (the
+/// fields that define it, with defaults filled in, built by one `json!` in a fixed order, so
+/// the same request always serializes the same).
+pub(crate) fn request_hash(normalized: &Value) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(normalized.to_string().as_bytes()))
+}
+
+/// Refuses a request whose key was first used with another request. A record made before
+/// hashes were stored (no hash) is taken as the same request.
+pub(crate) fn same_request(
+    key: &str,
+    stored: Option<&str>,
+    hash: &str,
+) -> crate::error::ApiResult<()> {
+    match stored {
+        Some(stored) if stored != hash => Err(crate::error::ApiError::conflict(
+            "idempotency_conflict",
+            format!(
+                "the idempotency key `{key}` was already used with a different request; send the same request to get its result, or use a new key"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}

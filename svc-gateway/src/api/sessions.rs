@@ -46,6 +46,36 @@ pub struct NewInput {
     when_awaiting_approval: Option<String>,
 }
 
+/// What makes two inputs the same request (everything but the key).
+fn input_hash(text: &str, when_awaiting_approval: &str) -> String {
+    crate::api::request_hash(
+        &json!({"text": text, "when_awaiting_approval": when_awaiting_approval}),
+    )
+}
+
+/// The input an earlier submission with `key` created, if the request was the same.
+async fn existing_input(
+    s: &AppState,
+    session_id: Uuid,
+    key: &str,
+    hash: &str,
+) -> ApiResult<Option<Uuid>> {
+    let existing: Option<(Uuid, Option<String>)> = sqlx::query_as(
+        "SELECT id, request_hash FROM session_inputs WHERE session_id = $1 AND idempotency_key = $2",
+    )
+    .bind(session_id)
+    .bind(key)
+    .fetch_optional(&s.db)
+    .await?;
+    match existing {
+        Some((id, stored)) => {
+            crate::api::same_request(key, stored.as_deref(), hash)?;
+            Ok(Some(id))
+        }
+        None => Ok(None),
+    }
+}
+
 fn check_input(text: &str) -> ApiResult<()> {
     if text.trim().is_empty() || text.len() > MAX_INPUT {
         return Err(ApiError::bad_request(
@@ -137,11 +167,19 @@ pub async fn create(
         }
     }
     let id = Uuid::now_v7();
+    let hash = crate::api::request_hash(&json!({
+        "agent_id": b.agent_id,
+        "environment": environment,
+        "worker": b.worker,
+        "issue_id": b.issue_id,
+        "input": b.input,
+    }));
     // The same request again (same idempotency key) is the session it created: a unique key per
-    // workspace, so concurrent duplicates make one session.
+    // workspace, so concurrent duplicates make one session. Another request under the same key
+    // is a conflict.
     let created: Option<(Uuid,)> = sqlx::query_as(
-        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker, issue_id, idempotency_key)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+        "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker, issue_id, idempotency_key, request_hash)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
          ON CONFLICT (workspace_id, idempotency_key) DO NOTHING RETURNING id",
     )
     .bind(id)
@@ -152,27 +190,31 @@ pub async fn create(
     .bind(&b.worker)
     .bind(b.issue_id)
     .bind(&b.idempotency_key)
+    .bind(&hash)
     .fetch_optional(&mut *tx)
     .await?;
     if created.is_none() {
         tx.rollback().await?;
-        let (sid,): (Uuid,) = sqlx::query_as(
-            "SELECT id FROM sessions WHERE workspace_id = $1 AND idempotency_key = $2",
+        let (sid, stored): (Uuid, Option<String>) = sqlx::query_as(
+            "SELECT id, request_hash FROM sessions WHERE workspace_id = $1 AND idempotency_key = $2",
         )
         .bind(auth.workspace_id)
         .bind(&b.idempotency_key)
         .fetch_one(&s.db)
         .await?;
+        let key = b.idempotency_key.as_deref().unwrap_or_default();
+        crate::api::same_request(key, stored.as_deref(), &hash)?;
         return Ok((StatusCode::OK, Json(session_json(&s, auth, sid).await?)));
     }
     sqlx::query(
-        "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key) VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key, request_hash) VALUES ($1, $2, $3, $4, $5, $6)",
     )
     .bind(Uuid::now_v7())
     .bind(id)
     .bind(auth.workspace_id)
     .bind(&b.input)
     .bind(&b.idempotency_key)
+    .bind(input_hash(&b.input, "reject"))
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -200,21 +242,16 @@ pub async fn submit(
         ));
     }
     own_session(&s, auth, id).await?;
-    // The same request again is answered with what it created, whatever the session does now.
-    if let Some(k) = &b.idempotency_key {
-        let existing: Option<(Uuid,)> = sqlx::query_as(
-            "SELECT id FROM session_inputs WHERE session_id = $1 AND idempotency_key = $2",
-        )
-        .bind(id)
-        .bind(k)
-        .fetch_optional(&s.db)
-        .await?;
-        if let Some((input_id,)) = existing {
-            return Ok((
-                StatusCode::OK,
-                Json(json!({"id": input_id, "session_id": id})),
-            ));
-        }
+    let hash = input_hash(&b.text, policy);
+    // The same request again is answered with what it created, whatever the session does now;
+    // another request under the same key is a conflict.
+    if let Some(k) = &b.idempotency_key
+        && let Some(input_id) = existing_input(&s, id, k, &hash).await?
+    {
+        return Ok((
+            StatusCode::OK,
+            Json(json!({"id": input_id, "session_id": id})),
+        ));
     }
     let (waiting, pending): (bool, Vec<Uuid>) = {
         let st: Option<(String,)> =
@@ -270,7 +307,7 @@ pub async fn submit(
     }
     let input_id = Uuid::now_v7();
     let inserted = sqlx::query(
-        "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key) VALUES ($1, $2, $3, $4, $5)
+        "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key, request_hash) VALUES ($1, $2, $3, $4, $5, $6)
          ON CONFLICT (session_id, idempotency_key) DO NOTHING",
     )
     .bind(input_id)
@@ -278,6 +315,7 @@ pub async fn submit(
     .bind(auth.workspace_id)
     .bind(&b.text)
     .bind(&b.idempotency_key)
+    .bind(&hash)
     .execute(&s.db)
     .await?
     .rows_affected();
@@ -285,14 +323,12 @@ pub async fn submit(
         nudge(&s, id).await;
         input_id
     } else {
-        // The same request again: the input it created the first time.
-        sqlx::query_scalar(
-            "SELECT id FROM session_inputs WHERE session_id = $1 AND idempotency_key = $2",
-        )
-        .bind(id)
-        .bind(&b.idempotency_key)
-        .fetch_one(&s.db)
-        .await?
+        // A concurrent request with the same key won the race: the input it created, if the
+        // request was the same.
+        let key = b.idempotency_key.as_deref().unwrap_or_default();
+        existing_input(&s, id, key, &hash)
+            .await?
+            .ok_or_else(|| ApiError::Db(sqlx::Error::RowNotFound))?
     };
     let status = if inserted == 1 {
         StatusCode::ACCEPTED

@@ -110,6 +110,7 @@ pub async fn create_issue(
                 &b.input,
                 None,
                 None,
+                None,
             )
             .await?,
         ),
@@ -173,7 +174,10 @@ async fn own_issue(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
 #[serde(deny_unknown_fields)]
 pub struct NewComment {
     body: String,
+    /// Ignored: the author is the credential's (`token:<id>`), never the body's. Still accepted
+    /// so that older clients keep working; the response shows the recorded author.
     #[serde(default)]
+    #[allow(dead_code)]
     author: Option<String>,
 }
 
@@ -189,8 +193,10 @@ pub async fn create_comment(
             "`body` must be 1 byte to 64 KiB",
         ));
     }
-    let author = b.author.unwrap_or_else(|| "api".into());
-    check_name("author", &author)?;
+    if let Some(a) = &b.author {
+        check_name("author", a)?;
+    }
+    let author = auth.author();
     own_issue(&s, auth, issue).await?;
     let id = Uuid::now_v7();
     sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
@@ -235,8 +241,23 @@ pub struct NewTask {
     #[serde(default)]
     input: String,
     timeout_secs: Option<i32>,
-    /// Submitting twice with the same key creates one task.
+    /// Submitting twice with the same key creates one task; the same key with another request
+    /// is `409 idempotency_conflict`.
     idempotency_key: Option<String>,
+}
+
+impl NewTask {
+    /// What makes two submissions the same request (everything but the key).
+    fn request_hash(&self) -> String {
+        crate::api::request_hash(&json!({
+            "agent_id": self.agent_id,
+            "issue_id": self.issue_id,
+            "repository": self.repository,
+            "branch": self.branch,
+            "input": self.input,
+            "timeout_secs": self.timeout_secs,
+        }))
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -250,11 +271,12 @@ async fn insert_task(
     input: &str,
     timeout_secs: Option<i32>,
     idempotency_key: Option<&str>,
+    request_hash: Option<&str>,
 ) -> ApiResult<Uuid> {
     let id = Uuid::now_v7();
     sqlx::query(
-        "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key, request_hash)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
     )
     .bind(id)
     .bind(workspace_id)
@@ -265,6 +287,7 @@ async fn insert_task(
     .bind(input)
     .bind(timeout_secs)
     .bind(idempotency_key)
+    .bind(request_hash)
     .execute(&mut **tx)
     .await?;
     Ok(id)
@@ -315,15 +338,10 @@ pub async fn create_task(
             "`timeout_secs` must be positive",
         ));
     }
+    let hash = b.request_hash();
     if let Some(k) = &b.idempotency_key {
         check_name("idempotency_key", k)?;
-        let existing: Option<(Uuid,)> =
-            sqlx::query_as("SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2")
-                .bind(auth.workspace_id)
-                .bind(k)
-                .fetch_optional(&s.db)
-                .await?;
-        if let Some((id,)) = existing {
+        if let Some(id) = existing_task(&s, auth, k, &hash).await? {
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
     }
@@ -354,20 +372,20 @@ pub async fn create_task(
         &b.input,
         b.timeout_secs,
         b.idempotency_key.as_deref(),
+        Some(&hash),
     )
     .await
     {
         Ok(id) => id,
-        Err(ApiError::Db(sqlx::Error::Database(e))) if e.is_unique_violation() => {
+        Err(ApiError::Db(sqlx::Error::Database(e)))
+            if e.is_unique_violation() && b.idempotency_key.is_some() =>
+        {
             // A concurrent request with the same key won the race.
             drop(tx);
-            let (id,): (Uuid,) = sqlx::query_as(
-                "SELECT id FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2",
-            )
-            .bind(auth.workspace_id)
-            .bind(b.idempotency_key.as_deref())
-            .fetch_one(&s.db)
-            .await?;
+            let key = b.idempotency_key.as_deref().unwrap_or_default();
+            let id = existing_task(&s, auth, key, &hash)
+                .await?
+                .ok_or_else(|| ApiError::Db(sqlx::Error::RowNotFound))?;
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
         Err(e) => return Err(e),
@@ -375,6 +393,25 @@ pub async fn create_task(
     tx.commit().await?;
     submit(&s, auth.workspace_id, id).await;
     Ok((StatusCode::CREATED, Json(task_json(&s, auth, id).await?)))
+}
+
+/// The task an earlier submission with `key` created, if the request was the same; another
+/// request under the same key is `409 idempotency_conflict`.
+async fn existing_task(s: &AppState, auth: Auth, key: &str, hash: &str) -> ApiResult<Option<Uuid>> {
+    let existing: Option<(Uuid, Option<String>)> = sqlx::query_as(
+        "SELECT id, request_hash FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2",
+    )
+    .bind(auth.workspace_id)
+    .bind(key)
+    .fetch_optional(&s.db)
+    .await?;
+    match existing {
+        Some((id, stored)) => {
+            crate::api::same_request(key, stored.as_deref(), hash)?;
+            Ok(Some(id))
+        }
+        None => Ok(None),
+    }
 }
 
 const ATTEMPT_JSON: &str = "json_build_object('id', a.id, 'task_id', a.task_id, 'number', a.number, 'status', a.status,

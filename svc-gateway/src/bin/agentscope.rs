@@ -303,13 +303,8 @@ enum IssuesCmd {
     List,
     /// Show an issue with its tasks and comments.
     Show { id: String },
-    /// Comment on an issue; prints the comment's id.
-    Comment {
-        id: String,
-        body: String,
-        #[arg(long)]
-        author: Option<String>,
-    },
+    /// Comment on an issue (as this token); prints the comment's id.
+    Comment { id: String, body: String },
 }
 
 #[derive(Subcommand)]
@@ -1375,9 +1370,9 @@ async fn issues(api: &Api, cmd: IssuesCmd, json: bool) -> Result<()> {
                 }
             }
         }
-        IssuesCmd::Comment { id, body, author } => {
+        IssuesCmd::Comment { id, body } => {
             let id = id_arg("issue", &id)?;
-            let req = object(vec![("body", Some(json!(body))), ("author", opt(&author))]);
+            let req = object(vec![("body", Some(json!(body)))]);
             let v = api.post(&format!("/v1/issues/{id}/comments"), req).await?;
             if json {
                 print_json(&v)
