@@ -338,7 +338,7 @@ async fn a_provider_printing_its_environment_records_no_credential_and_leaves_no
 fn step_script(s: &str) -> String {
     format!(
         r#"S={s}
-if mkdir "$S/victim.d" 2>/dev/null; then
+if mkdir -m 755 "$S/victim.d" 2>/dev/null; then
   echo "$AGENTSCOPE_TASK_DIR" > "$S/victim.d/dir.tmp"; chmod 644 "$S/victim.d/dir.tmp"; mv "$S/victim.d/dir.tmp" "$S/victim.d/dir"
   i=0; while [ ! -e "$S/attack.done" ] && [ $i -lt 1800 ]; do sleep 0.05; i=$((i+1)); done
   echo "victim step-done"
