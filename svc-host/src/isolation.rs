@@ -675,4 +675,66 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         std::fs::remove_file(&outside).unwrap();
     }
+
+    #[test]
+    fn two_hosts_sharing_the_lock_dir_never_hand_out_one_uid_twice() {
+        let dir = std::env::temp_dir().join(format!("agentscope-locks-{}", uuid::Uuid::new_v4()));
+        let range = UidRange {
+            first: 1_900_009_000,
+            last: 1_900_009_002,
+        };
+        // Both start at the same uid.
+        let h1 = Identities::open(range, &dir, 0).unwrap();
+        let h2 = Identities::open(range, &dir, 0).unwrap();
+        let a = h1.acquire().unwrap();
+        let b = h2.acquire().unwrap();
+        let c = h1.acquire().unwrap();
+        let mut uids = vec![a.who.uid, b.who.uid, c.who.uid];
+        uids.sort();
+        assert_eq!(uids, [1_900_009_000, 1_900_009_001, 1_900_009_002]);
+        assert!(matches!(h2.acquire(), Err(Error::Exhausted { .. })));
+        let freed = b.who.uid;
+        assert!(h2.release(b).is_empty());
+        assert_eq!(
+            h1.acquire().unwrap().who.uid,
+            freed,
+            "a released uid is free again"
+        );
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_provider_process_runs_without_groups_or_a_way_back_to_root() {
+        use std::os::unix::process::CommandExt;
+        let who = RunAs {
+            uid: 1_900_009_500,
+            gid: 1_900_009_500,
+        };
+        let mut cmd = std::process::Command::new("/bin/sh");
+        cmd.args([
+            "-c",
+            "id -u; id -G; grep NoNewPrivs /proc/self/status; umask",
+        ])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin");
+        // SAFETY: drop_privileges makes only async-signal-safe system calls.
+        unsafe {
+            cmd.pre_exec(move || drop_privileges(who));
+        }
+        let out = cmd.output();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(out.is_err(), "only root can switch");
+            return;
+        }
+        let out = out.unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        assert_eq!(
+            lines,
+            ["1900009500", "1900009500", "NoNewPrivs:\t1", "0077"],
+            "{text}"
+        );
+    }
 }
