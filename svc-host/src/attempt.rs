@@ -2,8 +2,9 @@
 //! every event in order, and stop at once when the lease is lost.
 
 use crate::Ctx;
+use crate::isolation;
 use crate::journal::{self, Entry};
-use crate::provider::{self, TaskDir};
+use crate::provider::{self, RunAs, TaskDir};
 use agentscope_bus::subjects;
 use agentscope_domain::FailureClass;
 use agentscope_schemas::Message;
@@ -36,25 +37,34 @@ pub struct EventSink {
     entry: Entry,
     subject: String,
     lease_lost: CancellationToken,
+    /// Replaced by `[REDACTED:NAME]` in every event (the task credential, the host's keys).
+    secrets: Vec<(String, String)>,
 }
 
 impl EventSink {
-    pub fn new(ctx: Ctx, entry: Entry, lease_lost: CancellationToken) -> Self {
+    pub fn new(
+        ctx: Ctx,
+        entry: Entry,
+        lease_lost: CancellationToken,
+        secrets: Vec<(String, String)>,
+    ) -> Self {
         let subject = subjects::events(&ctx.host_id.to_string(), &entry.attempt_id);
         Self {
             ctx,
             entry,
             subject,
             lease_lost,
+            secrets,
         }
     }
 
     /// Publishes and waits for the stream's acknowledgement, retrying transient failures while
     /// the lease holds. Returns false when the event could not be delivered.
-    pub async fn emit(&mut self, body: Body) -> bool {
+    pub async fn emit(&mut self, mut body: Body) -> bool {
         if self.lease_lost.is_cancelled() {
             return false;
         }
+        isolation::redact_body(&mut body, &self.secrets);
         if let Body::SessionStarted(s) = &body {
             // Kept in the journal for recovery (resume needs it).
             self.entry.provider_session_id = s.provider_session_id.clone();
@@ -74,6 +84,8 @@ impl EventSink {
             let mut ev = ev;
             if let Some(body) = ev.body.as_mut() {
                 shrink(body, agentscope_bus::MAX_MESSAGE_BYTES / 4);
+                // A cut may end inside a secret.
+                isolation::redact_body(body, &self.secrets);
             }
             payload = ev.encode_to_vec();
         }
@@ -157,7 +169,7 @@ async fn request_approval(
     req: &provider::ControlRequest,
     timeout_ms: u32,
 ) {
-    let input_json = req.input.to_string();
+    let input_json = isolation::redact_text(&req.input.to_string(), &sink.secrets);
     sink.emit(Body::ApprovalRequested(
         agentscope_schemas::v1::ApprovalRequested {
             request_id: req.request_id.clone(),
@@ -378,7 +390,12 @@ pub async fn run(
             assignment_hex: hex::encode(a.encode_to_vec()),
             saved_at_ms: agentscope_bus::now_ms(),
         });
-        let mut sink = EventSink::new(ctx.clone(), entry, stops.lease_lost.clone());
+        let mut sink = EventSink::new(
+            ctx.clone(),
+            entry,
+            stops.lease_lost.clone(),
+            isolation::secrets_of_attempt(&a.task_token),
+        );
         if resuming.is_none() {
             sink.set_state("claimed");
         }
@@ -390,16 +407,63 @@ pub async fn run(
             renew_done.clone(),
         ));
 
-        let outcome = execute(
-            &ctx,
-            &a,
-            &mut sink,
-            &stops,
-            &mut decisions,
-            resuming.as_deref(),
-            false,
-        )
-        .await;
+        // The attempt's own uid, held until its last process is gone.
+        let lease = match ctx.identities.clone() {
+            None => Ok(None),
+            Some(ids) => tokio::task::spawn_blocking(move || ids.acquire().map(Some))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(isolation::Error::Io {
+                        action: "acquire a uid",
+                        path: Default::default(),
+                        source: std::io::Error::other(e),
+                    })
+                }),
+        };
+        let outcome = match &lease {
+            Ok(l) => {
+                execute(
+                    &ctx,
+                    &a,
+                    &mut sink,
+                    &stops,
+                    &mut decisions,
+                    resuming.as_deref(),
+                    false,
+                    l.as_ref().map(|l| l.who),
+                )
+                .await
+            }
+            Err(e) => failed(FailureClass::Internal, format!("{e}")),
+        };
+        if let (Ok(Some(lease)), Some(ids)) = (lease, ctx.identities.clone()) {
+            let uid = lease.who.uid;
+            let root = ctx.tasks_dir.join(&a.attempt_id);
+            let left = tokio::task::spawn_blocking(move || {
+                // Whatever escaped the process group and the marker dies with the uid; then the
+                // directory goes back to the host, so that the uid's next holder cannot reach it.
+                let left = isolation::uid_processes(uid);
+                let survivors = ids.release(lease);
+                if root.is_dir()
+                    && let Err(e) = isolation::chown_tree(&root, RunAs { uid: 0, gid: 0 })
+                {
+                    tracing::error!(error = %e, "take the task directory back");
+                }
+                (left.len(), survivors)
+            })
+            .await;
+            match left {
+                Ok((n, survivors)) if n > 0 || !survivors.is_empty() => {
+                    tracing::warn!(
+                        uid,
+                        killed = n,
+                        survivors = survivors.len(),
+                        "processes of the attempt outlived its provider and were killed"
+                    )
+                }
+                _ => {}
+            }
+        }
         if !stops.lease_lost.is_cancelled() {
             let (state, class, detail, exit) = outcome;
             sink.lifecycle(state, class, detail, exit).await;
@@ -421,6 +485,7 @@ fn failed(class: FailureClass, detail: impl Into<String>) -> Outcome {
     (AttemptState::Failed, Some(class), detail.into(), None)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn execute(
     ctx: &Ctx,
     a: &AttemptAssignment,
@@ -429,6 +494,7 @@ async fn execute(
     decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,
     resume: Option<&str>,
     fresh_only: bool,
+    who: Option<RunAs>,
 ) -> Outcome {
     let spec = a.spec.clone().unwrap_or_default();
     let Some(adapter) = ctx.adapter(&spec.provider) else {
@@ -561,23 +627,36 @@ async fn execute(
             );
         }
         if let Some(parent) = path.parent()
-            && let Err(e) = tokio::fs::create_dir_all(parent).await
+            && let Err(e) = isolation::create_private_dir(parent)
         {
             return failed(
                 FailureClass::TaskDir,
                 format!("create {}: {e}", parent.display()),
             );
         }
-        if let Err(e) = tokio::fs::write(&path, content).await {
+        // Adapter files hold the task credential (MCP configurations): owner only.
+        if let Err(e) = isolation::write_private(&path, content.as_bytes()) {
             return failed(
                 FailureClass::TaskDir,
                 format!("write {}: {e}", path.display()),
             );
         }
     }
-    if let Some(who) = ctx.run_as {
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Err(e) = std::fs::set_permissions(&dir.root, std::fs::Permissions::from_mode(0o700))
+        {
+            return failed(
+                FailureClass::TaskDir,
+                format!("chmod {}: {e}", dir.root.display()),
+            );
+        }
+    }
+    // The whole directory is the attempt's: also an earlier attempt's copied HOME, or the
+    // directory a restarted host resumes in.
+    if let Some(who) = who {
         let root = dir.root.clone();
-        let owned = tokio::task::spawn_blocking(move || provider::chown_tree(&root, who)).await;
+        let owned = tokio::task::spawn_blocking(move || isolation::chown_tree(&root, who)).await;
         if let Ok(Err(e)) | Err(e) = owned.map_err(std::io::Error::other) {
             return failed(
                 FailureClass::TaskDir,
@@ -586,22 +665,47 @@ async fn execute(
         }
     }
     let mut cmd = tokio::process::Command::new(&launch.argv[0]);
-    if let Some(who) = ctx.run_as {
-        cmd.uid(who.uid).gid(who.gid);
+    if let Some(who) = who {
+        // SAFETY: drop_privileges makes only async-signal-safe system calls, no allocation.
+        unsafe {
+            cmd.pre_exec(move || isolation::drop_privileges(who));
+        }
+    }
+    let user = isolation::user_name(who);
+    let mut env = launch.env.clone();
+    for (k, v) in [
+        ("USER", user.clone()),
+        ("LOGNAME", user),
+        ("AGENTSCOPE_TASK_ID", a.task_id.clone()),
+        ("AGENTSCOPE_ATTEMPT_ID", a.attempt_id.clone()),
+        ("AGENTSCOPE_WORKSPACE_ID", a.workspace_id.clone()),
+        (
+            "AGENTSCOPE_TASK_DIR",
+            dir.root.to_string_lossy().into_owned(),
+        ),
+        (
+            "AGENTSCOPE_INPUT_DIR",
+            dir.input_dir.to_string_lossy().into_owned(),
+        ),
+        ("AGENTSCOPE_API", ctx.config.api_url.clone()),
+        ("AGENTSCOPE_TASK_TOKEN", a.task_token.clone()),
+        ("PATH", ctx.executor_path().to_string_lossy().into_owned()),
+    ] {
+        env.push((k.to_string(), v));
+    }
+    // Nothing of the host's own environment (its token, its settings) leaks through: the
+    // environment is cleared and only allow-listed variables are set.
+    let (env, refused) = isolation::filter_env(env);
+    if !refused.is_empty() {
+        tracing::error!(
+            ?refused,
+            "variables outside the allow-list not passed to the provider"
+        );
     }
     cmd.args(&launch.argv[1..])
         .current_dir(&launch.cwd)
-        // Nothing of the host's own environment (its token, its credentials) leaks through.
         .env_clear()
-        .envs(launch.env.iter().map(|(k, v)| (k, v)))
-        .env("AGENTSCOPE_TASK_ID", &a.task_id)
-        .env("AGENTSCOPE_ATTEMPT_ID", &a.attempt_id)
-        .env("AGENTSCOPE_WORKSPACE_ID", &a.workspace_id)
-        .env("AGENTSCOPE_TASK_DIR", &dir.root)
-        .env("AGENTSCOPE_INPUT_DIR", &dir.input_dir)
-        .env("AGENTSCOPE_API", &ctx.config.api_url)
-        .env("AGENTSCOPE_TASK_TOKEN", &a.task_token)
-        .env("PATH", ctx.executor_path())
+        .envs(env)
         .stdin(if launch.stdin.is_some() {
             Stdio::piped()
         } else {
@@ -822,7 +926,7 @@ async fn execute(
     if rejected && !fresh_only && (turn_failed || !status.as_ref().is_ok_and(|s| s.success())) {
         provider::kill_marked(&marker).await;
         sink.diag("warn", "resume_rejected", "the provider rejected the session resume; starting a fresh session in this attempt, once").await;
-        return Box::pin(execute(ctx, a, sink, stops, decisions, None, true)).await;
+        return Box::pin(execute(ctx, a, sink, stops, decisions, None, true, who)).await;
     }
     // The leader exited; stragglers of its tree must not outlive the attempt.
     let stragglers = tokio::task::spawn_blocking(move || !provider::group_members(pgid).is_empty())
@@ -898,14 +1002,10 @@ async fn prepare(
     let input_dir = root.join("input");
     let home = root.join("home");
     let tmp = root.join("tmp");
-    for d in [&home, &tmp] {
-        tokio::fs::create_dir_all(d)
-            .await
-            .map_err(|e| format!("create {}: {e}", d.display()))?;
+    // The task directory is its attempt's only (0700; given to the attempt's uid before start).
+    for d in [&root, &home, &tmp, &input_dir] {
+        isolation::create_private_dir(d).map_err(|e| format!("create {}: {e}", d.display()))?;
     }
-    tokio::fs::create_dir_all(&input_dir)
-        .await
-        .map_err(|e| format!("create {}: {e}", input_dir.display()))?;
     let repo = if spec.repository.is_empty() {
         None
     } else {
@@ -960,8 +1060,12 @@ async fn clone(
         cmd.arg("--branch").arg(branch);
     }
     cmd.arg("--").arg(repository).arg(dest);
-    // Its own process group, so that a cancel stops git's helpers too.
-    cmd.env("GIT_TERMINAL_PROMPT", "0")
+    // Its own process group, so that a cancel stops git's helpers too; none of the host's
+    // environment (its token) but a PATH.
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("LANG", "C.UTF-8")
+        .env("GIT_TERMINAL_PROMPT", "0")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

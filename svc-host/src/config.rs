@@ -33,9 +33,17 @@ pub struct Config {
     /// The API executors reach with their task credential (the gateway's address as seen from
     /// this host).
     pub api_url: String,
-    /// The user providers run as: `auto` (`nobody` when the host runs as root, else the host's
-    /// own user), `none` (never switch), or a user name.
+    /// How providers run: `auto` (each attempt under its own uid from `run_as_uids` when the
+    /// host runs as root, else as the host's own user, with a warning at start-up) or `none`
+    /// (never switch: providers run as the host's user, root included; a trusted single-user
+    /// install only).
     pub run_as: String,
+    /// The uids (and equal gids) attempts run under, `first-last`: at least `capacity` of them,
+    /// used by nothing else on the machine.
+    pub run_as_uids: String,
+    /// Where hosts of this machine lock the uids they hand out (shared by every host of the
+    /// machine, so that two hosts never give one uid to two running attempts).
+    pub run_as_lock_dir: String,
     /// Comma-separated providers this host offers (each is discovered at start-up).
     pub providers: String,
     /// Directory holding the `agentscope` CLI executors use; default: next to svc-host.
@@ -60,6 +68,8 @@ impl Config {
             .set_default("api_url", "http://127.0.0.1:8080")?
             .set_default("providers", "command,claude-code,codex,opencode,openclaw")?
             .set_default("run_as", "auto")?
+            .set_default("run_as_uids", crate::isolation::DEFAULT_UID_RANGE)?
+            .set_default("run_as_lock_dir", "/run/agentscope/uids")?
             .set_default("log_format", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
@@ -95,6 +105,24 @@ impl Config {
                     agentscope_domain::KNOWN_PROVIDERS.join(", ")
                 )));
             }
+        }
+        match self.run_as.as_str() {
+            "auto" | "none" => {}
+            other => {
+                return Err(config::ConfigError::Message(format!(
+                    "run_as must be auto or none, not `{other}` (a named user shared by every \
+                     attempt is no longer supported: attempts get their own uid from run_as_uids)"
+                )));
+            }
+        }
+        let range = crate::isolation::UidRange::parse(&self.run_as_uids)
+            .map_err(config::ConfigError::Message)?;
+        if range.len() < self.capacity {
+            return Err(config::ConfigError::Message(format!(
+                "run_as_uids holds {} uids, fewer than capacity {}",
+                range.len(),
+                self.capacity
+            )));
         }
         if self.max_line_bytes < 1024 {
             return bad("max_line_bytes must be at least 1024");

@@ -28,10 +28,18 @@ fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
 
 /// Writes `bytes` to `path` atomically: a reader (or a restarted host after a crash of this
 /// process) sees the old or the new content, never a mix. `durable` also survives power loss.
+/// The file is its owner's only (0600).
 pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> Result<(), Error> {
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io("create", &tmp))?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io("create", &tmp))?;
     f.write_all(bytes).map_err(io("write", &tmp))?;
     if durable {
         f.sync_all().map_err(io("sync", &tmp))?;

@@ -5,6 +5,7 @@
 pub mod agents;
 pub mod attempt;
 mod config;
+pub mod isolation;
 pub mod journal;
 pub mod provider;
 pub mod providers;
@@ -43,8 +44,9 @@ pub struct Ctx {
     pub leases: jetstream::kv::Store,
     pub journal: journal::Journal,
     pub tasks_dir: PathBuf,
-    /// The unprivileged user providers run as, when the host runs as root.
-    pub run_as: Option<provider::RunAs>,
+    /// The uids attempts run under, when the host runs as root (None: providers run as the
+    /// host's own user).
+    pub identities: Option<Arc<isolation::Identities>>,
     adapters: Arc<Vec<Box<dyn Adapter>>>,
     lease_ttl_ms: Arc<AtomicU64>,
     state: Arc<Mutex<State>>,
@@ -188,14 +190,8 @@ impl App {
         let tasks_dir = state_dir.join("tasks");
         std::fs::create_dir_all(&tasks_dir)
             .with_context(|| format!("create {}", tasks_dir.display()))?;
-        let run_as = provider::resolve_run_as(&config.run_as).map_err(anyhow::Error::msg)?;
-        if let Some(r) = run_as {
-            tracing::info!(
-                uid = r.uid,
-                gid = r.gid,
-                "providers run as an unprivileged user"
-            );
-        }
+        isolation::secure_state(&state_dir, &tasks_dir).context("secure the state directory")?;
+        let identities = identities(&config, host_id)?;
         let nats = agentscope_bus::connect(
             &config.nats_url,
             "svc-host",
@@ -230,7 +226,7 @@ impl App {
             leases,
             journal,
             tasks_dir,
-            run_as,
+            identities,
             adapters: Arc::new(adapters),
             lease_ttl_ms: Arc::new(AtomicU64::new(15_000)),
             state: Arc::new(Mutex::new(State::default())),
@@ -330,6 +326,42 @@ impl App {
         tracing::info!("svc-host stopped");
         Ok(())
     }
+}
+
+/// Per-attempt uids when the host runs as root and `run_as` is `auto`; otherwise providers run
+/// as the host's own user, which is said once at start-up.
+fn identities(
+    config: &Config,
+    host_id: Uuid,
+) -> anyhow::Result<Option<Arc<isolation::Identities>>> {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if config.run_as == "none" {
+        tracing::warn!(
+            root,
+            "run_as = none: providers run as the host's own user, with access to everything it can reach; tasks are not isolated from each other"
+        );
+        return Ok(None);
+    }
+    if !root {
+        tracing::warn!(
+            "the host does not run as root and cannot switch uid: providers run as the host's own user; tasks on this host are not isolated from each other"
+        );
+        return Ok(None);
+    }
+    let range = isolation::UidRange::parse(&config.run_as_uids).map_err(anyhow::Error::msg)?;
+    let ids = isolation::Identities::open(
+        range,
+        std::path::Path::new(&config.run_as_lock_dir),
+        host_id.as_u128() as u32,
+    )
+    .context("open the uid locks")?;
+    tracing::info!(
+        first = range.first,
+        last = range.last,
+        "each attempt runs under its own uid"
+    );
+    Ok(Some(Arc::new(ids)))
 }
 
 /// Provider discovery (H1, H4): each adapter probes its CLI (installed, version, credentials).

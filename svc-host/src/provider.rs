@@ -152,17 +152,21 @@ pub fn base_env(dir: &TaskDir) -> Vec<(String, String)> {
         ("TMPDIR".to_string(), dir.tmp.to_string_lossy().into_owned()),
         ("LANG".to_string(), "C.UTF-8".to_string()),
     ];
-    for k in ["TERM", "TZ"] {
-        if let Ok(v) = std::env::var(k) {
-            env.push((k.to_string(), v));
-        }
-    }
+    pass_through(&mut env, &["TERM", "TZ"]);
     env
 }
 
-/// Copies the named variables from the host's environment when set.
+/// Copies the named variables from the host's environment when set; only names of
+/// [`crate::isolation::HOST_ENV_PASSED`] are ever copied.
 pub fn pass_through(env: &mut Vec<(String, String)>, names: &[&str]) {
     for n in names {
+        if !crate::isolation::HOST_ENV_PASSED.contains(n) {
+            tracing::error!(
+                name = n,
+                "not in the environment allow-list; not passed to the provider"
+            );
+            continue;
+        }
         if let Ok(v) = std::env::var(n) {
             env.push((n.to_string(), v));
         }
@@ -481,49 +485,9 @@ mod tests {
     }
 }
 
-/// The unprivileged user providers run as, resolved from the `run_as` setting.
+/// The unprivileged identity one attempt's provider runs as (see `isolation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunAs {
     pub uid: u32,
     pub gid: u32,
-}
-
-/// Resolves `run_as`: `auto` is `nobody` when this process is root and no switch otherwise,
-/// `none` never switches, anything else names a user.
-pub fn resolve_run_as(setting: &str) -> Result<Option<RunAs>, String> {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let name = match setting {
-        "none" => return Ok(None),
-        "auto" if !root => return Ok(None),
-        "auto" => "nobody",
-        other => other,
-    };
-    if !root {
-        return Err(format!("run_as `{name}` needs the host to run as root"));
-    }
-    let cname = std::ffi::CString::new(name).map_err(|_| format!("invalid user name `{name}`"))?;
-    // SAFETY: getpwnam reads the passwd database; the returned pointer is read before any other
-    // call that could overwrite it.
-    let pw = unsafe { libc::getpwnam(cname.as_ptr()) };
-    if pw.is_null() {
-        return Err(format!("run_as: no user `{name}` on this host"));
-    }
-    // SAFETY: pw is non-null and points to a valid passwd entry.
-    let (uid, gid) = unsafe { ((*pw).pw_uid, (*pw).pw_gid) };
-    if uid == 0 {
-        return Err("run_as must not be root".into());
-    }
-    Ok(Some(RunAs { uid, gid }))
-}
-
-/// Gives the whole tree at `root` to `who` (symlinks themselves, never their targets).
-pub fn chown_tree(root: &Path, who: RunAs) -> std::io::Result<()> {
-    std::os::unix::fs::lchown(root, Some(who.uid), Some(who.gid))?;
-    if root.is_dir() && !root.is_symlink() {
-        for entry in std::fs::read_dir(root)? {
-            chown_tree(&entry?.path(), who)?;
-        }
-    }
-    Ok(())
 }

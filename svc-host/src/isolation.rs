@@ -1,0 +1,740 @@
+//! Isolation of hosted work from other tasks and from the host: one unprivileged identity per
+//! attempt (uid and gid from a configured range, exclusive on the machine while the attempt's
+//! processes live), the explicit environment allow-list of provider processes, the permissions of
+//! the host's state and task directories, and redaction of credentials from recorded events.
+//! Architecture invariant: a provider process never runs as root when the host is root, never
+//! shares its uid with another running attempt, and never sees a variable outside the
+//! allow-list.
+
+use crate::provider::RunAs;
+use agentscope_schemas::v1::execution_event::Body;
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{action} {path}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "no free uid in {first}-{last}: every one is held by a running attempt on this machine"
+    )]
+    Exhausted { first: u32, last: u32 },
+}
+
+fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+// ------------------------------------------------------------------------------ uid range
+
+/// The uids (and equal gids) attempts run under: `first-last`, inclusive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidRange {
+    pub first: u32,
+    pub last: u32,
+}
+
+/// Far above login users (1000-60000), systemd's dynamic and container ranges and the default
+/// `/etc/subuid` allocations, below 2^31.
+pub const DEFAULT_UID_RANGE: &str = "1900000000-1900004095";
+
+impl UidRange {
+    /// Parses `first-last`. System uids (< 1000), `nobody` (65534), 65535 and 2^32-1 are refused.
+    pub fn parse(s: &str) -> Result<UidRange, String> {
+        let (a, b) = s
+            .split_once('-')
+            .ok_or_else(|| format!("run_as_uids must be `first-last`, not `{s}`"))?;
+        let num = |t: &str| {
+            t.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("run_as_uids: `{}` is not a uid", t.trim()))
+        };
+        let r = UidRange {
+            first: num(a)?,
+            last: num(b)?,
+        };
+        if r.first > r.last {
+            return Err(format!("run_as_uids: {} is above {}", r.first, r.last));
+        }
+        if r.first < 1000 {
+            return Err("run_as_uids must start at 1000 or above (system users below)".into());
+        }
+        for reserved in [65534, 65535, u32::MAX] {
+            if (r.first..=r.last).contains(&reserved) {
+                return Err(format!("run_as_uids must not contain {reserved}"));
+            }
+        }
+        Ok(r)
+    }
+
+    pub fn len(&self) -> u32 {
+        self.last - self.first + 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+// ------------------------------------------------------------------------- identities
+
+/// Hands out uids of the range, each to one attempt at a time. A uid is held in this process
+/// and by an exclusive `flock` on `lock_dir/<uid>`, so that hosts sharing the machine (and the
+/// lock directory) never hand out the same uid together; a host that dies releases its locks.
+pub struct Identities {
+    pub range: UidRange,
+    lock_dir: PathBuf,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    /// Offset of the next uid to try: uids are handed out round-robin, so a returned uid is
+    /// reused as late as possible.
+    next: u32,
+    held: HashSet<u32>,
+    /// Locks of uids whose processes could not be killed: never handed out again.
+    quarantined: Vec<File>,
+}
+
+/// One attempt's identity, held until [`Identities::release`].
+pub struct Lease {
+    pub who: RunAs,
+    lock: File,
+}
+
+impl Identities {
+    pub fn open(range: UidRange, lock_dir: &Path, seed: u32) -> Result<Identities, Error> {
+        std::fs::create_dir_all(lock_dir).map_err(io("create", lock_dir))?;
+        std::fs::set_permissions(lock_dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("chmod", lock_dir))?;
+        Ok(Identities {
+            range,
+            lock_dir: lock_dir.to_path_buf(),
+            inner: Mutex::new(Inner {
+                next: seed % range.len(),
+                held: HashSet::new(),
+                quarantined: Vec::new(),
+            }),
+        })
+    }
+
+    /// A uid no running attempt on this machine holds. Leftover processes of a uid nobody holds
+    /// (orphans of a host that died) are killed before it is handed out. Blocking.
+    pub fn acquire(&self) -> Result<Lease, Error> {
+        let mut inner = self.inner.lock().expect("identities");
+        let len = self.range.len();
+        for i in 0..len {
+            let off = (inner.next.wrapping_add(i)) % len;
+            let uid = self.range.first + off;
+            if inner.held.contains(&uid) {
+                continue;
+            }
+            let path = self.lock_dir.join(uid.to_string());
+            let lock = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(io("open", &path))?;
+            // SAFETY: flock on a descriptor we own.
+            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                continue;
+            }
+            let left = kill_uid(uid, Duration::from_secs(5));
+            if !left.is_empty() {
+                tracing::error!(
+                    uid,
+                    ?left,
+                    "processes of a free uid survive SIGKILL; uid skipped"
+                );
+                continue;
+            }
+            inner.held.insert(uid);
+            inner.next = (off + 1) % len;
+            return Ok(Lease {
+                who: RunAs { uid, gid: uid },
+                lock,
+            });
+        }
+        Err(Error::Exhausted {
+            first: self.range.first,
+            last: self.range.last,
+        })
+    }
+
+    /// Kills whatever still runs under the lease's uid (processes that left the attempt's
+    /// process group and cleared its marker included), then returns the uid to the free set.
+    /// A uid whose processes survive is never handed out again. Blocking.
+    pub fn release(&self, lease: Lease) -> Vec<i32> {
+        let left = kill_uid(lease.who.uid, Duration::from_secs(10));
+        let mut inner = self.inner.lock().expect("identities");
+        if left.is_empty() {
+            inner.held.remove(&lease.who.uid);
+            drop(lease.lock);
+        } else {
+            tracing::error!(
+                uid = lease.who.uid,
+                ?left,
+                "processes of an attempt survive SIGKILL; its uid is retired"
+            );
+            inner.quarantined.push(lease.lock);
+        }
+        left
+    }
+}
+
+/// Live (not zombie) processes with `uid` as real, effective, saved or filesystem uid.
+pub fn uid_processes(uid: u32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    let me = std::process::id() as i32;
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+                return false;
+            };
+            let mut live = false;
+            let mut ours = false;
+            for line in status.lines() {
+                if let Some(s) = line.strip_prefix("State:") {
+                    live = !matches!(s.trim_start().chars().next(), Some('Z' | 'X'));
+                } else if let Some(u) = line.strip_prefix("Uid:") {
+                    ours = u.split_whitespace().any(|v| v.parse::<u32>() == Ok(uid));
+                }
+            }
+            live && ours
+        })
+        .collect()
+}
+
+/// SIGKILLs every process of `uid` until none is left or `within` passes; the survivors.
+pub fn kill_uid(uid: u32, within: Duration) -> Vec<i32> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = uid_processes(uid);
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
+        }
+        for pid in &left {
+            // SAFETY: plain signal to a process of this uid.
+            unsafe {
+                libc::kill(*pid, libc::SIGKILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs in the forked child before exec (async-signal-safe calls only, no allocation):
+/// supplementary groups cleared, then gid and uid (real, effective and saved) switched, a check
+/// that root cannot be regained, no new privileges through set-uid binaries, umask 077.
+pub fn drop_privileges(who: RunAs) -> std::io::Result<()> {
+    let err = std::io::Error::last_os_error;
+    // SAFETY: plain system calls on the calling (child) process.
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0 {
+            return Err(err());
+        }
+        if libc::setresgid(who.gid, who.gid, who.gid) != 0 {
+            return Err(err());
+        }
+        if libc::setresuid(who.uid, who.uid, who.uid) != 0 {
+            return Err(err());
+        }
+        if libc::setuid(0) == 0 || libc::getuid() != who.uid || libc::geteuid() != who.uid {
+            return Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        }
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+            return Err(err());
+        }
+        libc::umask(0o077);
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------- permissions
+
+/// The host's state: the state directory and the task directories' parent are traversable but
+/// not listable by others (0711: a task reaches its own directory by its path and cannot find
+/// the others'); the journal (assignments with task credentials) and the identity are the
+/// host's only (0700 / 0600).
+pub fn secure_state(state_dir: &Path, tasks_dir: &Path) -> Result<(), Error> {
+    let set = |p: &Path, mode: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(io("chmod", p))
+    };
+    set(state_dir, 0o711)?;
+    set(tasks_dir, 0o711)?;
+    set(&state_dir.join("journal"), 0o700)?;
+    let id = state_dir.join("host_id");
+    if id.exists() {
+        set(&id, 0o600)?;
+    }
+    Ok(())
+}
+
+/// Writes a file only its owner may read (credentials, configuration with the task token).
+pub fn write_private(path: &Path, content: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)?;
+    // An existing file (a resumed directory) keeps its inode: its mode is set again.
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(content)
+}
+
+/// Creates `dir` and its missing parents with mode 0700.
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Gives the whole tree at `root` to `who` (symlinks themselves, never their targets). Regular
+/// files with several links are left as they are: a hard link to a file outside the tree (a
+/// local clone's objects, or a link an earlier attempt made) must not change that file's owner.
+pub fn chown_tree(root: &Path, who: RunAs) -> std::io::Result<()> {
+    let meta = std::fs::symlink_metadata(root)?;
+    if meta.is_file() && meta.nlink() > 1 {
+        return Ok(());
+    }
+    std::os::unix::fs::lchown(root, Some(who.uid), Some(who.gid))?;
+    if meta.is_dir() {
+        for entry in std::fs::read_dir(root)? {
+            chown_tree(&entry?.path(), who)?;
+        }
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------- environment
+
+/// Variables a provider process may receive, and nothing else (the host's own environment,
+/// with its host token, NATS address and other settings, never reaches it):
+/// - set by the platform for every provider: its HOME, TMPDIR, USER, LOGNAME, LANG, PATH and the
+///   executor's variables (`AGENTSCOPE_API`, `AGENTSCOPE_TASK_TOKEN`, the task's ids and dirs);
+/// - set by an adapter to a fixed value or a path in the task directory (telemetry and update
+///   switches, `CODEX_HOME`, `PWD`, opencode's generated configuration);
+/// - copied from the host's environment when set: [`HOST_ENV_PASSED`].
+pub const PLATFORM_ENV: &[&str] = &[
+    "HOME",
+    "TMPDIR",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "PATH",
+    "AGENTSCOPE_TASK_ID",
+    "AGENTSCOPE_ATTEMPT_ID",
+    "AGENTSCOPE_WORKSPACE_ID",
+    "AGENTSCOPE_TASK_DIR",
+    "AGENTSCOPE_INPUT_DIR",
+    "AGENTSCOPE_API",
+    "AGENTSCOPE_TASK_TOKEN",
+];
+
+/// Fixed switches and task-directory paths adapters set.
+pub const ADAPTER_ENV: &[&str] = &[
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC",
+    "DISABLE_TELEMETRY",
+    "DISABLE_AUTOUPDATER",
+    "DISABLE_ERROR_REPORTING",
+    "ENABLE_TOOL_SEARCH",
+    "CODEX_HOME",
+    "PWD",
+    "OPENCODE_DISABLE_MODELS_FETCH",
+    "OPENCODE_DISABLE_AUTOUPDATE",
+    "OPENCODE_CONFIG_CONTENT",
+    "npm_config_registry",
+    "OPENCLAW_NO_AUTO_UPDATE",
+    "DO_NOT_TRACK",
+];
+
+/// The only variables copied from the host's own environment: the terminal and time zone, and
+/// the model provider's credentials and endpoint the CLIs need.
+pub const HOST_ENV_PASSED: &[&str] = &[
+    "TERM",
+    "TZ",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_AUTH_TOKEN",
+    "ANTHROPIC_BASE_URL",
+    "OPENAI_API_KEY",
+];
+
+/// Whether a provider may receive variable `name`.
+pub fn env_allowed(name: &str) -> bool {
+    PLATFORM_ENV.contains(&name) || ADAPTER_ENV.contains(&name) || HOST_ENV_PASSED.contains(&name)
+}
+
+/// Keeps the allowed variables of `env` (later entries win), and names the refused ones.
+pub fn filter_env(env: Vec<(String, String)>) -> (Vec<(String, String)>, Vec<String>) {
+    let mut kept: Vec<(String, String)> = Vec::new();
+    let mut refused = Vec::new();
+    for (k, v) in env {
+        if !env_allowed(&k) {
+            refused.push(k);
+            continue;
+        }
+        kept.retain(|(n, _)| *n != k);
+        kept.push((k, v));
+    }
+    (kept, refused)
+}
+
+/// USER and LOGNAME for a provider: a name derived from its uid (no passwd entry is needed), or
+/// the host's own user's when it does not switch.
+pub fn user_name(who: Option<RunAs>) -> String {
+    match who {
+        Some(w) => format!("agentscope-{}", w.uid),
+        None => std::env::var("USER").unwrap_or_else(|_| "agentscope".into()),
+    }
+}
+
+// --------------------------------------------------------------------------- redaction
+
+/// Secrets kept out of recorded events: the attempt's task credential and the host's
+/// credentials (the host token and the model keys passed to providers).
+pub fn secrets_of_attempt(task_token: &str) -> Vec<(String, String)> {
+    let mut s = vec![("TASK_TOKEN".to_string(), task_token.to_string())];
+    for name in [
+        "AGENTSCOPE_HOST_TOKEN",
+        "ANTHROPIC_API_KEY",
+        "ANTHROPIC_AUTH_TOKEN",
+        "OPENAI_API_KEY",
+    ] {
+        if let Ok(v) = std::env::var(name)
+            && v.len() >= 8
+        {
+            s.push((name.to_string(), v));
+        }
+    }
+    s
+}
+
+/// Shortest secret prefix removed from the end of a text (a line cut inside a secret).
+const MIN_TAIL: usize = 8;
+
+/// `text` with every secret replaced by `[REDACTED:NAME]` (the Vault's redaction), and a tail
+/// that is the beginning of a secret (a line cut inside it) removed too.
+pub fn redact_text(text: &str, secrets: &[(String, String)]) -> String {
+    let mut out = agentscope_domain::vault::redact(text, secrets);
+    for (name, value) in secrets {
+        let max = value.len().saturating_sub(1).min(out.len());
+        for n in (MIN_TAIL..=max).rev() {
+            if value.is_char_boundary(n) && out.ends_with(&value[..n]) {
+                out.truncate(out.len() - n);
+                out.push_str(&format!("[REDACTED:{name}]"));
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Redacts every text field of an event.
+pub fn redact_body(body: &mut Body, secrets: &[(String, String)]) {
+    let r = |s: &mut String| {
+        if !s.is_empty() {
+            *s = redact_text(s, secrets);
+        }
+    };
+    match body {
+        Body::Output(o) => {
+            r(&mut o.stream);
+            r(&mut o.text);
+        }
+        Body::Raw(x) => {
+            r(&mut x.provider);
+            r(&mut x.line);
+        }
+        Body::AssistantMessage(m) => r(&mut m.text),
+        Body::ToolCall(t) => {
+            r(&mut t.call_id);
+            r(&mut t.name);
+            r(&mut t.input_json);
+        }
+        Body::ToolResult(t) => {
+            r(&mut t.call_id);
+            r(&mut t.output);
+        }
+        Body::Result(x) => r(&mut x.text),
+        Body::Error(e) => {
+            r(&mut e.message);
+            r(&mut e.code);
+        }
+        Body::Diagnostic(d) => {
+            r(&mut d.level);
+            r(&mut d.code);
+            r(&mut d.message);
+        }
+        Body::Lifecycle(l) => {
+            r(&mut l.detail);
+            r(&mut l.failure_class);
+        }
+        Body::FileChange(f) => {
+            r(&mut f.path);
+            r(&mut f.change);
+        }
+        Body::ApprovalRequested(a) => {
+            r(&mut a.request_id);
+            r(&mut a.tool_name);
+            r(&mut a.input_json);
+        }
+        Body::ApprovalDecided(d) => {
+            r(&mut d.request_id);
+            r(&mut d.reason);
+            r(&mut d.decided_by);
+            r(&mut d.failure_class);
+        }
+        Body::SessionStarted(s) => {
+            r(&mut s.provider_session_id);
+            r(&mut s.model);
+        }
+        Body::Usage(_) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentscope_schemas::v1::{Output, ToolResult};
+
+    #[test]
+    fn uid_ranges_are_parsed_and_unsafe_ones_refused() {
+        assert_eq!(
+            UidRange::parse(DEFAULT_UID_RANGE).unwrap(),
+            UidRange {
+                first: 1_900_000_000,
+                last: 1_900_004_095
+            }
+        );
+        assert_eq!(UidRange::parse(" 70000 - 70001 ").unwrap().len(), 2);
+        for bad in [
+            "",
+            "70000",
+            "a-b",
+            "70001-70000",
+            "0-100",
+            "999-2000",
+            "60000-70000",
+            "4294967290-4294967295",
+        ] {
+            assert!(UidRange::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn only_the_allow_list_reaches_a_provider() {
+        let env = vec![
+            ("HOME".to_string(), "/t/home".to_string()),
+            (
+                "AGENTSCOPE_HOST_TOKEN".to_string(),
+                "agh_secret".to_string(),
+            ),
+            ("AGENTSCOPE_NATS_URL".to_string(), "nats://x".to_string()),
+            (
+                "AGENTSCOPE_DATABASE_URL".to_string(),
+                "postgres://x".to_string(),
+            ),
+            ("LD_PRELOAD".to_string(), "/x.so".to_string()),
+            ("OPENAI_API_KEY".to_string(), "sk".to_string()),
+            ("HOME".to_string(), "/t/home2".to_string()),
+        ];
+        let (kept, refused) = filter_env(env);
+        assert_eq!(
+            kept,
+            vec![
+                ("OPENAI_API_KEY".to_string(), "sk".to_string()),
+                ("HOME".to_string(), "/t/home2".to_string()),
+            ]
+        );
+        assert_eq!(
+            refused,
+            [
+                "AGENTSCOPE_HOST_TOKEN",
+                "AGENTSCOPE_NATS_URL",
+                "AGENTSCOPE_DATABASE_URL",
+                "LD_PRELOAD"
+            ]
+        );
+        for name in HOST_ENV_PASSED {
+            assert!(!name.starts_with("AGENTSCOPE_"), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_command_provider_env_is_inside_the_allow_list() {
+        use crate::provider::{Adapter, CommandProvider, LaunchCtx, TaskDir};
+        let dir = TaskDir {
+            root: "/t".into(),
+            repo: None,
+            input_dir: "/t/input".into(),
+            home: "/t/home".into(),
+            tmp: "/t/tmp".into(),
+        };
+        let spec = agentscope_schemas::v1::TaskSpec {
+            command: vec!["env".into()],
+            ..Default::default()
+        };
+        let ctx = LaunchCtx {
+            spec: &spec,
+            dir: &dir,
+            attempt_id: "a",
+            api_url: "http://x",
+            task_token: "agt_x",
+            cli: "/bin/agentscope".into(),
+        };
+        let launch = CommandProvider.launch(&ctx).unwrap();
+        let (_, refused) = filter_env(launch.env);
+        assert!(refused.is_empty(), "{refused:?}");
+    }
+
+    #[test]
+    fn the_task_token_is_redacted_from_every_text_field_and_from_a_cut_tail() {
+        let token = "agt_0123456789abcdefghijklmnopqrstuvwxyz";
+        let secrets = vec![("TASK_TOKEN".to_string(), token.to_string())];
+        let mut out = Body::Output(Output {
+            stream: "stdout".into(),
+            text: format!("AGENTSCOPE_TASK_TOKEN={token} and again {token}"),
+            truncated: false,
+        });
+        redact_body(&mut out, &secrets);
+        let Body::Output(o) = out else { panic!() };
+        assert_eq!(
+            o.text,
+            "AGENTSCOPE_TASK_TOKEN=[REDACTED:TASK_TOKEN] and again [REDACTED:TASK_TOKEN]"
+        );
+        let mut res = Body::ToolResult(ToolResult {
+            call_id: "c".into(),
+            output: format!("cut here: {}", &token[..20]),
+            is_error: false,
+        });
+        redact_body(&mut res, &secrets);
+        let Body::ToolResult(t) = res else { panic!() };
+        assert_eq!(t.output, "cut here: [REDACTED:TASK_TOKEN]");
+        // Short prefixes and ordinary text stay.
+        assert_eq!(
+            redact_text("agt_ is a prefix", &secrets),
+            "agt_ is a prefix"
+        );
+        assert_eq!(redact_text("ends agt_012", &secrets), "ends agt_012");
+    }
+
+    #[test]
+    fn chown_leaves_hard_linked_files_alone() {
+        let dir = std::env::temp_dir().join(format!("agentscope-iso-{}", uuid::Uuid::new_v4()));
+        create_private_dir(&dir.join("sub")).unwrap();
+        write_private(&dir.join("sub/own.txt"), b"x").unwrap();
+        let outside = std::env::temp_dir().join(format!("agentscope-out-{}", uuid::Uuid::new_v4()));
+        std::fs::write(&outside, b"y").unwrap();
+        std::fs::hard_link(&outside, dir.join("link")).unwrap();
+        let before = std::fs::metadata(&outside).unwrap().uid();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            let who = RunAs {
+                uid: 1_900_009_999,
+                gid: 1_900_009_999,
+            };
+            chown_tree(&dir, who).unwrap();
+            assert_eq!(
+                std::fs::metadata(dir.join("sub/own.txt")).unwrap().uid(),
+                who.uid
+            );
+            assert_eq!(std::fs::metadata(&outside).unwrap().uid(), before);
+        }
+        assert_eq!(
+            std::fs::metadata(dir.join("sub/own.txt")).unwrap().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(
+            std::fs::metadata(dir.join("sub")).unwrap().mode() & 0o777,
+            0o700
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_file(&outside).unwrap();
+    }
+
+    #[test]
+    fn two_hosts_sharing_the_lock_dir_never_hand_out_one_uid_twice() {
+        let dir = std::env::temp_dir().join(format!("agentscope-locks-{}", uuid::Uuid::new_v4()));
+        let range = UidRange {
+            first: 1_900_009_000,
+            last: 1_900_009_002,
+        };
+        // Both start at the same uid.
+        let h1 = Identities::open(range, &dir, 0).unwrap();
+        let h2 = Identities::open(range, &dir, 0).unwrap();
+        let a = h1.acquire().unwrap();
+        let b = h2.acquire().unwrap();
+        let c = h1.acquire().unwrap();
+        let mut uids = vec![a.who.uid, b.who.uid, c.who.uid];
+        uids.sort();
+        assert_eq!(uids, [1_900_009_000, 1_900_009_001, 1_900_009_002]);
+        assert!(matches!(h2.acquire(), Err(Error::Exhausted { .. })));
+        let freed = b.who.uid;
+        assert!(h2.release(b).is_empty());
+        assert_eq!(
+            h1.acquire().unwrap().who.uid,
+            freed,
+            "a released uid is free again"
+        );
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_provider_process_runs_without_groups_or_a_way_back_to_root() {
+        use std::os::unix::process::CommandExt;
+        let who = RunAs {
+            uid: 1_900_009_500,
+            gid: 1_900_009_500,
+        };
+        let mut cmd = std::process::Command::new("/bin/sh");
+        cmd.args([
+            "-c",
+            "id -u; id -G; grep NoNewPrivs /proc/self/status; umask",
+        ])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin");
+        // SAFETY: drop_privileges makes only async-signal-safe system calls.
+        unsafe {
+            cmd.pre_exec(move || drop_privileges(who));
+        }
+        let out = cmd.output();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(out.is_err(), "only root can switch");
+            return;
+        }
+        let out = out.unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        assert_eq!(
+            lines,
+            ["1900009500", "1900009500", "NoNewPrivs:\t1", "0077"],
+            "{text}"
+        );
+    }
+}
