@@ -10,6 +10,7 @@ mod e2e;
 mod executor;
 mod explain;
 mod failover;
+mod isolation_sandbox;
 mod limits;
 mod managed;
 mod restart;
