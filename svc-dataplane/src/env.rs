@@ -1323,6 +1323,7 @@ async fn run(mut cmd: Command, limits: &Limits, sandboxed: bool) -> Result<Shell
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt as _;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const BWRAP: &str = "/usr/bin/bwrap";
@@ -1846,5 +1847,343 @@ mod tests {
             code(env.shell("echo hi", &[], &limits()).await),
             "sandbox_unavailable"
         );
+    }
+
+    #[test]
+    fn sessions_get_their_own_uid_and_a_private_directory() {
+        let dir = TempDir::new("ids");
+        let base = dir.base().join("sessions");
+        let range = UidRange {
+            first: 730_000,
+            last: 730_001,
+        };
+        let (s1, s2, s3) = (
+            uuid::Uuid::new_v4(),
+            uuid::Uuid::new_v4(),
+            uuid::Uuid::new_v4(),
+        );
+        let (r1, i1) = prepare_session_dir(&base, s1, range).unwrap();
+        let (r2, i2) = prepare_session_dir(&base, s2, range).unwrap();
+        let (i1, i2) = (i1.unwrap(), i2.unwrap());
+        assert_ne!(i1, i2, "one identity per session");
+        assert!(range.contains(i1.uid) && range.contains(i2.uid));
+        assert_eq!(i1.uid, i1.gid);
+        for (root, id) in [(&r1, i1), (&r2, i2)] {
+            let m = std::fs::metadata(root).unwrap();
+            assert_eq!(
+                (m.uid(), m.gid(), m.mode() & 0o7777),
+                (id.uid, id.gid, 0o700)
+            );
+        }
+        assert_eq!(std::fs::metadata(&base).unwrap().mode() & 0o7777, 0o711);
+        // The same session keeps its identity (a restart, another replica on the same storage).
+        assert_eq!(prepare_session_dir(&base, s1, range).unwrap().1, Some(i1));
+        // The range is exhausted: a clear error, never a shared uid.
+        assert_eq!(
+            prepare_session_dir(&base, s3, range).unwrap_err().code(),
+            "sandbox_unavailable"
+        );
+        // A directory from before identities is handed over, symlinks not followed.
+        let legacy = uuid::Uuid::new_v4();
+        let wide = UidRange {
+            first: 730_100,
+            last: 730_199,
+        };
+        let old = base.join(legacy.to_string());
+        std::fs::create_dir_all(old.join("sub")).unwrap();
+        std::fs::write(old.join("sub/f"), "x").unwrap();
+        let victim = dir.base().join("victim");
+        std::fs::write(&victim, "root's").unwrap();
+        std::os::unix::fs::symlink(&victim, old.join("link")).unwrap();
+        let (_, id) = prepare_session_dir(&base, legacy, wide).unwrap();
+        let id = id.unwrap();
+        assert_eq!(std::fs::metadata(old.join("sub/f")).unwrap().uid(), id.uid);
+        assert_eq!(
+            std::fs::metadata(&victim).unwrap().uid(),
+            0,
+            "symlink not followed"
+        );
+        assert!(UidRange::parse("0-100").is_err());
+        assert!(UidRange::parse("60000-70000").is_err(), "contains nobody");
+        assert!(UidRange::parse("9-3").is_err());
+        assert_eq!(UidRange::parse("700000-765535").unwrap().len(), 65_536);
+    }
+
+    #[tokio::test]
+    async fn file_tools_do_their_io_as_the_session_uid() {
+        for (dir, env) in both("fsuid") {
+            let l = limits();
+            env.write_file("new/dir/f.txt", "mine", &l).await.unwrap();
+            for p in ["new", "new/dir", "new/dir/f.txt"] {
+                assert_eq!(
+                    std::fs::metadata(dir.0.join(p)).unwrap().uid(),
+                    dir.1.uid,
+                    "{p}"
+                );
+            }
+            // A root-only file inside the directory stays root's: the tool is not root.
+            std::fs::write(dir.0.join("root-only"), "secret").unwrap();
+            std::fs::set_permissions(
+                dir.0.join("root-only"),
+                std::fs::Permissions::from_mode(0o600),
+            )
+            .unwrap();
+            assert_eq!(code(env.read_file("root-only", &l).await), "io");
+            assert_eq!(code(env.write_file("root-only", "x", &l).await), "io");
+            assert_eq!(
+                std::fs::read_to_string(dir.0.join("root-only")).unwrap(),
+                "secret"
+            );
+            // A FIFO cannot hang a tool.
+            let fifo = CString::new(dir.0.join("fifo").as_os_str().as_bytes()).unwrap();
+            // SAFETY: NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+            std::fs::set_permissions(dir.0.join("fifo"), std::fs::Permissions::from_mode(0o666))
+                .unwrap();
+            assert_eq!(code(env.read_file("fifo", &l).await), "not_a_file");
+            assert_eq!(code(env.write_file("fifo", "x", &l).await), "not_a_file");
+        }
+    }
+
+    #[tokio::test]
+    async fn symlinks_cannot_turn_the_file_tools_against_the_dataplane() {
+        let other = TempDir::new("symlink-other");
+        std::fs::write(other.0.join("tok.txt"), "other session's secret").unwrap();
+        for (dir, env) in both("symlink") {
+            let l = limits();
+            let sibling = other.0.to_str().unwrap().to_owned();
+            let rel_sibling = format!("../../{}/session", other.unique());
+            let planted = [
+                ("shadow", "/etc/shadow"),
+                ("abs-sib", sibling.as_str()),
+                ("rel-sib", rel_sibling.as_str()),
+                ("up", ".."),
+                ("proc", "/proc/self/root"),
+            ];
+            for (name, target) in planted {
+                std::os::unix::fs::symlink(target, dir.0.join(name)).unwrap();
+            }
+            assert_eq!(code(env.read_file("shadow", &l).await), "path_escape");
+            assert_eq!(code(env.write_file("shadow", "x", &l).await), "path_escape");
+            for d in ["abs-sib", "rel-sib", "up", "proc"] {
+                assert_eq!(code(env.list_files(d).await), "path_escape", "{d}");
+                assert_eq!(
+                    code(env.read_file(&format!("{d}/tok.txt"), &l).await),
+                    "path_escape",
+                    "{d}"
+                );
+                assert_eq!(
+                    code(env.write_file(&format!("{d}/planted.txt"), "x", &l).await),
+                    "path_escape",
+                    "{d}"
+                );
+                assert_eq!(
+                    code(
+                        env.edit_file(&format!("{d}/tok.txt"), "other", "x", &l)
+                            .await
+                    ),
+                    "path_escape",
+                    "{d}"
+                );
+            }
+            // A symlinked parent directory deeper in the path, and one swapped in for a
+            // directory between two calls (what a racing agent would do).
+            std::fs::create_dir_all(dir.0.join("a/b")).unwrap();
+            std::os::unix::fs::symlink("../../up", dir.0.join("a/b/c")).unwrap();
+            assert_eq!(
+                code(env.write_file("a/b/c/x", "x", &l).await),
+                "path_escape"
+            );
+            env.write_file("work/f.txt", "1", &l).await.unwrap();
+            std::fs::rename(dir.0.join("work"), dir.0.join("work-old")).unwrap();
+            std::os::unix::fs::symlink(&sibling, dir.0.join("work")).unwrap();
+            assert_eq!(code(env.read_file("work/f.txt", &l).await), "path_escape");
+            assert_eq!(
+                code(env.write_file("work/tok.txt", "x", &l).await),
+                "path_escape"
+            );
+            assert_eq!(
+                std::fs::read_to_string(other.0.join("tok.txt")).unwrap(),
+                "other session's secret"
+            );
+            assert!(!other.0.join("planted.txt").exists());
+            assert!(!other.base().join("planted.txt").exists());
+            // The listing shows a symlink to outside as a plain entry, never its contents.
+            let listed = env.list_files("").await.unwrap();
+            assert!(listed.contains(&"abs-sib".to_string()), "{listed:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_sandbox_shows_only_what_the_work_needs() {
+        let other = TempDir::new("sbx-other");
+        std::fs::write(other.0.join("tok.txt"), "other").unwrap();
+        let dir = TempDir::new("sbx-view");
+        let env = sandbox(&dir);
+        let l = limits();
+        let probe = format!(
+            "id -u; id -g; cat /etc/passwd; cat /etc/shadow 2>&1 | head -c 0 ; test -e /etc/shadow && echo SHADOW; \
+             cat {}/tok.txt 2>/dev/null && echo SIBLING; ls /proc | grep -c '^[0-9]'; ls /; \
+             tr '\\0' '\\n' < /proc/1/environ | grep -c AGENTSCOPE_ ; hostname",
+            other.0.display()
+        );
+        let out = env.shell(&probe, &[], &l).await.unwrap();
+        let lines: Vec<&str> = out.output.lines().collect();
+        assert_eq!(lines[0], dir.1.uid.to_string(), "{out:?}");
+        assert_eq!(lines[1], dir.1.gid.to_string(), "{out:?}");
+        assert_eq!(
+            lines[2],
+            format!(
+                "agent:x:{}:{}:agentscope session:{}:/bin/sh",
+                dir.1.uid,
+                dir.1.gid,
+                std::fs::canonicalize(&dir.0).unwrap().display()
+            ),
+            "only the sandbox user: {out:?}"
+        );
+        assert!(!out.output.contains("root:"), "{out:?}");
+        assert!(
+            !out.output.contains("SHADOW") && !out.output.contains("SIBLING"),
+            "{out:?}"
+        );
+        let procs: u32 = lines[3].parse().unwrap();
+        assert!(procs <= 4, "its own /proc: {out:?}");
+        let top: Vec<&str> = lines[4..lines.len() - 2].to_vec();
+        for forbidden in ["root", "home", "var", "opt", "srv", "work", "run", "boot"] {
+            assert!(
+                !top.contains(&forbidden),
+                "/{forbidden} is visible: {out:?}"
+            );
+        }
+        assert!(
+            top.contains(&"usr") && top.contains(&"etc") && top.contains(&"tmp"),
+            "{out:?}"
+        );
+        assert_eq!(lines[lines.len() - 2], "0", "{out:?}");
+        assert_eq!(lines[lines.len() - 1], "sandbox", "{out:?}");
+    }
+
+    #[tokio::test]
+    async fn local_runs_as_the_session_uid_without_the_dataplanes_environment() {
+        let dir = TempDir::new("local-env");
+        let out = local(&dir)
+            .shell(
+                "id -u; tr '\\0' '\\n' 2>/dev/null </proc/$PPID/environ >/dev/null && echo PARENT-ENV || echo refused; \
+                 ulimit -p 2>/dev/null || ulimit -u",
+                &[],
+                &Limits {
+                    max_processes: Some(77),
+                    ..limits()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            out.output,
+            format!("{}\nrefused\n77\n", dir.1.uid),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn bubblewrap_never_binds_the_host_root() {
+        let id = Identity {
+            uid: 700_001,
+            gid: 700_001,
+        };
+        let args: Vec<String> = bwrap_args(
+            Path::new("/var/lib/agentscope/sessions/s"),
+            id,
+            Path::new("/var/lib/agentscope/sessions/.etc/700001"),
+            &[PathBuf::from("/opt/toolchain")],
+        )
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+        let joined = args.join(" ");
+        assert!(
+            !joined.contains("--bind / /") && !joined.contains("--ro-bind / /"),
+            "{joined}"
+        );
+        for flag in [
+            "--unshare-user --uid 700001 --gid 700001",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-net",
+            "--unshare-cgroup",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop ALL",
+            "--proc /proc",
+            "--dev /dev",
+            "--tmpfs /tmp",
+            "--ro-bind /opt/toolchain /opt/toolchain",
+            "--ro-bind /var/lib/agentscope/sessions/.etc/700001/passwd /etc/passwd",
+            "--bind /var/lib/agentscope/sessions/s /var/lib/agentscope/sessions/s --remount-ro /",
+        ] {
+            assert!(joined.contains(flag), "missing `{flag}` in {joined}");
+        }
+        // The session directory is the only writable bind.
+        assert_eq!(args.iter().filter(|a| *a == "--bind").count(), 1);
+        assert!(!joined.contains("/etc/shadow"));
+    }
+
+    #[test]
+    fn cgroup_limits_are_used_only_where_a_cgroup_is_delegated() {
+        // Not cgroup2 at all.
+        let dir = TempDir::new("cg");
+        let err = usable_cgroup(dir.base()).unwrap_err();
+        assert!(err.contains("not a cgroup2"), "{err}");
+        assert!(detect_limit_mode(dir.base().to_str().unwrap()).is_err());
+        assert_eq!(detect_limit_mode("off").unwrap().0, LimitMode::Rlimits);
+        // Auto-detection picks a cgroup only when it is usable; otherwise it says why.
+        match detect_limit_mode("").unwrap() {
+            (LimitMode::Cgroup(p), _) => usable_cgroup(&p).unwrap(),
+            (LimitMode::Rlimits, why) => assert!(why.contains("/sys/fs/cgroup"), "{why}"),
+        }
+        let files = cgroup_limit_files(&Limits {
+            memory_bytes: Some(256 << 20),
+            max_processes: Some(64),
+            ..limits()
+        });
+        assert_eq!(
+            files,
+            vec![
+                ("pids.max", "64".to_string()),
+                ("memory.max", (256u64 << 20).to_string()),
+                ("memory.swap.max", "0".to_string()),
+                ("cpu.max", "100000 100000".to_string()),
+            ]
+        );
+        assert_eq!(cgroup_limit_files(&limits())[0].1, "max");
+    }
+
+    #[tokio::test]
+    async fn a_fork_bomb_in_the_sandbox_stops_at_the_process_limit() {
+        let dir = TempDir::new("bomb");
+        let l = Limits {
+            max_processes: Some(24),
+            ..limits()
+        };
+        let out = sandbox(&dir)
+            .shell(
+                "f() { f & f & wait; }; f 2>/dev/null & max=0; n=0; \
+                 while [ $n -lt 200 ]; do c=0; for p in /proc/[0-9]*; do \
+                 read -r st < $p/stat 2>/dev/null || continue; \
+                 case $st in *') Z '*|*') X '*) ;; *) c=$((c+1));; esac; done; \
+                 [ $c -gt $max ] && max=$c; n=$((n+1)); done; echo $max",
+                &[],
+                &l,
+            )
+            .await
+            .unwrap();
+        let max: u32 = out
+            .output
+            .lines()
+            .last()
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{out:?}"));
+        assert!((12..=24).contains(&max), "{out:?}");
     }
 }
