@@ -30,7 +30,7 @@ pub struct App {
 /// be used is an error, never a silently weaker sandbox.
 fn startup_isolation(config: &Config) -> anyhow::Result<env::LimitMode> {
     let (mode, why) = env::detect_limit_mode(&config.sandbox_cgroup).map_err(anyhow::Error::msg)?;
-    let root = unsafe_free_is_root();
+    let root = running_as_root();
     let limits = format!(
         "pids {}, memory {} MiB, cpu {}",
         config.session_max_processes,
@@ -65,7 +65,7 @@ fn startup_isolation(config: &Config) -> anyhow::Result<env::LimitMode> {
     Ok(mode)
 }
 
-fn unsafe_free_is_root() -> bool {
+fn running_as_root() -> bool {
     use std::os::unix::fs::MetadataExt as _;
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }

@@ -666,12 +666,24 @@ impl Session<'_> {
     /// A session this replica will not run (its environment is not enabled): the state says so
     /// with a stable code, once, and its inputs stay unanswered until the deployment changes.
     async fn refuse(&self, reason: &str) -> Result<(), Stop> {
-        self.set_status("environment_not_allowed", reason).await?;
-        self.event(
-            "diagnostic",
-            json!({"code": "environment_not_allowed", "message": reason}),
+        // The status and its diagnostic commit together.
+        let (mut tx, mut seq) = self.begin().await?;
+        sqlx::query("UPDATE session_state SET status = 'environment_not_allowed', detail = $2, updated_at = now() WHERE session_id = $1")
+            .bind(self.id)
+            .bind(reason)
+            .execute(&mut *tx)
+            .await?;
+        self.append_events(
+            &mut tx,
+            &mut seq,
+            &[(
+                "diagnostic",
+                json!({"code": "environment_not_allowed", "message": reason}),
+            )],
         )
-        .await
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// One input: model turns and tool calls until the model stops calling tools.
