@@ -46,6 +46,21 @@ pub struct Config {
     pub model_max_retries: u32,
     /// bubblewrap, for the `sandbox` environment.
     pub bwrap_path: String,
+    /// The uids (and gids) of sessions, `first-last`: each session gets its own.
+    pub session_uids: String,
+    /// `local` and `remote` run tools unsandboxed on this machine: refused unless true (a
+    /// trusted single-user install).
+    pub allow_local_environment: bool,
+    /// A delegated cgroup v2 directory for per-call limits; empty: detect; `off`: rlimits.
+    pub sandbox_cgroup: String,
+    /// Extra read-only directories in the sandbox (comma-separated absolute paths).
+    pub sandbox_ro_paths: String,
+    /// Process limit of a session's shell (pids.max or RLIMIT_NPROC of its uid).
+    pub session_max_processes: u32,
+    /// Memory limit of a session's shell in MiB (memory.max or RLIMIT_AS).
+    pub session_memory_mb: u64,
+    /// CPU seconds of each process of a session's shell (RLIMIT_CPU); 0: none.
+    pub session_cpu_secs: u64,
     /// Backend of the `sandbox` environment: `bubblewrap` (local, no internet needed) or `e2b`.
     pub sandbox_backend: String,
     pub e2b_api_url: String,
@@ -91,6 +106,13 @@ impl Config {
             .set_default("model_stream", true)?
             .set_default("model_max_retries", 3)?
             .set_default("bwrap_path", "/usr/bin/bwrap")?
+            .set_default("session_uids", "700000-765535")?
+            .set_default("allow_local_environment", false)?
+            .set_default("sandbox_cgroup", "")?
+            .set_default("sandbox_ro_paths", "")?
+            .set_default("session_max_processes", 256)?
+            .set_default("session_memory_mb", 2048)?
+            .set_default("session_cpu_secs", 600)?
             .set_default("sandbox_backend", "bubblewrap")?
             .set_default("e2b_api_url", "https://api.e2b.app")?
             .set_default("e2b_api_key", "")?
@@ -130,6 +152,20 @@ impl Config {
                 )));
             }
         }
+        crate::env::UidRange::parse(&config.session_uids).map_err(config::ConfigError::Message)?;
+        if config.session_max_processes < 8 || config.session_memory_mb < 16 {
+            return Err(config::ConfigError::Message(
+                "session_max_processes must be at least 8 and session_memory_mb at least 16".into(),
+            ));
+        }
+        for path in config.ro_paths() {
+            if !path.is_absolute() {
+                return Err(config::ConfigError::Message(format!(
+                    "sandbox_ro_paths entries must be absolute, not `{}`",
+                    path.display()
+                )));
+            }
+        }
         if config.session_lease_ttl_ms < 1_000 {
             return Err(config::ConfigError::Message(
                 "session_lease_ttl_ms must be at least 1000".into(),
@@ -141,5 +177,14 @@ impl Config {
             ));
         }
         Ok(config)
+    }
+
+    pub fn ro_paths(&self) -> Vec<std::path::PathBuf> {
+        self.sandbox_ro_paths
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(std::path::PathBuf::from)
+            .collect()
     }
 }

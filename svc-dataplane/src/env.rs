@@ -1,21 +1,35 @@
 //! Environments: where a managed session's file and shell tools run (helper-owned).
 //!
-//! Two variants share one contract: every path a tool receives is relative to the session
+//! Every variant shares one contract: every path a tool receives is relative to the session
 //! directory (`root`) and is confined to it, and `shell` runs `sh -c` with cwd = root, exactly the
 //! environment it is given (plus PATH/HOME/LANG), a wall-clock timeout that kills the whole
 //! process tree, and stdout+stderr captured through a single pipe so they interleave as written.
 //!
-//! * [`Environment::Local`] runs directly on the dataplane's machine.
-//! * [`Environment::Sandbox`] runs the shell under bubblewrap: read-only `/`, a private `/tmp` and
-//!   `/run`, only `root` writable, no network, its own pid/ipc/uts namespaces, all capabilities
-//!   dropped, a new session, and `--die-with-parent`. File tools run on the host with the same
-//!   confinement as `Local` (the sandbox matters for arbitrary commands).
+//! Identity: each session has its own unprivileged uid/gid ([`Identity`], allocated from the
+//! configured range by [`prepare_session_dir`]). The session directory is 0700 and owned by it,
+//! the sessions root 0711. Tool code never runs as root: the shell (and bubblewrap) is started
+//! under the session's uid with its limits set by `setrlimit` in the child before `exec` (or a
+//! cgroup v2 when one is delegated), and file tools do their I/O on a thread whose filesystem
+//! uid/gid is the session's, resolving paths with `openat2(RESOLVE_BENEATH)` so no symlink (and
+//! no race swapping one in) leads them out of the session directory.
+//!
+//! * [`Environment::Local`] runs directly on the dataplane's machine (a trusted single-user
+//!   install; refused unless the deployment enables it).
+//! * [`Environment::Sandbox`] runs the shell under bubblewrap: no bind of `/`, a minimal
+//!   read-only root (toolchain directories, TLS certificates, a generated `/etc/passwd` and
+//!   `/etc/group` naming only the sandbox user), the session directory as the only writable path
+//!   plus a private `/tmp`, new user/pid/ipc/uts/net/cgroup namespaces, its own `/proc`, a minimal
+//!   `/dev`, the session's uid inside, all capabilities dropped, a new session, and
+//!   `--die-with-parent`.
 
-use std::ffi::OsStr;
-use std::io::ErrorKind;
-use std::os::fd::OwnedFd;
+use std::ffi::{CString, OsStr, OsString};
+use std::io::{ErrorKind, Read as _, Write as _};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Component, Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt as _;
@@ -26,10 +40,14 @@ use tokio::process::Command;
 /// and still holds the output pipe open; normally the pipe reaches EOF immediately.
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
-/// Exit status used by the limit prologue when a resource limit cannot be applied (fail closed).
-const LIMIT_FAILED_EXIT: i32 = 125;
-
 const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+/// The variables a tool's shell gets besides the Vault-injected ones (the allow-list): nothing
+/// of the dataplane's own environment is ever passed on.
+pub const SHELL_ENV_ALLOW_LIST: [&str; 3] = ["PATH", "HOME", "LANG"];
+
+/// cpu.max of a session's cgroup: one CPU.
+const CGROUP_CPU_MAX: &str = "100000 100000";
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ToolError {
@@ -60,6 +78,10 @@ fn io_err(what: &str, e: std::io::Error) -> ToolError {
     ToolError::new("io", format!("{what}: {e}"))
 }
 
+fn unavailable(message: impl Into<String>) -> ToolError {
+    ToolError::new("sandbox_unavailable", message)
+}
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ShellOutput {
     pub exit_code: Option<i32>,
@@ -75,34 +97,164 @@ pub struct Limits {
     pub max_output: usize,
     /// Largest file read/written.
     pub max_file: usize,
-    /// Address-space limit (`ulimit -v`) applied by the shell prologue (both variants).
+    /// RLIMIT_AS of the shell (or memory.max of its cgroup), set in the child before exec.
     pub memory_bytes: Option<u64>,
-    /// Process limit (`ulimit -u`/`-p`, i.e. RLIMIT_NPROC) applied inside the Sandbox only.
-    /// Note: the kernel does not enforce RLIMIT_NPROC for real uid 0, so this has no effect
-    /// when the dataplane runs as root.
+    /// RLIMIT_NPROC (or pids.max of the cgroup). RLIMIT_NPROC counts every process of the uid,
+    /// so it is applied only when the shell runs under a session's own uid.
     pub max_processes: Option<u32>,
+    /// RLIMIT_CPU: CPU seconds of each process.
+    pub cpu_secs: Option<u64>,
+}
+
+/// A session's own unprivileged identity (uid, gid), from the configured range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The configured range of session uids, inclusive (`AGENTSCOPE_SESSION_UIDS=first-last`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidRange {
+    pub first: u32,
+    pub last: u32,
+}
+
+impl UidRange {
+    pub fn parse(s: &str) -> Result<UidRange, String> {
+        let bad = || format!("session_uids must be `first-last` (e.g. 700000-765535), not `{s}`");
+        let (a, b) = s.trim().split_once('-').ok_or_else(bad)?;
+        let first: u32 = a.trim().parse().map_err(|_| bad())?;
+        let last: u32 = b.trim().parse().map_err(|_| bad())?;
+        if first < 1000 {
+            return Err(format!(
+                "session_uids must start at 1000 or above, away from system users, not {first}"
+            ));
+        }
+        if last < first || (first..=last).contains(&65_534) {
+            return Err(format!(
+                "session_uids `{s}` is empty or contains nobody (65534)"
+            ));
+        }
+        if last >= u32::MAX - 1 {
+            return Err(format!("session_uids `{s}` reaches the reserved uid -1"));
+        }
+        Ok(UidRange { first, last })
+    }
+
+    pub fn len(&self) -> u64 {
+        u64::from(self.last - self.first) + 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    pub fn contains(&self, uid: u32) -> bool {
+        (self.first..=self.last).contains(&uid)
+    }
+}
+
+/// How the session limits are enforced on this machine (decided once at start-up).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LimitMode {
+    /// A delegated, writable cgroup v2 directory: each shell call gets a child cgroup with
+    /// pids.max, memory.max and cpu.max.
+    Cgroup(PathBuf),
+    /// setrlimit in the child (RLIMIT_NPROC, RLIMIT_AS, RLIMIT_CPU) of the non-root session uid.
+    Rlimits,
+}
+
+/// What the bubblewrap sandbox needs besides the session directory.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub bwrap: PathBuf,
+    /// Where the generated `/etc/passwd` and `/etc/group` of each session uid are written
+    /// (root-owned, readable).
+    pub etc_dir: PathBuf,
+    /// Extra read-only directories (configured) besides the toolchain directories.
+    pub extra_ro: Vec<PathBuf>,
+    pub limit_mode: LimitMode,
 }
 
 /// Where tools run. `root` is the session directory; every path argument is relative to it.
+/// `identity` is the session's own uid/gid; `None` runs as this process's own user, which is
+/// refused for the sandbox when that user is root (the dataplane always gives one).
 #[derive(Debug, Clone)]
 pub enum Environment {
-    /// Directly in the session directory inside the dataplane process's machine.
-    Local { root: PathBuf },
-    /// bubblewrap: no network (--unshare-net), only `root` writable (the rest of / read-only, a
-    /// private /tmp), its own pid namespace, dies with the parent, resource limits from Limits.
-    Sandbox { root: PathBuf, bwrap: PathBuf },
+    /// Directly in the session directory on the dataplane's machine.
+    Local {
+        root: PathBuf,
+        identity: Option<Identity>,
+    },
+    /// bubblewrap: see the module documentation.
+    Sandbox {
+        root: PathBuf,
+        identity: Option<Identity>,
+        spec: Arc<SandboxSpec>,
+    },
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn current_identity() -> Identity {
+    // SAFETY: getuid/getgid have no preconditions and cannot fail.
+    unsafe {
+        Identity {
+            uid: libc::getuid(),
+            gid: libc::getgid(),
+        }
+    }
 }
 
 impl Environment {
     pub fn root(&self) -> &Path {
         match self {
-            Environment::Local { root } | Environment::Sandbox { root, .. } => root,
+            Environment::Local { root, .. } | Environment::Sandbox { root, .. } => root,
         }
     }
 
+    fn identity(&self) -> Option<Identity> {
+        match self {
+            Environment::Local { identity, .. } | Environment::Sandbox { identity, .. } => {
+                *identity
+            }
+        }
+    }
+
+    /// Runs `f` on a fresh thread whose filesystem identity is the session's (when this process
+    /// is root): permission checks are the session uid's and created files are its own.
+    async fn as_session<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Path) -> Result<T, ToolError> + Send + 'static,
+    ) -> Result<T, ToolError> {
+        let identity = self.identity();
+        let root = self.root().to_path_buf();
+        if identity.is_none() && is_root() && matches!(self, Environment::Sandbox { .. }) {
+            return Err(unavailable(
+                "the sandbox has no session identity and never runs tools as root",
+            ));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("session-file-tool".into())
+            .spawn(move || {
+                let r = switch_thread_fs_identity(identity).and_then(|()| f(&root));
+                let _ = tx.send(r);
+            })
+            .map_err(|e| io_err("start a file tool thread", e))?;
+        rx.await
+            .map_err(|_| ToolError::new("io", "the file tool thread failed"))?
+    }
+
     pub async fn read_file(&self, path: &str, limits: &Limits) -> Result<String, ToolError> {
-        let target = resolve(self.root(), path, false).await?;
-        let bytes = read_limited(&target, path, limits).await?;
+        let (path, max) = (path.to_owned(), limits.max_file);
+        let bytes = self
+            .as_session(move |root| read_sync(root, &path, max))
+            .await?;
         // Binary or mis-encoded files are shown lossily rather than refused.
         Ok(match String::from_utf8(bytes) {
             Ok(s) => s,
@@ -127,8 +279,9 @@ impl Environment {
                 ),
             ));
         }
-        let target = resolve(self.root(), path, false).await?;
-        write_resolved(&target, path, content).await
+        let (path, content) = (path.to_owned(), content.as_bytes().to_vec());
+        self.as_session(move |root| write_sync(root, &path, &content))
+            .await
     }
 
     /// Replaces exactly one occurrence of `old` (no_match if none, ambiguous_match if several).
@@ -139,8 +292,10 @@ impl Environment {
         new: &str,
         limits: &Limits,
     ) -> Result<(), ToolError> {
-        let target = resolve(self.root(), path, false).await?;
-        let bytes = read_limited(&target, path, limits).await?;
+        let (p, max) = (path.to_owned(), limits.max_file);
+        let bytes = self
+            .as_session(move |root| read_sync(root, &p, max))
+            .await?;
         let text = String::from_utf8(bytes)
             .map_err(|_| ToolError::new("io", format!("{path}: file is not valid UTF-8 text")))?;
         if old.is_empty() {
@@ -179,97 +334,176 @@ impl Environment {
                 ),
             ));
         }
-        write_resolved(&target, path, &edited).await
+        let p = path.to_owned();
+        self.as_session(move |root| write_sync(root, &p, edited.as_bytes()))
+            .await
     }
 
     /// Entries of a directory ("" or "." = root), sorted, directories suffixed with '/'.
     pub async fn list_files(&self, path: &str) -> Result<Vec<String>, ToolError> {
-        let dir = resolve(self.root(), path, true).await?;
-        let shown = if path.is_empty() { "." } else { path };
-        match tokio::fs::metadata(&dir).await {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(ToolError::new("io", format!("{shown}: not a directory")));
-            }
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                return Err(ToolError::new(
-                    "not_found",
-                    format!("{shown}: no such directory"),
-                ));
-            }
-            Err(e) => return Err(io_err(shown, e)),
-        }
-        let mut reader = tokio::fs::read_dir(&dir)
-            .await
-            .map_err(|e| io_err(shown, e))?;
-        let mut entries = Vec::new();
-        while let Some(entry) = reader.next_entry().await.map_err(|e| io_err(shown, e))? {
-            let mut name = entry.file_name().to_string_lossy().into_owned();
-            let is_dir = match entry.file_type().await {
-                Ok(t) if t.is_dir() => true,
-                Ok(t) if t.is_symlink() => tokio::fs::metadata(entry.path())
-                    .await
-                    .map(|m| m.is_dir())
-                    .unwrap_or(false),
-                _ => false,
-            };
-            if is_dir {
-                name.push('/');
-            }
-            entries.push(name);
-        }
-        entries.sort();
-        Ok(entries)
+        let path = path.to_owned();
+        self.as_session(move |root| list_sync(root, &path)).await
     }
 
     /// `sh -c command` with cwd = root and exactly the environment `env` (plus
     /// PATH=/usr/local/bin:/usr/bin:/bin, HOME=root, LANG=C.UTF-8; entries in `env` override
-    /// these). The command runs in its own process group; when the shell exits or the timeout
-    /// fires, the whole group is killed (so background processes do not outlive the call).
+    /// these), under the session's uid. The command runs in its own process group; when the
+    /// shell exits or the timeout fires, the whole group is killed (so background processes do
+    /// not outlive the call).
     pub async fn shell(
         &self,
         command: &str,
         env: &[(String, String)],
         limits: &Limits,
     ) -> Result<ShellOutput, ToolError> {
-        let (mut cmd, home, sandboxed) = match self {
-            Environment::Local { root } => {
-                ensure_root_dir(root).await?;
-                let mut cmd = Command::new("/bin/sh");
-                cmd.args(shell_args(command, limits, false))
-                    .current_dir(root);
-                (cmd, root.clone(), false)
+        let root = self.root().to_path_buf();
+        ensure_root_dir(&root).await?;
+        let root = tokio::fs::canonicalize(&root)
+            .await
+            .map_err(|e| io_err("session directory", e))?;
+        // Who the tool code runs as: the session's uid, never root.
+        let (run_as, switch) = match (self.identity(), is_root()) {
+            (Some(id), _) if id.uid == 0 || id.gid == 0 => {
+                return Err(unavailable("a session identity is never root"));
             }
-            Environment::Sandbox { root, bwrap } => {
-                match tokio::fs::metadata(bwrap).await {
+            (Some(id), true) => (Some(id), true),
+            (Some(_), false) | (None, false) => (None, false),
+            (None, true) => match self {
+                Environment::Sandbox { .. } => {
+                    return Err(unavailable(
+                        "the sandbox has no session identity and never runs tools as root",
+                    ));
+                }
+                // A self-hosted Worker running as root on its owner's machine: its choice.
+                Environment::Local { .. } => (None, false),
+            },
+        };
+        let mut cgroup = None;
+        let (mut cmd, sandboxed) = match self {
+            Environment::Local { .. } => {
+                let mut cmd = Command::new("/bin/sh");
+                cmd.arg("-c").arg(command);
+                (cmd, false)
+            }
+            Environment::Sandbox { spec, .. } => {
+                match tokio::fs::metadata(&spec.bwrap).await {
                     Ok(m) if m.is_file() => {}
                     _ => {
-                        return Err(ToolError::new(
-                            "sandbox_unavailable",
-                            format!("bubblewrap not found at {}", bwrap.display()),
-                        ));
+                        return Err(unavailable(format!(
+                            "bubblewrap not found at {}",
+                            spec.bwrap.display()
+                        )));
                     }
                 }
-                ensure_root_dir(root).await?;
-                let root = tokio::fs::canonicalize(root)
-                    .await
-                    .map_err(|e| io_err("session directory", e))?;
-                let mut cmd = Command::new(bwrap);
-                cmd.args(bwrap_args(&root))
+                let inside = run_as.unwrap_or_else(current_identity);
+                let etc = write_sandbox_etc(&spec.etc_dir, inside, &root)
+                    .map_err(|e| unavailable(format!("cannot write the sandbox's /etc: {e}")))?;
+                if let LimitMode::Cgroup(parent) = &spec.limit_mode {
+                    cgroup = Some(SessionCgroup::create(parent, inside, limits).map_err(|e| {
+                        unavailable(format!(
+                            "cannot set up the session's cgroup under {}: {e}",
+                            parent.display()
+                        ))
+                    })?);
+                }
+                let mut cmd = Command::new(&spec.bwrap);
+                cmd.args(bwrap_args(&root, inside, &etc, &spec.extra_ro))
                     .arg("/bin/sh")
-                    .args(shell_args(command, limits, true))
-                    .current_dir(&root);
-                (cmd, root, true)
+                    .arg("-c")
+                    .arg(command);
+                (cmd, true)
             }
         };
-        cmd.env_clear()
+        cmd.current_dir(&root)
+            .env_clear()
             .env("PATH", DEFAULT_PATH)
-            .env("HOME", &home)
+            .env("HOME", &root)
             .env("LANG", "C.UTF-8");
         for (k, v) in env {
             cmd.env(k, v);
         }
-        run(cmd, limits, sandboxed).await
+        if let Some(id) = run_as
+            && switch
+        {
+            // std drops the supplementary groups, then setgid, then setuid, in the child.
+            cmd.uid(id.uid).gid(id.gid);
+        }
+        let rl = ChildLimits {
+            memory: if cgroup.is_none() {
+                limits.memory_bytes
+            } else {
+                None
+            },
+            nproc: if cgroup.is_none() && switch {
+                limits.max_processes.map(u64::from)
+            } else {
+                None
+            },
+            cpu: limits.cpu_secs,
+            cgroup_procs: cgroup.as_ref().map(|c| c.procs.as_raw_fd()),
+        };
+        // SAFETY: the closure only calls async-signal-safe functions (setrlimit, write) on
+        // values copied into it.
+        unsafe {
+            cmd.pre_exec(move || rl.apply());
+        }
+        let out = run(cmd, limits, sandboxed).await;
+        drop(cgroup);
+        let out = out?;
+        if sandboxed
+            && out.exit_code == Some(1)
+            && !out.output.is_empty()
+            && out.output.lines().all(|l| l.starts_with("bwrap: "))
+        {
+            return Err(unavailable(format!(
+                "bubblewrap could not set up the sandbox: {}",
+                out.output.trim()
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// Limits set in the child between fork and exec (after the switch to the session uid), so the
+/// agent's command cannot skip them.
+#[derive(Clone, Copy)]
+struct ChildLimits {
+    memory: Option<u64>,
+    nproc: Option<u64>,
+    cpu: Option<u64>,
+    cgroup_procs: Option<i32>,
+}
+
+impl ChildLimits {
+    fn apply(&self) -> std::io::Result<()> {
+        let set = |resource, value: u64| {
+            let lim = libc::rlimit {
+                rlim_cur: value,
+                rlim_max: value,
+            };
+            // SAFETY: setrlimit reads a valid rlimit struct.
+            if unsafe { libc::setrlimit(resource, &lim) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        };
+        if let Some(fd) = self.cgroup_procs {
+            // "0" moves the writing process; the fd was opened (and checked) by the parent.
+            // SAFETY: writes two bytes from a static buffer to an open fd.
+            if unsafe { libc::write(fd, b"0\n".as_ptr().cast(), 2) } != 2 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        if let Some(v) = self.memory {
+            set(libc::RLIMIT_AS, v)?;
+        }
+        if let Some(v) = self.nproc {
+            set(libc::RLIMIT_NPROC, v)?;
+        }
+        if let Some(v) = self.cpu {
+            set(libc::RLIMIT_CPU, v)?;
+        }
+        Ok(())
     }
 }
 
@@ -282,22 +516,167 @@ async fn ensure_root_dir(root: &Path) -> Result<(), ToolError> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Path confinement
+// Session identity and directory
 // ---------------------------------------------------------------------------------------------
 
-/// Resolves `rel` under `root`: rejects absolute paths and `..`, and follows symlinks of the
-/// existing components, rejecting any that lead outside root (or do not resolve at all). Returns
-/// a path whose existing prefix is canonical and whose remaining components are plain names.
+/// Creates (or finds) `<base>/<session>` for a session and its own identity: the directory is
+/// 0700 and owned by a uid of `range` that no other session directory under `base` has (a
+/// marker `<base>/.uids/<uid>` holding the session id claims it, with `O_EXCL`, so replicas
+/// sharing `base` never hand one uid to two sessions); `base` is 0711, so a session can reach
+/// its own directory and list no other. A directory from before identities existed (owned by
+/// someone else) gets an identity and is handed over, symlinks not followed.
 ///
-/// The check is done before the operation, so a concurrent process swapping a component for a
-/// symlink between the check and the use is not covered (the Sandbox shell cannot reach outside
-/// root anyway; in Local the shell can do anything the dataplane can).
-async fn resolve(root: &Path, rel: &str, allow_root: bool) -> Result<PathBuf, ToolError> {
+/// Returns `None` for the identity when this process is not root: it cannot switch users, and
+/// every session runs as the dataplane's own user (logged at start-up).
+pub fn prepare_session_dir(
+    base: &Path,
+    session: uuid::Uuid,
+    range: UidRange,
+) -> Result<(PathBuf, Option<Identity>), ToolError> {
+    let root = base.join(session.to_string());
+    std::fs::create_dir_all(base).map_err(|e| io_err("sessions directory", e))?;
+    if !is_root() {
+        std::fs::create_dir_all(&root).map_err(|e| io_err("session directory", e))?;
+        return Ok((root, None));
+    }
+    let base_meta = std::fs::symlink_metadata(base).map_err(|e| io_err("sessions directory", e))?;
+    if base_meta.permissions().mode() & 0o7777 != 0o711 {
+        std::fs::set_permissions(base, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| io_err("sessions directory", e))?;
+    }
+    let existing = match std::fs::symlink_metadata(&root) {
+        Ok(m) if m.is_dir() => Some(m),
+        Ok(_) => {
+            return Err(ToolError::new(
+                "io",
+                format!("{} is not a directory", root.display()),
+            ));
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => None,
+        Err(e) => return Err(io_err("session directory", e)),
+    };
+    use std::os::unix::fs::MetadataExt as _;
+    if let Some(m) = &existing
+        && range.contains(m.uid())
+        && m.uid() == m.gid()
+    {
+        return Ok((
+            root,
+            Some(Identity {
+                uid: m.uid(),
+                gid: m.gid(),
+            }),
+        ));
+    }
+    let id = allocate_uid(base, session, range)?;
+    match existing {
+        None => {
+            match std::fs::create_dir(&root) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io_err("session directory", e)),
+            }
+            std::os::unix::fs::lchown(&root, Some(id.uid), Some(id.gid))
+                .map_err(|e| io_err("session directory", e))?;
+        }
+        Some(_) => chown_tree(&root, id).map_err(|e| io_err("session directory", e))?,
+    }
+    std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| io_err("session directory", e))?;
+    Ok((root, Some(id)))
+}
+
+fn allocate_uid(base: &Path, session: uuid::Uuid, range: UidRange) -> Result<Identity, ToolError> {
+    let markers = base.join(".uids");
+    std::fs::create_dir_all(&markers).map_err(|e| io_err("session uid markers", e))?;
+    std::fs::set_permissions(&markers, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| io_err("session uid markers", e))?;
+    let start = (session.as_u128() % u128::from(range.len())) as u64;
+    let me = session.to_string();
+    for k in 0..range.len() {
+        let uid = range.first + ((start + k) % range.len()) as u32;
+        let marker = markers.join(uid.to_string());
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&marker)
+        {
+            Ok(mut f) => {
+                f.write_all(me.as_bytes())
+                    .and_then(|()| f.sync_all())
+                    .map_err(|e| io_err("session uid marker", e))?;
+                return Ok(Identity { uid, gid: uid });
+            }
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+                // Ours already (a crash between the marker and the directory)?
+                if std::fs::read_to_string(&marker).is_ok_and(|s| s == me) {
+                    return Ok(Identity { uid, gid: uid });
+                }
+            }
+            Err(e) => return Err(io_err("session uid marker", e)),
+        }
+    }
+    Err(unavailable(format!(
+        "every session uid of {}-{} is taken; widen session_uids",
+        range.first, range.last
+    )))
+}
+
+/// lchown of a whole tree, never following a symlink.
+fn chown_tree(path: &Path, id: Identity) -> std::io::Result<()> {
+    std::os::unix::fs::lchown(path, Some(id.uid), Some(id.gid))?;
+    let meta = std::fs::symlink_metadata(path)?;
+    if meta.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            chown_tree(&entry?.path(), id)?;
+        }
+    }
+    Ok(())
+}
+
+/// Switches this thread's filesystem identity (fsuid, fsgid, no supplementary groups) to the
+/// session's. Raw syscalls: they change only the calling thread, which ends after the tool.
+fn switch_thread_fs_identity(identity: Option<Identity>) -> Result<(), ToolError> {
+    let Some(id) = identity else {
+        return Ok(());
+    };
+    if !is_root() {
+        return Ok(());
+    }
+    if id.uid == 0 || id.gid == 0 {
+        return Err(unavailable("a session identity is never root"));
+    }
+    // SAFETY: raw credential syscalls with plain integer arguments (a null list of 0 groups).
+    let ok = unsafe {
+        libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) == 0 && {
+            libc::syscall(libc::SYS_setfsgid, id.gid);
+            libc::syscall(libc::SYS_setfsuid, id.uid);
+            // setfs*id report the previous value; asking with an invalid id reads it back.
+            libc::syscall(libc::SYS_setfsuid, u32::MAX) as u32 == id.uid
+                && libc::syscall(libc::SYS_setfsgid, u32::MAX) as u32 == id.gid
+        }
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(unavailable(
+            "cannot switch the file tool to the session's uid",
+        ))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Path confinement: openat2(RESOLVE_BENEATH) from the session directory
+// ---------------------------------------------------------------------------------------------
+
+/// Checks `rel` (no absolute path, no `..`) and returns it as plain components.
+fn relative(rel: &str, allow_root: bool) -> Result<PathBuf, ToolError> {
     let escape = |why: &str| ToolError::new("path_escape", format!("{rel}: {why}"));
-    let mut parts: Vec<&OsStr> = Vec::new();
+    let mut out = PathBuf::new();
     for component in Path::new(rel).components() {
         match component {
-            Component::Normal(p) => parts.push(p),
+            Component::Normal(p) => out.push(p),
             Component::CurDir => {}
             Component::ParentDir => {
                 return Err(escape("'..' is not allowed in paths"));
@@ -309,173 +688,446 @@ async fn resolve(root: &Path, rel: &str, allow_root: bool) -> Result<PathBuf, To
             }
         }
     }
-    if parts.is_empty() && !allow_root {
+    if out.as_os_str().is_empty() && !allow_root {
         return Err(ToolError::new(
             "not_a_file",
             format!("'{rel}' names the session directory, not a file"),
         ));
     }
-    let canon_root = tokio::fs::canonicalize(root)
-        .await
-        .map_err(|e| io_err("session directory", e))?;
-    let mut current = canon_root.clone();
-    let mut consumed = 0;
-    for part in &parts {
-        let next = current.join(part);
-        match tokio::fs::symlink_metadata(&next).await {
-            Ok(meta) if meta.file_type().is_symlink() => {
-                let target = tokio::fs::canonicalize(&next).await.map_err(|_| {
-                    escape("a symlink on this path does not resolve inside the session directory")
-                })?;
-                if !target.starts_with(&canon_root) {
-                    return Err(escape(
-                        "a symlink on this path leads outside the session directory",
-                    ));
-                }
-                current = target;
-            }
-            Ok(_) => current = next,
-            Err(e) if e.kind() == ErrorKind::NotFound => break,
-            Err(e) if e.kind() == ErrorKind::NotADirectory => {
-                return Err(ToolError::new(
-                    "not_found",
-                    format!("{rel}: a parent component is not a directory"),
-                ));
-            }
-            Err(e) => return Err(io_err(rel, e)),
-        }
-        consumed += 1;
-    }
-    for part in &parts[consumed..] {
-        current.push(part);
-    }
-    Ok(current)
+    Ok(out)
 }
 
-async fn read_limited(target: &Path, shown: &str, limits: &Limits) -> Result<Vec<u8>, ToolError> {
-    let meta = match tokio::fs::metadata(target).await {
-        Ok(m) => m,
-        Err(e) if e.kind() == ErrorKind::NotFound || e.kind() == ErrorKind::NotADirectory => {
-            return Err(ToolError::new(
-                "not_found",
-                format!("{shown}: no such file"),
-            ));
-        }
-        Err(e) => return Err(io_err(shown, e)),
+fn open_root(root: &Path) -> Result<OwnedFd, ToolError> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(root)
+        .map(OwnedFd::from)
+        .map_err(|e| io_err("session directory", e))
+}
+
+/// openat2 relative to `dir` that never leaves it: no absolute symlinks, no `..` above it, no
+/// /proc magic links, no mount crossing (EXDEV / ELOOP otherwise).
+fn open_beneath(dir: &OwnedFd, rel: &Path, flags: i32, mode: u32) -> std::io::Result<OwnedFd> {
+    let path = if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
     };
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(ErrorKind::InvalidInput))?;
+    // SAFETY: open_how is plain old data; all-zero is its documented default.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    // openat2 refuses flags O_PATH does not take (EINVAL).
+    let extra = if flags & libc::O_PATH != 0 {
+        libc::O_CLOEXEC
+    } else {
+        libc::O_CLOEXEC | libc::O_NOCTTY
+    };
+    how.flags = (flags | extra) as u64;
+    how.mode = if flags & libc::O_CREAT != 0 {
+        u64::from(mode)
+    } else {
+        0
+    };
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS | libc::RESOLVE_NO_XDEV;
+    // SAFETY: valid fd, NUL-terminated path and a correctly sized open_how.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: openat2 returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn open_error(shown: &str, e: std::io::Error, what: &str) -> ToolError {
+    match e.raw_os_error() {
+        Some(libc::EXDEV) | Some(libc::ELOOP) => ToolError::new(
+            "path_escape",
+            format!("{shown}: a symlink on this path leads outside the session directory"),
+        ),
+        Some(libc::ENOENT) => ToolError::new("not_found", format!("{shown}: no such {what}")),
+        Some(libc::ENOTDIR) => ToolError::new(
+            "not_found",
+            format!("{shown}: a parent component is not a directory"),
+        ),
+        Some(libc::EISDIR) => ToolError::new("not_a_file", format!("{shown}: is a directory")),
+        Some(libc::ENXIO) => ToolError::new("not_a_file", format!("{shown}: not a regular file")),
+        Some(libc::EACCES) | Some(libc::EPERM) => ToolError::new(
+            "io",
+            format!("{shown}: permission denied (the session's uid cannot access it)"),
+        ),
+        _ => io_err(shown, e),
+    }
+}
+
+fn read_sync(root: &Path, rel: &str, max: usize) -> Result<Vec<u8>, ToolError> {
+    let path = relative(rel, false)?;
+    let dir = open_root(root)?;
+    // O_NONBLOCK: a FIFO planted by the agent cannot hang the tool.
+    let fd = open_beneath(&dir, &path, libc::O_RDONLY | libc::O_NONBLOCK, 0)
+        .map_err(|e| open_error(rel, e, "file"))?;
+    let file = std::fs::File::from(fd);
+    let meta = file.metadata().map_err(|e| io_err(rel, e))?;
     if !meta.is_file() {
         return Err(ToolError::new(
             "not_a_file",
-            format!("{shown}: not a regular file"),
+            format!("{rel}: not a regular file"),
         ));
     }
     let too_large = |len: u64| {
         ToolError::new(
             "too_large",
-            format!(
-                "{shown}: file is {len} bytes, the limit is {}",
-                limits.max_file
-            ),
+            format!("{rel}: file is {len} bytes, the limit is {max}"),
         )
     };
-    if meta.len() > limits.max_file as u64 {
+    if meta.len() > max as u64 {
         return Err(too_large(meta.len()));
     }
-    let bytes = tokio::fs::read(target)
-        .await
-        .map_err(|e| io_err(shown, e))?;
-    if bytes.len() > limits.max_file {
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(max as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| io_err(rel, e))?;
+    if bytes.len() > max {
         return Err(too_large(bytes.len() as u64));
     }
     Ok(bytes)
 }
 
-async fn write_resolved(target: &Path, shown: &str, content: &str) -> Result<(), ToolError> {
-    if let Ok(m) = tokio::fs::metadata(target).await
-        && m.is_dir()
-    {
+fn write_sync(root: &Path, rel: &str, content: &[u8]) -> Result<(), ToolError> {
+    let path = relative(rel, false)?;
+    let dir = open_root(root)?;
+    if let Some(parent) = path.parent() {
+        let mut prefix = PathBuf::new();
+        for part in parent.components() {
+            let next = prefix.join(part);
+            match open_beneath(&dir, &next, libc::O_PATH | libc::O_DIRECTORY, 0) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    let at = open_beneath(&dir, &prefix, libc::O_PATH | libc::O_DIRECTORY, 0)
+                        .map_err(|e| open_error(rel, e, "directory"))?;
+                    let name = CString::new(part.as_os_str().as_bytes())
+                        .map_err(|_| ToolError::new("io", format!("{rel}: invalid name")))?;
+                    // SAFETY: valid directory fd and NUL-terminated name; mkdirat never follows
+                    // a symlink in its last component.
+                    if unsafe { libc::mkdirat(at.as_raw_fd(), name.as_ptr(), 0o755) } != 0 {
+                        let e = std::io::Error::last_os_error();
+                        if e.kind() != ErrorKind::AlreadyExists {
+                            return Err(open_error(rel, e, "directory"));
+                        }
+                    }
+                    open_beneath(&dir, &next, libc::O_PATH | libc::O_DIRECTORY, 0)
+                        .map_err(|e| open_error(rel, e, "directory"))?;
+                }
+                Err(e) => return Err(open_error(rel, e, "directory")),
+            }
+            prefix = next;
+        }
+    }
+    let fd = open_beneath(
+        &dir,
+        &path,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_NONBLOCK,
+        0o644,
+    )
+    .map_err(|e| open_error(rel, e, "file"))?;
+    let mut file = std::fs::File::from(fd);
+    let meta = file.metadata().map_err(|e| io_err(rel, e))?;
+    if !meta.is_file() {
         return Err(ToolError::new(
             "not_a_file",
-            format!("{shown}: is a directory"),
+            format!("{rel}: not a regular file"),
         ));
     }
-    if let Some(parent) = target.parent() {
-        tokio::fs::create_dir_all(parent)
-            .await
-            .map_err(|e| io_err(shown, e))?;
+    file.set_len(0).map_err(|e| io_err(rel, e))?;
+    file.write_all(content).map_err(|e| io_err(rel, e))
+}
+
+fn list_sync(root: &Path, rel: &str) -> Result<Vec<String>, ToolError> {
+    let path = relative(rel, true)?;
+    let shown = if rel.is_empty() { "." } else { rel };
+    let dir = open_root(root)?;
+    let fd =
+        open_beneath(&dir, &path, libc::O_RDONLY | libc::O_DIRECTORY, 0).map_err(|e| {
+            match e.raw_os_error() {
+                Some(libc::ENOTDIR) => ToolError::new("io", format!("{shown}: not a directory")),
+                _ => open_error(shown, e, "directory"),
+            }
+        })?;
+    // Read through this thread's own descriptor: the directory that was checked, not a path.
+    let via = format!("/proc/thread-self/fd/{}", fd.as_raw_fd());
+    let reader = std::fs::read_dir(&via).map_err(|e| io_err(shown, e))?;
+    let mut entries = Vec::new();
+    for entry in reader {
+        let entry = entry.map_err(|e| io_err(shown, e))?;
+        let mut name = entry.file_name().to_string_lossy().into_owned();
+        let is_dir = match entry.file_type() {
+            Ok(t) if t.is_dir() => true,
+            Ok(t) if t.is_symlink() => open_beneath(
+                &dir,
+                &path.join(entry.file_name()),
+                libc::O_PATH | libc::O_DIRECTORY,
+                0,
+            )
+            .is_ok(),
+            _ => false,
+        };
+        if is_dir {
+            name.push('/');
+        }
+        entries.push(name);
     }
-    tokio::fs::write(target, content)
-        .await
-        .map_err(|e| io_err(shown, e))
+    entries.sort();
+    Ok(entries)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shell
+// Sandbox
 // ---------------------------------------------------------------------------------------------
 
-/// `-c <script> [$0]` for /bin/sh. With limits, a prologue sets them (failing closed with exit
-/// 125 when one cannot be applied) and then `exec`s a fresh `sh -c` on the command, passed as
-/// `$0` so it is never re-quoted.
-fn shell_args(command: &str, limits: &Limits, sandboxed: bool) -> Vec<String> {
-    let mut prologue = String::new();
-    if let Some(bytes) = limits.memory_bytes {
-        let kib = (bytes / 1024).max(1);
-        prologue.push_str(&format!(
-            "ulimit -v {kib} || {{ echo 'environment: cannot apply the memory limit' >&2; exit {LIMIT_FAILED_EXIT}; }}; "
-        ));
-    }
-    // RLIMIT_NPROC counts every process of the uid, so it is only applied inside the sandbox.
-    // bash spells it -u, dash -p.
-    if let (true, Some(n)) = (sandboxed, limits.max_processes) {
-        prologue.push_str(&format!(
-            "{{ ulimit -u {n} || ulimit -p {n}; }} 2>/dev/null || {{ echo 'environment: cannot apply the process limit' >&2; exit {LIMIT_FAILED_EXIT}; }}; "
-        ));
-    }
-    if prologue.is_empty() {
-        vec!["-c".to_owned(), command.to_owned()]
-    } else {
-        prologue.push_str("exec /bin/sh -c \"$0\"");
-        vec!["-c".to_owned(), prologue, command.to_owned()]
-    }
+/// The generated `/etc/passwd` and `/etc/group` of a sandbox: only the sandbox user.
+fn sandbox_etc_files(id: Identity, home: &Path) -> (String, String) {
+    (
+        format!(
+            "agent:x:{}:{}:agentscope session:{}:/bin/sh\n",
+            id.uid,
+            id.gid,
+            home.display()
+        ),
+        format!("agent:x:{}:\n", id.gid),
+    )
 }
 
-fn bwrap_args(root: &Path) -> Vec<std::ffi::OsString> {
-    let mut args: Vec<std::ffi::OsString> = Vec::new();
+/// Writes `<etc_dir>/<uid>/{passwd,group}` (root-owned, world-readable) when they differ.
+fn write_sandbox_etc(etc_dir: &Path, id: Identity, home: &Path) -> std::io::Result<PathBuf> {
+    let dir = etc_dir.join(id.uid.to_string());
+    std::fs::create_dir_all(&dir)?;
+    let (passwd, group) = sandbox_etc_files(id, home);
+    for (name, text) in [("passwd", passwd), ("group", group)] {
+        let path = dir.join(name);
+        if std::fs::read_to_string(&path).is_ok_and(|t| t == text) {
+            continue;
+        }
+        let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+        std::fs::write(&tmp, &text)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(dir)
+}
+
+/// Toolchain directories bound read-only (a symlink, as on merged-/usr systems, is recreated).
+const SANDBOX_ROOT_DIRS: [&str; 7] = [
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+];
+
+/// Host files of /etc the toolchain needs (TLS certificates, the loader cache, alternatives);
+/// bound read-only when present.
+const SANDBOX_ETC: [&str; 9] = [
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/pki",
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/nsswitch.conf",
+];
+
+fn bwrap_args(root: &Path, id: Identity, etc: &Path, extra_ro: &[PathBuf]) -> Vec<OsString> {
+    let mut args: Vec<OsString> = Vec::new();
     let mut push = |items: &[&OsStr]| args.extend(items.iter().map(|s| s.to_os_string()));
+    let (uid, gid) = (id.uid.to_string(), id.gid.to_string());
     push(&[
-        "--ro-bind".as_ref(),
-        "/".as_ref(),
-        "/".as_ref(),
-        "--dev".as_ref(),
-        "/dev".as_ref(),
-        "--proc".as_ref(),
-        "/proc".as_ref(),
-        // Order matters: the tmpfs mounts must come before binding root, which may live below them.
-        "--tmpfs".as_ref(),
-        "/tmp".as_ref(),
-    ]);
-    // Hide host sockets (e.g. a container runtime's) living under /run: a read-only bind does
-    // not stop connect() on a unix socket.
-    if Path::new("/run").is_dir() {
-        push(&["--tmpfs".as_ref(), "/run".as_ref()]);
-    }
-    push(&[
-        "--bind".as_ref(),
-        root.as_os_str(),
-        root.as_os_str(),
-        "--unshare-net".as_ref(),
+        "--unshare-user".as_ref(),
+        "--uid".as_ref(),
+        uid.as_ref(),
+        "--gid".as_ref(),
+        gid.as_ref(),
         "--unshare-pid".as_ref(),
         "--unshare-ipc".as_ref(),
         "--unshare-uts".as_ref(),
+        "--unshare-net".as_ref(),
+        "--unshare-cgroup".as_ref(),
+        "--hostname".as_ref(),
+        "sandbox".as_ref(),
         "--die-with-parent".as_ref(),
         "--new-session".as_ref(),
         "--cap-drop".as_ref(),
         "ALL".as_ref(),
+    ]);
+    for dir in SANDBOX_ROOT_DIRS {
+        match std::fs::symlink_metadata(dir) {
+            Ok(m) if m.file_type().is_symlink() => {
+                if let Ok(target) = std::fs::read_link(dir) {
+                    push(&["--symlink".as_ref(), target.as_os_str(), dir.as_ref()]);
+                }
+            }
+            Ok(m) if m.is_dir() => push(&["--ro-bind".as_ref(), dir.as_ref(), dir.as_ref()]),
+            _ => {}
+        }
+    }
+    for path in SANDBOX_ETC {
+        push(&["--ro-bind-try".as_ref(), path.as_ref(), path.as_ref()]);
+    }
+    for path in extra_ro {
+        push(&["--ro-bind".as_ref(), path.as_os_str(), path.as_os_str()]);
+    }
+    let (passwd, group) = (etc.join("passwd"), etc.join("group"));
+    push(&[
+        "--ro-bind".as_ref(),
+        passwd.as_os_str(),
+        "/etc/passwd".as_ref(),
+        "--ro-bind".as_ref(),
+        group.as_os_str(),
+        "/etc/group".as_ref(),
+        "--dev".as_ref(),
+        "/dev".as_ref(),
+        "--proc".as_ref(),
+        "/proc".as_ref(),
+        // Before binding root, which may live below /tmp.
+        "--tmpfs".as_ref(),
+        "/tmp".as_ref(),
+        "--bind".as_ref(),
+        root.as_os_str(),
+        root.as_os_str(),
+        "--remount-ro".as_ref(),
+        "/".as_ref(),
         "--chdir".as_ref(),
         root.as_os_str(),
         "--".as_ref(),
     ]);
     args
+}
+
+// ---------------------------------------------------------------------------------------------
+// Limits: cgroup v2 when delegated, rlimits otherwise
+// ---------------------------------------------------------------------------------------------
+
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+
+/// Decides how limits are enforced: `configured` = "off" forces rlimits; a path must be a
+/// usable delegated cgroup v2 directory (else an error: never a silently weaker setup); empty
+/// probes `/sys/fs/cgroup` and `/sys/fs/cgroup/unified`. Returns the mode and, for rlimits,
+/// why no cgroup is used.
+pub fn detect_limit_mode(configured: &str) -> Result<(LimitMode, String), String> {
+    match configured.trim() {
+        "off" => Ok((LimitMode::Rlimits, "sandbox_cgroup is off".into())),
+        "" => {
+            let mut why = vec![];
+            for candidate in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+                match usable_cgroup(Path::new(candidate)) {
+                    Ok(()) => return Ok((LimitMode::Cgroup(candidate.into()), String::new())),
+                    Err(e) => why.push(format!("{candidate}: {e}")),
+                }
+            }
+            Ok((LimitMode::Rlimits, why.join("; ")))
+        }
+        path => usable_cgroup(Path::new(path))
+            .map(|()| (LimitMode::Cgroup(path.into()), String::new()))
+            .map_err(|e| format!("sandbox_cgroup {path} cannot be used: {e}")),
+    }
+}
+
+/// A directory is usable when it is cgroup v2, offers pids, memory and cpu to its children
+/// (enabling them in `cgroup.subtree_control` if needed) and a child can be created in it.
+pub fn usable_cgroup(dir: &Path) -> Result<(), String> {
+    let c = CString::new(dir.as_os_str().as_bytes()).map_err(|_| "invalid path".to_string())?;
+    // SAFETY: statfs fills a zeroed struct from a NUL-terminated path.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    #[allow(clippy::unnecessary_cast)]
+    if st.f_type as i64 != CGROUP2_SUPER_MAGIC {
+        return Err("not a cgroup2 filesystem".into());
+    }
+    let controllers = std::fs::read_to_string(dir.join("cgroup.controllers"))
+        .map_err(|e| format!("cgroup.controllers: {e}"))?;
+    let missing: Vec<&str> = ["pids", "memory", "cpu"]
+        .into_iter()
+        .filter(|c| !controllers.split_whitespace().any(|x| x == *c))
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "the controllers {} are not delegated here",
+            missing.join(", ")
+        ));
+    }
+    let subtree = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap_or_default();
+    if !["pids", "memory", "cpu"]
+        .iter()
+        .all(|c| subtree.split_whitespace().any(|x| x == *c))
+    {
+        std::fs::write(dir.join("cgroup.subtree_control"), "+pids +memory +cpu")
+            .map_err(|e| format!("cannot enable pids, memory and cpu for children: {e}"))?;
+    }
+    let probe = dir.join(format!("agentscope-probe-{}", std::process::id()));
+    std::fs::create_dir(&probe).map_err(|e| format!("cannot create a child cgroup: {e}"))?;
+    let _ = std::fs::remove_dir(&probe);
+    Ok(())
+}
+
+/// The values written to a session cgroup's limit files.
+fn cgroup_limit_files(limits: &Limits) -> Vec<(&'static str, String)> {
+    let or_max = |v: Option<u64>| v.map_or_else(|| "max".to_string(), |v| v.to_string());
+    vec![
+        ("pids.max", or_max(limits.max_processes.map(u64::from))),
+        ("memory.max", or_max(limits.memory_bytes)),
+        ("memory.swap.max", "0".into()),
+        ("cpu.max", CGROUP_CPU_MAX.into()),
+    ]
+}
+
+/// One shell call's cgroup: created with its limits, removed (after its processes are gone)
+/// when dropped.
+struct SessionCgroup {
+    dir: PathBuf,
+    /// `cgroup.procs`, opened by the dataplane; the child writes itself into it before exec.
+    procs: std::fs::File,
+}
+
+impl SessionCgroup {
+    fn create(parent: &Path, id: Identity, limits: &Limits) -> std::io::Result<SessionCgroup> {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let dir = parent.join(format!(
+            "agentscope-{}-{}-{}",
+            id.uid,
+            std::process::id(),
+            SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir(&dir)?;
+        for (file, value) in cgroup_limit_files(limits) {
+            if let Err(e) = std::fs::write(dir.join(file), &value) {
+                // memory.swap.max is absent without swap accounting; the rest must hold.
+                if file != "memory.swap.max" {
+                    let _ = std::fs::remove_dir(&dir);
+                    return Err(std::io::Error::new(e.kind(), format!("{file}: {e}")));
+                }
+            }
+        }
+        let procs = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("cgroup.procs"))?;
+        Ok(SessionCgroup { dir, procs })
+    }
+}
+
+impl Drop for SessionCgroup {
+    fn drop(&mut self) {
+        // Whatever is left is killed first (cgroup.kill, Linux 5.14+), then the cgroup removed.
+        let _ = std::fs::write(self.dir.join("cgroup.kill"), "1");
+        let _ = std::fs::remove_dir(&self.dir);
+    }
 }
 
 /// Kills a process group with SIGKILL. Without libc the signal is sent through the shell's
@@ -580,13 +1232,14 @@ async fn run(mut cmd: Command, limits: &Limits, sandboxed: bool) -> Result<Shell
     drop(cmd);
     let mut child = match spawned {
         Ok(child) => child,
-        Err(e) if sandboxed && e.kind() == ErrorKind::NotFound => {
-            return Err(ToolError::new(
-                "sandbox_unavailable",
-                format!("cannot start bubblewrap: {e}"),
-            ));
+        Err(e) if sandboxed => {
+            return Err(unavailable(format!("cannot start bubblewrap: {e}")));
         }
-        Err(e) => return Err(io_err("start shell", e)),
+        Err(e) => {
+            return Err(unavailable(format!(
+                "cannot start the shell under the session's identity and limits: {e}"
+            )));
+        }
     };
     let pgid = child
         .id()
@@ -670,36 +1323,55 @@ async fn run(mut cmd: Command, limits: &Limits, sandboxed: bool) -> Result<Shell
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt as _;
     use std::sync::atomic::{AtomicU64, Ordering};
 
     const BWRAP: &str = "/usr/bin/bwrap";
 
-    struct TempDir(PathBuf);
+    /// A sessions base (0711, root's) with one session directory `.0` (0700, owned by `id`).
+    struct TempDir(PathBuf, Identity);
 
     impl TempDir {
         fn new(name: &str) -> TempDir {
             static COUNTER: AtomicU64 = AtomicU64::new(0);
+            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_nanos();
-            let dir = std::env::temp_dir().join(format!(
-                "svc-dataplane-env-{name}-{}-{nanos}-{}",
+            let base = std::env::temp_dir().join(format!(
+                "svc-dataplane-env-{name}-{}-{nanos}-{n}",
                 std::process::id(),
-                COUNTER.fetch_add(1, Ordering::Relaxed)
             ));
-            std::fs::create_dir_all(&dir).unwrap();
-            TempDir(dir)
+            std::fs::create_dir_all(&base).unwrap();
+            std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o711)).unwrap();
+            let root = base.join("session");
+            std::fs::create_dir(&root).unwrap();
+            let uid = 720_000 + (std::process::id() % 4000) * 64 + (n % 64) as u32;
+            let id = Identity { uid, gid: uid };
+            if is_root() {
+                std::os::unix::fs::lchown(&root, Some(uid), Some(uid)).unwrap();
+                std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o700)).unwrap();
+            }
+            TempDir(root, id)
+        }
+
+        fn base(&self) -> &Path {
+            self.0.parent().unwrap()
         }
 
         fn unique(&self) -> String {
-            self.0.file_name().unwrap().to_string_lossy().into_owned()
+            self.base()
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
         }
     }
 
     impl Drop for TempDir {
         fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
+            let _ = std::fs::remove_dir_all(self.base());
         }
     }
 
@@ -710,13 +1382,24 @@ mod tests {
             max_file: 1024 * 1024,
             memory_bytes: None,
             max_processes: None,
+            cpu_secs: None,
         }
     }
 
     fn local(dir: &TempDir) -> Environment {
         Environment::Local {
             root: dir.0.clone(),
+            identity: Some(dir.1),
         }
+    }
+
+    fn spec(dir: &TempDir, bwrap: PathBuf) -> Arc<SandboxSpec> {
+        Arc::new(SandboxSpec {
+            bwrap,
+            etc_dir: dir.base().join("etc"),
+            extra_ro: vec![],
+            limit_mode: LimitMode::Rlimits,
+        })
     }
 
     fn sandbox(dir: &TempDir) -> Environment {
@@ -727,7 +1410,8 @@ mod tests {
         );
         Environment::Sandbox {
             root: dir.0.clone(),
-            bwrap: PathBuf::from(BWRAP),
+            identity: Some(dir.1),
+            spec: spec(dir, PathBuf::from(BWRAP)),
         }
     }
 
@@ -772,8 +1456,8 @@ mod tests {
             // Overwrite.
             env.write_file("top.txt", "y", &l).await.unwrap();
             assert_eq!(env.read_file("top.txt", &l).await.unwrap(), "y");
-            // A symlink that stays inside root is fine.
-            std::os::unix::fs::symlink(dir.0.join("a/b"), dir.0.join("inner")).unwrap();
+            // A (relative) symlink that stays inside root is fine.
+            std::os::unix::fs::symlink("a/b", dir.0.join("inner")).unwrap();
             assert_eq!(
                 env.read_file("inner/c.txt", &l).await.unwrap(),
                 "hello there\n"
@@ -1156,11 +1840,350 @@ mod tests {
         let dir = TempDir::new("nobwrap");
         let env = Environment::Sandbox {
             root: dir.0.clone(),
-            bwrap: dir.0.join("no-such-bwrap"),
+            identity: Some(dir.1),
+            spec: spec(&dir, dir.0.join("no-such-bwrap")),
         };
         assert_eq!(
             code(env.shell("echo hi", &[], &limits()).await),
             "sandbox_unavailable"
         );
+    }
+
+    #[test]
+    fn sessions_get_their_own_uid_and_a_private_directory() {
+        let dir = TempDir::new("ids");
+        let base = dir.base().join("sessions");
+        let range = UidRange {
+            first: 730_000,
+            last: 730_001,
+        };
+        let (s1, s2, s3) = (
+            uuid::Uuid::new_v4(),
+            uuid::Uuid::new_v4(),
+            uuid::Uuid::new_v4(),
+        );
+        let (r1, i1) = prepare_session_dir(&base, s1, range).unwrap();
+        let (r2, i2) = prepare_session_dir(&base, s2, range).unwrap();
+        let (i1, i2) = (i1.unwrap(), i2.unwrap());
+        assert_ne!(i1, i2, "one identity per session");
+        assert!(range.contains(i1.uid) && range.contains(i2.uid));
+        assert_eq!(i1.uid, i1.gid);
+        for (root, id) in [(&r1, i1), (&r2, i2)] {
+            let m = std::fs::metadata(root).unwrap();
+            assert_eq!(
+                (m.uid(), m.gid(), m.mode() & 0o7777),
+                (id.uid, id.gid, 0o700)
+            );
+        }
+        assert_eq!(std::fs::metadata(&base).unwrap().mode() & 0o7777, 0o711);
+        // The same session keeps its identity (a restart, another replica on the same storage).
+        assert_eq!(prepare_session_dir(&base, s1, range).unwrap().1, Some(i1));
+        // The range is exhausted: a clear error, never a shared uid.
+        assert_eq!(
+            prepare_session_dir(&base, s3, range).unwrap_err().code(),
+            "sandbox_unavailable"
+        );
+        // A directory from before identities is handed over, symlinks not followed.
+        let legacy = uuid::Uuid::new_v4();
+        let wide = UidRange {
+            first: 730_100,
+            last: 730_199,
+        };
+        let old = base.join(legacy.to_string());
+        std::fs::create_dir_all(old.join("sub")).unwrap();
+        std::fs::write(old.join("sub/f"), "x").unwrap();
+        let victim = dir.base().join("victim");
+        std::fs::write(&victim, "root's").unwrap();
+        std::os::unix::fs::symlink(&victim, old.join("link")).unwrap();
+        let (_, id) = prepare_session_dir(&base, legacy, wide).unwrap();
+        let id = id.unwrap();
+        assert_eq!(std::fs::metadata(old.join("sub/f")).unwrap().uid(), id.uid);
+        assert_eq!(
+            std::fs::metadata(&victim).unwrap().uid(),
+            0,
+            "symlink not followed"
+        );
+        assert!(UidRange::parse("0-100").is_err());
+        assert!(UidRange::parse("60000-70000").is_err(), "contains nobody");
+        assert!(UidRange::parse("9-3").is_err());
+        assert_eq!(UidRange::parse("700000-765535").unwrap().len(), 65_536);
+    }
+
+    #[tokio::test]
+    async fn file_tools_do_their_io_as_the_session_uid() {
+        for (dir, env) in both("fsuid") {
+            let l = limits();
+            env.write_file("new/dir/f.txt", "mine", &l).await.unwrap();
+            for p in ["new", "new/dir", "new/dir/f.txt"] {
+                assert_eq!(
+                    std::fs::metadata(dir.0.join(p)).unwrap().uid(),
+                    dir.1.uid,
+                    "{p}"
+                );
+            }
+            // A root-only file inside the directory stays root's: the tool is not root.
+            std::fs::write(dir.0.join("root-only"), "secret").unwrap();
+            std::fs::set_permissions(
+                dir.0.join("root-only"),
+                std::fs::Permissions::from_mode(0o600),
+            )
+            .unwrap();
+            assert_eq!(code(env.read_file("root-only", &l).await), "io");
+            assert_eq!(code(env.write_file("root-only", "x", &l).await), "io");
+            assert_eq!(
+                std::fs::read_to_string(dir.0.join("root-only")).unwrap(),
+                "secret"
+            );
+            // A FIFO cannot hang a tool.
+            let fifo = CString::new(dir.0.join("fifo").as_os_str().as_bytes()).unwrap();
+            // SAFETY: NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+            std::fs::set_permissions(dir.0.join("fifo"), std::fs::Permissions::from_mode(0o666))
+                .unwrap();
+            assert_eq!(code(env.read_file("fifo", &l).await), "not_a_file");
+            assert_eq!(code(env.write_file("fifo", "x", &l).await), "not_a_file");
+        }
+    }
+
+    #[tokio::test]
+    async fn symlinks_cannot_turn_the_file_tools_against_the_dataplane() {
+        let other = TempDir::new("symlink-other");
+        std::fs::write(other.0.join("tok.txt"), "other session's secret").unwrap();
+        for (dir, env) in both("symlink") {
+            let l = limits();
+            let sibling = other.0.to_str().unwrap().to_owned();
+            let rel_sibling = format!("../../{}/session", other.unique());
+            let planted = [
+                ("shadow", "/etc/shadow"),
+                ("abs-sib", sibling.as_str()),
+                ("rel-sib", rel_sibling.as_str()),
+                ("up", ".."),
+                ("proc", "/proc/self/root"),
+            ];
+            for (name, target) in planted {
+                std::os::unix::fs::symlink(target, dir.0.join(name)).unwrap();
+            }
+            assert_eq!(code(env.read_file("shadow", &l).await), "path_escape");
+            assert_eq!(code(env.write_file("shadow", "x", &l).await), "path_escape");
+            for d in ["abs-sib", "rel-sib", "up", "proc"] {
+                assert_eq!(code(env.list_files(d).await), "path_escape", "{d}");
+                assert_eq!(
+                    code(env.read_file(&format!("{d}/tok.txt"), &l).await),
+                    "path_escape",
+                    "{d}"
+                );
+                assert_eq!(
+                    code(env.write_file(&format!("{d}/planted.txt"), "x", &l).await),
+                    "path_escape",
+                    "{d}"
+                );
+                assert_eq!(
+                    code(
+                        env.edit_file(&format!("{d}/tok.txt"), "other", "x", &l)
+                            .await
+                    ),
+                    "path_escape",
+                    "{d}"
+                );
+            }
+            // A symlinked parent directory deeper in the path, and one swapped in for a
+            // directory between two calls (what a racing agent would do).
+            std::fs::create_dir_all(dir.0.join("a/b")).unwrap();
+            std::os::unix::fs::symlink("../../up", dir.0.join("a/b/c")).unwrap();
+            assert_eq!(
+                code(env.write_file("a/b/c/x", "x", &l).await),
+                "path_escape"
+            );
+            env.write_file("work/f.txt", "1", &l).await.unwrap();
+            std::fs::rename(dir.0.join("work"), dir.0.join("work-old")).unwrap();
+            std::os::unix::fs::symlink(&sibling, dir.0.join("work")).unwrap();
+            assert_eq!(code(env.read_file("work/f.txt", &l).await), "path_escape");
+            assert_eq!(
+                code(env.write_file("work/tok.txt", "x", &l).await),
+                "path_escape"
+            );
+            assert_eq!(
+                std::fs::read_to_string(other.0.join("tok.txt")).unwrap(),
+                "other session's secret"
+            );
+            assert!(!other.0.join("planted.txt").exists());
+            assert!(!other.base().join("planted.txt").exists());
+            // The listing shows a symlink to outside as a plain entry, never its contents.
+            let listed = env.list_files("").await.unwrap();
+            assert!(listed.contains(&"abs-sib".to_string()), "{listed:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_sandbox_shows_only_what_the_work_needs() {
+        let other = TempDir::new("sbx-other");
+        std::fs::write(other.0.join("tok.txt"), "other").unwrap();
+        let dir = TempDir::new("sbx-view");
+        let env = sandbox(&dir);
+        let l = limits();
+        let probe = format!(
+            "id -u; id -g; cat /etc/passwd; cat /etc/shadow 2>&1 | head -c 0 ; test -e /etc/shadow && echo SHADOW; \
+             cat {}/tok.txt 2>/dev/null && echo SIBLING; ls /proc | grep -c '^[0-9]'; ls /; \
+             tr '\\0' '\\n' < /proc/1/environ | grep -c AGENTSCOPE_ ; hostname",
+            other.0.display()
+        );
+        let out = env.shell(&probe, &[], &l).await.unwrap();
+        let lines: Vec<&str> = out.output.lines().collect();
+        assert_eq!(lines[0], dir.1.uid.to_string(), "{out:?}");
+        assert_eq!(lines[1], dir.1.gid.to_string(), "{out:?}");
+        assert_eq!(
+            lines[2],
+            format!(
+                "agent:x:{}:{}:agentscope session:{}:/bin/sh",
+                dir.1.uid,
+                dir.1.gid,
+                std::fs::canonicalize(&dir.0).unwrap().display()
+            ),
+            "only the sandbox user: {out:?}"
+        );
+        assert!(!out.output.contains("root:"), "{out:?}");
+        assert!(
+            !out.output.contains("SHADOW") && !out.output.contains("SIBLING"),
+            "{out:?}"
+        );
+        let procs: u32 = lines[3].parse().unwrap();
+        assert!(procs <= 4, "its own /proc: {out:?}");
+        let top: Vec<&str> = lines[4..lines.len() - 2].to_vec();
+        for forbidden in ["root", "home", "var", "opt", "srv", "work", "run", "boot"] {
+            assert!(
+                !top.contains(&forbidden),
+                "/{forbidden} is visible: {out:?}"
+            );
+        }
+        assert!(
+            top.contains(&"usr") && top.contains(&"etc") && top.contains(&"tmp"),
+            "{out:?}"
+        );
+        assert_eq!(lines[lines.len() - 2], "0", "{out:?}");
+        assert_eq!(lines[lines.len() - 1], "sandbox", "{out:?}");
+    }
+
+    #[tokio::test]
+    async fn local_runs_as_the_session_uid_without_the_dataplanes_environment() {
+        let dir = TempDir::new("local-env");
+        let out = local(&dir)
+            .shell(
+                "id -u; tr '\\0' '\\n' 2>/dev/null </proc/$PPID/environ >/dev/null && echo PARENT-ENV || echo refused; \
+                 ulimit -p 2>/dev/null || ulimit -u",
+                &[],
+                &Limits {
+                    max_processes: Some(77),
+                    ..limits()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            out.output,
+            format!("{}\nrefused\n77\n", dir.1.uid),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn bubblewrap_never_binds_the_host_root() {
+        let id = Identity {
+            uid: 700_001,
+            gid: 700_001,
+        };
+        let args: Vec<String> = bwrap_args(
+            Path::new("/var/lib/agentscope/sessions/s"),
+            id,
+            Path::new("/var/lib/agentscope/sessions/.etc/700001"),
+            &[PathBuf::from("/opt/toolchain")],
+        )
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+        let joined = args.join(" ");
+        assert!(
+            !joined.contains("--bind / /") && !joined.contains("--ro-bind / /"),
+            "{joined}"
+        );
+        for flag in [
+            "--unshare-user --uid 700001 --gid 700001",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-net",
+            "--unshare-cgroup",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop ALL",
+            "--proc /proc",
+            "--dev /dev",
+            "--tmpfs /tmp",
+            "--ro-bind /opt/toolchain /opt/toolchain",
+            "--ro-bind /var/lib/agentscope/sessions/.etc/700001/passwd /etc/passwd",
+            "--bind /var/lib/agentscope/sessions/s /var/lib/agentscope/sessions/s --remount-ro /",
+        ] {
+            assert!(joined.contains(flag), "missing `{flag}` in {joined}");
+        }
+        // The session directory is the only writable bind.
+        assert_eq!(args.iter().filter(|a| *a == "--bind").count(), 1);
+        assert!(!joined.contains("/etc/shadow"));
+    }
+
+    #[test]
+    fn cgroup_limits_are_used_only_where_a_cgroup_is_delegated() {
+        // Not cgroup2 at all.
+        let dir = TempDir::new("cg");
+        let err = usable_cgroup(dir.base()).unwrap_err();
+        assert!(err.contains("not a cgroup2"), "{err}");
+        assert!(detect_limit_mode(dir.base().to_str().unwrap()).is_err());
+        assert_eq!(detect_limit_mode("off").unwrap().0, LimitMode::Rlimits);
+        // Auto-detection picks a cgroup only when it is usable; otherwise it says why.
+        match detect_limit_mode("").unwrap() {
+            (LimitMode::Cgroup(p), _) => usable_cgroup(&p).unwrap(),
+            (LimitMode::Rlimits, why) => assert!(why.contains("/sys/fs/cgroup"), "{why}"),
+        }
+        let files = cgroup_limit_files(&Limits {
+            memory_bytes: Some(256 << 20),
+            max_processes: Some(64),
+            ..limits()
+        });
+        assert_eq!(
+            files,
+            vec![
+                ("pids.max", "64".to_string()),
+                ("memory.max", (256u64 << 20).to_string()),
+                ("memory.swap.max", "0".to_string()),
+                ("cpu.max", "100000 100000".to_string()),
+            ]
+        );
+        assert_eq!(cgroup_limit_files(&limits())[0].1, "max");
+    }
+
+    #[tokio::test]
+    async fn a_fork_bomb_in_the_sandbox_stops_at_the_process_limit() {
+        let dir = TempDir::new("bomb");
+        let l = Limits {
+            max_processes: Some(24),
+            ..limits()
+        };
+        let out = sandbox(&dir)
+            .shell(
+                "bash -c 'f() { while :; do f & done; }; f' >/dev/null 2>&1 & max=0; n=0; \
+                 while [ $n -lt 100 ]; do c=0; for p in /proc/[0-9]*; do \
+                 read -r st 2>/dev/null < $p/stat || continue; \
+                 case $st in *') Z '*|*') X '*) ;; *) c=$((c+1));; esac; done; \
+                 [ $c -gt $max ] && max=$c; [ $max -ge 18 ] && n=$((n+1)); done; echo $max",
+                &[],
+                &l,
+            )
+            .await
+            .unwrap();
+        let max: u32 = out
+            .output
+            .lines()
+            .last()
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{out:?}"));
+        assert!((18..=24).contains(&max), "{out:?}");
     }
 }

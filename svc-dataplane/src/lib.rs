@@ -25,6 +25,51 @@ pub struct App {
     health_task: tokio::task::JoinHandle<()>,
 }
 
+/// Decides how session limits are enforced and states at start-up what is in force: the uid
+/// range, cgroup v2 or rlimits, and whether `local` is enabled. A configured cgroup that cannot
+/// be used is an error, never a silently weaker sandbox.
+fn startup_isolation(config: &Config) -> anyhow::Result<env::LimitMode> {
+    let (mode, why) = env::detect_limit_mode(&config.sandbox_cgroup).map_err(anyhow::Error::msg)?;
+    let root = running_as_root();
+    let limits = format!(
+        "pids {}, memory {} MiB, cpu {}",
+        config.session_max_processes,
+        config.session_memory_mb,
+        if config.session_cpu_secs == 0 {
+            "unlimited".to_string()
+        } else {
+            format!("{} s per process", config.session_cpu_secs)
+        }
+    );
+    match &mode {
+        env::LimitMode::Cgroup(dir) => tracing::info!(
+            cgroup = %dir.display(),
+            "session limits in force: cgroup v2 (pids.max, memory.max, cpu.max) per shell call: {limits}"
+        ),
+        env::LimitMode::Rlimits if root => tracing::info!(
+            cgroup_unusable = %why,
+            "session limits in force: rlimits of each session's own uid (RLIMIT_NPROC, RLIMIT_AS, RLIMIT_CPU), set before exec: {limits}"
+        ),
+        env::LimitMode::Rlimits => tracing::warn!(
+            cgroup_unusable = %why,
+            "not running as root: sessions share the dataplane's uid, so RLIMIT_NPROC is not applied and sessions are not isolated from each other; limits in force: RLIMIT_AS, RLIMIT_CPU"
+        ),
+    }
+    tracing::info!(
+        session_uids = %config.session_uids,
+        allow_local_environment = config.allow_local_environment,
+        bwrap = %config.bwrap_path,
+        "session isolation: one uid per session; local and remote environments {}",
+        if config.allow_local_environment { "enabled" } else { "refused" }
+    );
+    Ok(mode)
+}
+
+fn running_as_root() -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
 impl App {
     pub async fn build(config: Config) -> anyhow::Result<App> {
         let db = agentscope_store::connect(&config.database_url, config.db_max_connections)
@@ -68,6 +113,7 @@ impl App {
             (config.worker_ttl_ms / 3).max(100) as u32,
             cancel.clone(),
         ));
+        let limit_mode = startup_isolation(&config)?;
         let runner = session::Runner::new(
             db.clone(),
             nats.clone(),
@@ -76,6 +122,7 @@ impl App {
             leases,
             Arc::new(config.clone()),
             replica.clone(),
+            limit_mode,
         );
         tracing::info!(%replica, "svc-dataplane replica ready for sessions");
         // New work is announced on a core subject; a sweep finds what a lost nudge or a dead

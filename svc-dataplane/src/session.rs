@@ -9,7 +9,7 @@
 //! is reported to the model as interrupted, never silently repeated.
 
 use crate::Config;
-use crate::env::{Environment, Limits};
+use crate::env::{Environment, Limits, SandboxSpec, UidRange};
 use crate::model::{self, Message, ModelConfig, ModelError, ToolCallReq};
 use crate::policy::{Decision, Policy};
 use crate::tools::{self, ToolOutput};
@@ -41,6 +41,9 @@ pub struct Runner {
     pub config: Arc<Config>,
     pub replica: String,
     active: Mutex<HashSet<Uuid>>,
+    /// The bubblewrap sandbox's settings (shared by every sandbox session).
+    sandbox: Arc<SandboxSpec>,
+    uids: UidRange,
 }
 
 #[derive(Debug)]
@@ -75,6 +78,8 @@ struct Pinned {
     e2b: bool,
     /// The definition's files, written into the session directory when it is new.
     files: Vec<(String, String)>,
+    /// Why this replica refuses to run the session's tools (`environment_not_allowed: ...`).
+    refused: Option<String>,
 }
 
 pub fn lease_key(session_id: Uuid) -> String {
@@ -91,6 +96,7 @@ impl Runner {
         leases: kv::Store,
         config: Arc<Config>,
         replica: String,
+        limit_mode: crate::env::LimitMode,
     ) -> Arc<Self> {
         // One connection pool for the model and E2B.
         let http = reqwest::Client::new();
@@ -113,6 +119,16 @@ impl Runner {
             }),
             sandboxes: Default::default(),
             http,
+            sandbox: Arc::new(SandboxSpec {
+                bwrap: PathBuf::from(&config.bwrap_path),
+                etc_dir: PathBuf::from(&config.sessions_dir).join(".etc"),
+                extra_ro: config.ro_paths(),
+                limit_mode,
+            }),
+            uids: UidRange::parse(&config.session_uids).unwrap_or(UidRange {
+                first: 700_000,
+                last: 765_535,
+            }),
             config,
             replica,
             active: Mutex::new(HashSet::new()),
@@ -331,16 +347,41 @@ impl Runner {
             ("remote", shared) => PathBuf::from(shared),
             _ => PathBuf::from(&self.config.sessions_dir),
         };
-        let root = base.join(session_id.to_string());
-        tokio::fs::create_dir_all(&root)
+        // `local` and `remote` run tools unsandboxed on this machine: only when enabled.
+        let refused = (["local", "remote"].contains(&environment.as_str())
+            && !self.config.allow_local_environment)
+            .then(|| {
+                format!(
+                    "environment_not_allowed: the `{environment}` environment runs tools unsandboxed on the dataplane's machine and this deployment does not enable it (AGENTSCOPE_ALLOW_LOCAL_ENVIRONMENT); use `sandbox`"
+                )
+            });
+        let (root, identity) = if refused.is_some() {
+            (base.join(session_id.to_string()), None)
+        } else {
+            let uids = self.uids;
+            let b = base.clone();
+            match tokio::task::spawn_blocking(move || {
+                crate::env::prepare_session_dir(&b, session_id, uids)
+            })
             .await
-            .map_err(|e| Stop::Db(sqlx::Error::Io(e)))?;
+            {
+                Ok(Ok(prepared)) => prepared,
+                Ok(Err(e)) => {
+                    tracing::error!(%session_id, error = %e, "session directory");
+                    return Err(Stop::Db(sqlx::Error::Io(std::io::Error::other(
+                        e.to_string(),
+                    ))));
+                }
+                Err(e) => return Err(Stop::Db(sqlx::Error::Io(std::io::Error::other(e)))),
+            }
+        };
         let env = match environment.as_str() {
             "sandbox" => Environment::Sandbox {
                 root,
-                bwrap: PathBuf::from(&self.config.bwrap_path),
+                identity,
+                spec: self.sandbox.clone(),
             },
-            _ => Environment::Local { root },
+            _ => Environment::Local { root, identity },
         };
         let worker = worker.map(|name| crate::worker::WorkerLink {
             nats: self.nats.clone(),
@@ -349,6 +390,7 @@ impl Runner {
             name,
         });
         Ok(Pinned {
+            refused,
             e2b: environment == "sandbox" && self.e2b.is_some(),
             worker,
             files: files
@@ -385,8 +427,9 @@ impl Runner {
             timeout: Duration::from_secs(self.config.shell_timeout_secs),
             max_output: tools::MAX_OUTPUT,
             max_file: 4 * 1024 * 1024,
-            memory_bytes: Some(2 * 1024 * 1024 * 1024),
-            max_processes: Some(256),
+            memory_bytes: Some(self.config.session_memory_mb * 1024 * 1024),
+            max_processes: Some(self.config.session_max_processes),
+            cpu_secs: (self.config.session_cpu_secs > 0).then_some(self.config.session_cpu_secs),
         }
     }
 
@@ -409,6 +452,19 @@ impl Runner {
 
     /// Takes the session over under `token`, then works through its inputs in order.
     async fn run(&self, session_id: Uuid, token: i64) -> Result<(), Stop> {
+        // A session refused here was already told so: leave it (and its events) alone.
+        let (environment, status): (String, Option<String>) = sqlx::query_as(
+            "SELECT s.environment, st.status FROM sessions s LEFT JOIN session_state st ON st.session_id = s.id WHERE s.id = $1",
+        )
+        .bind(session_id)
+        .fetch_one(&self.db)
+        .await?;
+        if ["local", "remote"].contains(&environment.as_str())
+            && !self.config.allow_local_environment
+            && status.as_deref() == Some("environment_not_allowed")
+        {
+            return Ok(());
+        }
         let taken: Option<(i64,)> = sqlx::query_as(
             "INSERT INTO session_state (session_id, status, lease_token, replica) VALUES ($1, 'running', $2, $3)
              ON CONFLICT (session_id) DO UPDATE SET lease_token = EXCLUDED.lease_token, replica = EXCLUDED.replica,
@@ -437,6 +493,9 @@ impl Runner {
             .await?;
         }
         let pinned = self.pinned(session_id).await?;
+        if let Some(reason) = &pinned.refused {
+            return s.refuse(reason).await;
+        }
         s.materialize(&pinned).await?;
         loop {
             let next: Option<(Uuid, String)> = sqlx::query_as(
@@ -594,6 +653,29 @@ impl Session<'_> {
             &[(
                 "outcome",
                 json!({"input_id": input_id, "status": status, "detail": detail, "iterations": iterations}),
+            )],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// A session this replica will not run (its environment is not enabled): the state says so
+    /// with a stable code, once, and its inputs stay unanswered until the deployment changes.
+    async fn refuse(&self, reason: &str) -> Result<(), Stop> {
+        // The status and its diagnostic commit together.
+        let (mut tx, mut seq) = self.begin().await?;
+        sqlx::query("UPDATE session_state SET status = 'environment_not_allowed', detail = $2, updated_at = now() WHERE session_id = $1")
+            .bind(self.id)
+            .bind(reason)
+            .execute(&mut *tx)
+            .await?;
+        self.append_events(
+            &mut tx,
+            &mut seq,
+            &[(
+                "diagnostic",
+                json!({"code": "environment_not_allowed", "message": reason}),
             )],
         )
         .await?;

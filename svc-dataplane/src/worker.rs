@@ -319,10 +319,14 @@ async fn serve_op(dir: &std::path::Path, payload: &[u8]) -> ToolOperationResult 
         max_file: 4 * 1024 * 1024,
         memory_bytes: None,
         max_processes: None,
+        cpu_secs: None,
     };
     let env: Vec<(String, String)> = op.env.into_iter().collect();
     let out = tools::run(
-        &Environment::Local { root },
+        &Environment::Local {
+            root,
+            identity: None,
+        },
         &limits,
         &op.tool,
         &input,

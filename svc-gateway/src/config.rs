@@ -34,6 +34,10 @@ pub struct Config {
     /// Vault keys, `id:hex32,...` (the first seals); empty: secrets cannot be stored.
     #[serde(default)]
     pub vault_keys: agentscope_domain::vault::SecretString,
+    /// Managed sessions in the `local` and `remote` environments run tools unsandboxed on the
+    /// dataplane's machine: refused (`environment_not_allowed`) unless true.
+    #[serde(default)]
+    pub allow_local_environment: bool,
 }
 
 impl Config {
@@ -61,7 +65,8 @@ impl Config {
             .set_default("host_offline_after_ms", 10_000)?
             .set_default("db_max_connections", 16)?
             .set_default("log_format", "")?
-            .set_default("vault_keys", "")?;
+            .set_default("vault_keys", "")?
+            .set_default("allow_local_environment", false)?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
         }

@@ -13,6 +13,7 @@ mod failover;
 mod isolation_host;
 mod isolation_nats;
 mod isolation_policy;
+mod isolation_sandbox;
 mod limits;
 mod managed;
 mod restart;

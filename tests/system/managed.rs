@@ -21,20 +21,32 @@ async fn managed_stack(label: &str, script: &Value) -> Managed {
     managed_stack_with(label, script, &[]).await
 }
 
-/// [`managed_stack`] with more dataplane settings (later ones win).
-async fn managed_stack_with(label: &str, script: &Value, extra: &[(&str, &str)]) -> Managed {
+/// [`managed_stack`] with more dataplane settings (later ones win). The `local` and `remote`
+/// environments are enabled (gateway and dataplane): some tests use them on purpose (a tool
+/// waiting on a host file, shared storage); the rest use the default, `sandbox`.
+pub(crate) async fn managed_stack_with(
+    label: &str,
+    script: &Value,
+    extra: &[(&str, &str)],
+) -> Managed {
     let simdir = kit::TempDir::new(&format!("{label}-model"));
     let (sim, url, log) = modelsim(&simdir.path, script).await;
+    let allow_local = (
+        "AGENTSCOPE_ALLOW_LOCAL_ENVIRONMENT".to_string(),
+        "true".to_string(),
+    );
     let mut dataplane_env: Vec<(String, String)> = vec![
         ("AGENTSCOPE_MODEL_API".into(), "anthropic".into()),
         ("AGENTSCOPE_MODEL_BASE_URL".into(), url),
         ("AGENTSCOPE_MODEL_API_KEY".into(), "sk-modelsim".into()),
+        allow_local.clone(),
     ];
     dataplane_env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     let stack = Stack::start(
         label,
         StackOptions {
             dataplane_env,
+            gateway_env: vec![allow_local],
             ..Default::default()
         },
     )
@@ -44,7 +56,7 @@ async fn managed_stack_with(label: &str, script: &Value, extra: &[(&str, &str)])
     (stack, sim, log, simdir, second)
 }
 
-async fn managed_agent(stack: &Stack, name: &str, extra: Value) -> String {
+pub(crate) async fn managed_agent(stack: &Stack, name: &str, extra: Value) -> String {
     let mut body =
         json!({"name": name, "provider": "managed", "instructions": format!("You are {name}.")});
     for (k, v) in extra.as_object().cloned().unwrap_or_default() {
@@ -54,7 +66,12 @@ async fn managed_agent(stack: &Stack, name: &str, extra: Value) -> String {
     a["id"].as_str().unwrap().to_string()
 }
 
-async fn start_session(stack: &Stack, agent: &str, environment: &str, input: &str) -> String {
+pub(crate) async fn start_session(
+    stack: &Stack,
+    agent: &str,
+    environment: &str,
+    input: &str,
+) -> String {
     let s = stack
         .api
         .post(
@@ -67,7 +84,7 @@ async fn start_session(stack: &Stack, agent: &str, environment: &str, input: &st
 }
 
 /// Waits until every input of the session has an outcome; returns the session.
-async fn wait_outcomes(stack: &Stack, id: &str, n: usize) -> Value {
+pub(crate) async fn wait_outcomes(stack: &Stack, id: &str, n: usize) -> Value {
     let api = stack.api.clone();
     let path = format!("/v1/sessions/{id}");
     kit::wait_for("the session's outcomes", Duration::from_secs(90), || {
@@ -133,7 +150,7 @@ async fn start_on_worker(stack: &Stack, agent: &str, worker: &str, input: &str) 
     s["id"].as_str().unwrap().to_string()
 }
 
-async fn session_events(stack: &Stack, id: &str) -> Vec<Value> {
+pub(crate) async fn session_events(stack: &Stack, id: &str) -> Vec<Value> {
     stack
         .api
         .get(&format!("/v1/sessions/{id}/events"))
@@ -291,7 +308,7 @@ async fn max_iters_stops_a_looping_model_and_a_denied_tool_is_reported() {
     )
     .await;
 
-    let id = start_session(&stack, &looping, "local", "Loop.").await;
+    let id = start_session(&stack, &looping, "sandbox", "Loop.").await;
     let s = wait_outcomes(&stack, &id, 1).await;
     let o = &s["inputs"][0]["outcome"];
     assert_eq!(
@@ -301,7 +318,7 @@ async fn max_iters_stops_a_looping_model_and_a_denied_tool_is_reported() {
     );
     assert_eq!(s["status"], "max_iterations");
 
-    let id = start_session(&stack, &careful, "local", "Clean up.").await;
+    let id = start_session(&stack, &careful, "sandbox", "Clean up.").await;
     let s = wait_outcomes(&stack, &id, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "tool_denied", "{s:#}");
     let events = session_events(&stack, &id).await;
@@ -540,7 +557,7 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
         json!({"policy": {"tools": {"shell": "ask"}}}),
     )
     .await;
-    let id = start_session(&stack, &agent, "local", "Write the file.").await;
+    let id = start_session(&stack, &agent, "sandbox", "Write the file.").await;
     let ap = pending_session_approval(&stack, &id).await;
     assert_eq!(
         (ap["tool_name"].as_str(), ap["session_id"].as_str()),
@@ -632,7 +649,7 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
     );
 
     // Interrupt: the pending request is denied, the model is told, then the new input runs.
-    let id2 = start_session(&stack, &agent, "local", "Write the file again.").await;
+    let id2 = start_session(&stack, &agent, "sandbox", "Write the file again.").await;
     let ap2 = pending_session_approval(&stack, &id2).await;
     let (st, v) = stack
         .api
@@ -718,7 +735,7 @@ async fn a_vault_secret_used_by_a_tool_reaches_no_event_log_or_model_request() {
         .api
         .post(
             "/v1/sessions",
-            json!({"agent_id": agent, "environment": "local", "issue_id": issue["id"], "input": "Deploy."}),
+            json!({"agent_id": agent, "environment": "sandbox", "issue_id": issue["id"], "input": "Deploy."}),
         )
         .await
         .unwrap()["id"]
@@ -843,7 +860,7 @@ async fn an_unreachable_model_ends_the_turn_as_model_connection_with_evidence() 
     )
     .await;
     let agent = managed_agent(&stack, "cutoff", json!({})).await;
-    let id = start_session(&stack, &agent, "local", "Hello?").await;
+    let id = start_session(&stack, &agent, "sandbox", "Hello?").await;
     let s = wait_outcomes(&stack, &id, 1).await;
     let o = &s["inputs"][0]["outcome"];
     assert_eq!(o["status"], "model_connection", "{s:#}");
@@ -874,7 +891,7 @@ async fn bad_session_input_gets_stable_codes_and_workspaces_never_see_each_other
         )
         .await
         .unwrap();
-    let id = start_session(&stack, &agent, "local", "Hello.").await;
+    let id = start_session(&stack, &agent, "sandbox", "Hello.").await;
     wait_outcomes(&stack, &id, 1).await;
     stack
         .api

@@ -106,12 +106,22 @@ pub async fn create(
     Body(b): Body<NewSession>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     check_input(&b.input)?;
-    let environment = b.environment.unwrap_or_else(|| "local".into());
+    let environment = b.environment.unwrap_or_else(|| "sandbox".into());
     if !["local", "sandbox", "remote", "self_hosted"].contains(&environment.as_str()) {
         return Err(ApiError::bad_request(
             "invalid_field",
             format!(
                 "`environment` must be local, sandbox, remote or self_hosted, not `{environment}`"
+            ),
+        ));
+    }
+    // `local` and `remote` run the agent's tools unsandboxed on the dataplane's machine.
+    if ["local", "remote"].contains(&environment.as_str()) && !s.config.allow_local_environment {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "environment_not_allowed",
+            format!(
+                "the `{environment}` environment runs tools unsandboxed on the dataplane's machine and this deployment does not enable it (AGENTSCOPE_ALLOW_LOCAL_ENVIRONMENT=true, for a trusted single-user install); use `sandbox`"
             ),
         ));
     }
