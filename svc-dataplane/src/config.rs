@@ -96,7 +96,7 @@ impl Config {
             .set_default("replica_id", "")?
             .set_default("sessions_dir", "/var/lib/agentscope/sessions")?
             .set_default("remote_dir", "")?
-            .set_default("session_lease_ttl_ms", 15_000)?
+            .set_default("session_lease_ttl_ms", 30_000)?
             .set_default("sweep_interval_ms", 1_000)?
             .set_default("model_api", "anthropic")?
             .set_default("model_base_url", "https://api.anthropic.com")?

@@ -274,33 +274,31 @@ impl Runner {
     }
 
     async fn hold_and_run(self: &Arc<Self>, session_id: Uuid) {
+        use agentscope_bus::lease::Lease;
         let key = lease_key(session_id);
-        let token = match self.leases.create(&key, self.replica.clone().into()).await {
-            Ok(rev) => rev,
-            Err(_) => return, // another replica holds it
+        let ttl = Duration::from_millis(self.config.session_lease_ttl_ms);
+        // The same lease type as hosted attempts: a renewal applied while its reply was lost is
+        // still ours; one that cannot be renewed is given up before the TTL ends.
+        let lease = match Lease::acquire(&self.leases, &key, self.replica.clone().into(), ttl).await
+        {
+            Ok(Some(lease)) => lease,
+            Ok(None) => return, // another replica holds it
+            Err(e) => {
+                tracing::warn!(%session_id, error = %e, "session lease could not be created");
+                return;
+            }
         };
+        let token = lease.revision();
         let lost = CancellationToken::new();
+        let done = CancellationToken::new();
         let keeper = {
-            let leases = self.leases.clone();
-            let key = key.clone();
-            let value = self.replica.clone();
+            let lease = lease.clone();
             let lost = lost.clone();
-            let every = Duration::from_millis(self.config.session_lease_ttl_ms / 3);
+            let done = done.clone();
             tokio::spawn(async move {
-                let mut rev = token;
-                loop {
-                    tokio::select! {
-                        _ = lost.cancelled() => return,
-                        _ = tokio::time::sleep(every) => {}
-                    }
-                    match leases.update(&key, value.clone().into(), rev).await {
-                        Ok(r) => rev = r,
-                        Err(e) => {
-                            tracing::warn!(error = %e, %key, "session lease lost");
-                            lost.cancel();
-                            return;
-                        }
-                    }
+                if let Some(why) = lease.keep(done).await {
+                    tracing::warn!(%session_id, reason = %why, "session lease lost");
+                    lost.cancel();
                 }
             })
         };
@@ -315,11 +313,10 @@ impl Runner {
             }
             Err(Stop::Db(e)) => tracing::error!(%session_id, error = %e, "session stopped"),
         }
-        let still_ours = !lost.is_cancelled();
-        lost.cancel();
+        done.cancel();
         let _ = keeper.await;
-        if still_ours {
-            let _ = self.leases.purge(&key).await;
+        if !lost.is_cancelled() {
+            lease.release().await;
         }
     }
 

@@ -12,7 +12,6 @@ use agentscope_schemas::v1::{
     ApprovalDecision, AttemptAssignment, AttemptState, Diagnostic, ExecutionEvent, LeaseRecord,
     Lifecycle, execution_event::Body,
 };
-use async_nats::jetstream::kv::UpdateErrorKind;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -307,8 +306,9 @@ pub fn shrink(body: &mut Body, max: usize) {
     }
 }
 
-/// Keeps the lease alive by compare-and-set; fires `lost` when the lease is gone or could not be
-/// renewed for a whole TTL.
+/// Keeps the lease alive (`agentscope_bus::lease`): a renewal applied while its reply was lost
+/// is still ours, and a lease that cannot be renewed is given up before its TTL ends, so the
+/// provider stops before any other host may start the same work. Fires `lost` when it ends.
 pub async fn keep_lease(
     ctx: Ctx,
     a: AttemptAssignment,
@@ -316,9 +316,7 @@ pub async fn keep_lease(
     done: CancellationToken,
 ) {
     let ttl = Duration::from_millis(ctx.lease_ttl_ms());
-    let every = ttl / 3;
-    let mut revision = a.lease_revision;
-    let mut last_ok = tokio::time::Instant::now();
+    // The value never changes while the lease is held: equal value means "still ours".
     let record = LeaseRecord {
         attempt_id: a.attempt_id.clone(),
         host_id: ctx.host_id.to_string(),
@@ -326,36 +324,16 @@ pub async fn keep_lease(
         acquired_at_ms: 0,
         renewed_at_ms: 0,
     };
-    loop {
-        tokio::select! {
-            _ = done.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
-        }
-        let mut r = record.clone();
-        r.renewed_at_ms = agentscope_bus::now_ms();
-        match ctx
-            .leases
-            .update(&a.lease_key, r.encode_to_vec().into(), revision)
-            .await
-        {
-            Ok(rev) => {
-                revision = rev;
-                last_ok = tokio::time::Instant::now();
-            }
-            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
-                tracing::warn!(attempt_id = %a.attempt_id, "lease lost: it expired or was taken");
-                lost.cancel();
-                return;
-            }
-            Err(e) => {
-                if last_ok.elapsed() >= ttl {
-                    tracing::warn!(attempt_id = %a.attempt_id, error = %e, "lease lost: no renewal for a whole TTL");
-                    lost.cancel();
-                    return;
-                }
-                tracing::warn!(attempt_id = %a.attempt_id, error = %e, "lease renewal failed; retrying");
-            }
-        }
+    let lease = agentscope_bus::lease::Lease::held(
+        &ctx.leases,
+        &a.lease_key,
+        record.encode_to_vec().into(),
+        a.lease_revision,
+        ttl,
+    );
+    if let Some(why) = lease.keep(done).await {
+        tracing::warn!(attempt_id = %a.attempt_id, reason = %why, "lease lost; stopping the provider");
+        lost.cancel();
     }
 }
 

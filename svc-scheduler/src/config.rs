@@ -56,7 +56,7 @@ impl Config {
                 "postgres://postgres@127.0.0.1:5432/agentscope",
             )?
             .set_default("health_addr", "127.0.0.1:8081")?
-            .set_default("lease_ttl_ms", 15_000)?
+            .set_default("lease_ttl_ms", 30_000)?
             .set_default("heartbeat_ttl_ms", 10_000)?
             .set_default("sweep_interval_ms", 1_000)?
             .set_default("db_max_connections", 16)?

@@ -72,13 +72,7 @@ impl Lease {
 
     /// A lease created elsewhere (the scheduler creates attempt leases for hosts) at `revision`,
     /// whose key holds `value`.
-    pub fn held(
-        store: &kv::Store,
-        key: &str,
-        value: Bytes,
-        revision: u64,
-        ttl: Duration,
-    ) -> Lease {
+    pub fn held(store: &kv::Store, key: &str, value: Bytes, revision: u64, ttl: Duration) -> Lease {
         Lease {
             store: store.clone(),
             key: key.to_string(),

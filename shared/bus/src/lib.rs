@@ -2,6 +2,7 @@
 //! and trace-context headers. Architecture invariant: every subject string is built here.
 
 pub mod auth;
+pub mod lease;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, kv, stream};
@@ -197,7 +198,13 @@ pub async fn connect(
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .retry_on_initial_connect()
-        .connection_timeout(Duration::from_secs(5));
+        .connection_timeout(Duration::from_secs(5))
+        // Back within a second of the server's return: leases and event streams ride out a
+        // broker restart only if clients come back well inside the lease's renew deadline
+        // (async-nats' default backoff grows to several seconds).
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis((100 * attempts as u64).min(1_000))
+        });
     opts = match creds {
         Credentials::None => opts,
         Credentials::Service { user, password } => {

@@ -1,0 +1,174 @@
+//! The broker restarts while work runs: healthy attempts keep their leases across the reconnects
+//! (a renewal applied while its reply was lost is still the host's), every task ends exactly
+//! once with one attempt, no event is lost or duplicated, and no side effect happens twice.
+
+use agentscope_system_tests::*;
+use serde_json::json;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_attempts_survive_two_nats_restarts() {
+    // A production-like lease: long enough to ride out a few seconds without the broker.
+    let mut stack = Stack::start(
+        "faults-nats",
+        StackOptions {
+            lease_ttl_ms: 20_000,
+            heartbeat_ttl_ms: 12_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let effects = stack.shared.join("effects");
+    std::fs::create_dir_all(&effects).unwrap();
+    std::fs::set_permissions(
+        &effects,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    // Each attempt ticks for a while, then appends one line per run to its task's file.
+    let script = format!(
+        "for i in $(seq 1 24); do echo tick $i; sleep 1; done; echo run >> {}/$AGENTSCOPE_TASK_ID; echo ok",
+        effects.display()
+    );
+    let (agent, _) = stack
+        .command_agent("ticker", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
+    let _h1 = stack.host("h1", "pool", 3).await.unwrap();
+    let _h2 = stack.host("h2", "pool", 3).await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": i.to_string()}),
+            )
+            .await
+            .unwrap();
+        ids.push(t["id"].as_str().unwrap().to_string());
+    }
+    let api = stack.api.clone();
+    let all = ids.clone();
+    kit::wait_for("all six attempts to run", Duration::from_secs(60), || {
+        let api = api.clone();
+        let all = all.clone();
+        async move {
+            for id in &all {
+                let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
+                if t["status"] != "running" {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await
+    .unwrap();
+
+    // Two outages of the broker, each a few seconds, on the same store.
+    for outage in [Duration::from_secs(5), Duration::from_secs(6)] {
+        stack.nats.kill();
+        // The outage itself (a fault's duration, not a synchronization).
+        tokio::time::sleep(outage).await;
+        stack.nats.restart().await.unwrap();
+        let api = stack.api.clone();
+        kit::wait_for(
+            "the hosts to be back online",
+            Duration::from_secs(30),
+            || {
+                let api = api.clone();
+                async move {
+                    let hosts = api.get("/v1/hosts").await.ok()?;
+                    let items = hosts["items"].as_array()?;
+                    (items.len() == 2 && items.iter().all(|h| h["online"] == true)).then_some(())
+                }
+            },
+        )
+        .await
+        .unwrap();
+    }
+
+    for id in &ids {
+        let t = stack
+            .wait_task(id, "succeeded", Duration::from_secs(120))
+            .await
+            .unwrap();
+        let attempts = t["attempts"].as_array().unwrap();
+        assert_eq!(
+            attempts.len(),
+            1,
+            "a healthy attempt was lost to the restarts: {t:#}"
+        );
+        let events = stack
+            .events(&format!(
+                "/v1/attempts/{}/events",
+                attempts[0]["id"].as_str().unwrap()
+            ))
+            .await
+            .unwrap();
+        let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+        assert_eq!(
+            seqs,
+            (1..=seqs.len() as i64).collect::<Vec<_>>(),
+            "events lost or duplicated"
+        );
+        let ticks = events
+            .iter()
+            .filter(|e| {
+                e["payload"]["text"]
+                    .as_str()
+                    .is_some_and(|t| t.starts_with("tick "))
+            })
+            .count();
+        assert_eq!(ticks, 24, "every line once: {events:?}");
+        let runs = std::fs::read_to_string(effects.join(id)).unwrap();
+        assert_eq!(runs.lines().count(), 1, "the work ran once: {runs:?}");
+    }
+}
+
+/// The lease keeper's two rules, against a real server: a renewal that was applied although its
+/// reply was lost is still the holder's, and another holder's value (or none) is a lost lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewal_applied_without_its_reply_is_still_the_holders() {
+    use agentscope_bus::lease::{Lease, Lost};
+    let dir = kit::TempDir::new("lease");
+    let nats = kit::Nats::start(&dir.path).await.unwrap();
+    let client = nats.service_client("scheduler").await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let ttl = Duration::from_secs(10);
+    let store = agentscope_bus::Topology::leases(&js, ttl).await.unwrap();
+    let mut lease = Lease::acquire(&store, "attempt.h.a", "holder-1".into(), ttl)
+        .await
+        .unwrap()
+        .expect("a free key");
+    assert!(
+        Lease::acquire(&store, "attempt.h.a", "holder-2".into(), ttl)
+            .await
+            .unwrap()
+            .is_none(),
+        "one holder at a time"
+    );
+    let token = lease.revision();
+    // Our renewal went through but its answer never came back: the key moved on with our value.
+    let applied = store
+        .update("attempt.h.a", "holder-1".into(), token)
+        .await
+        .unwrap();
+    lease.renew().await.expect("still ours");
+    assert_eq!(lease.revision(), applied, "the keeper adopts the revision");
+    lease.renew().await.expect("and renews on from there");
+    // Someone else's value: lost.
+    let mut stale = lease.clone();
+    lease.renew().await.unwrap();
+    store.put("attempt.h.a", "holder-2".into()).await.unwrap();
+    assert_eq!(stale.renew().await, Err(Ok(Lost::Taken)));
+    // Gone: lost.
+    store.purge("attempt.h.a").await.unwrap();
+    assert_eq!(lease.renew().await, Err(Ok(Lost::Taken)));
+    assert!(
+        lease.renew_deadline() < ttl,
+        "the holder stops before the TTL ends"
+    );
+}
