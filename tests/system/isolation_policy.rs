@@ -300,7 +300,9 @@ async fn an_idempotency_key_reused_with_another_request_is_a_conflict() {
     let session = a.1["id"].as_str().unwrap().to_string();
     for other in [
         json!({"agent_id": managed, "environment": "sandbox", "input": "Twice.", "idempotency_key": "s1"}),
-        json!({"agent_id": managed, "environment": "remote", "input": "Once.", "idempotency_key": "s1"}),
+        // A body that differs by one character is another request (`remote` itself would be
+        // refused before the key is looked at, unless the deployment enables it).
+        json!({"agent_id": managed, "environment": "sandbox", "input": "Once. ", "idempotency_key": "s1"}),
     ] {
         let (st, v) = post("/v1/sessions".into(), other.clone()).await;
         assert_eq!(
