@@ -1,8 +1,8 @@
 //! One error type for the API, mapped to an HTTP status and a stable machine-readable code at the
 //! very end. Internal detail is logged, never sent.
 
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use agentscope_store::Fault;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -95,7 +95,8 @@ impl IntoResponse for ApiError {
             // A value PostgreSQL refuses (data exception, integrity violation) that no check
             // caught before: the request, not the server, is at fault.
             ApiError::Db(sqlx::Error::Database(e))
-                if e.code().is_some_and(|c| c.starts_with("22") || c.starts_with("23")) =>
+                if e.code()
+                    .is_some_and(|c| c.starts_with("22") || c.starts_with("23")) =>
             {
                 tracing::warn!(error = %e, "database refused a value");
                 (

@@ -3,8 +3,8 @@
 use crate::AppState;
 use crate::error::ApiError;
 use axum::extract::{FromRequest, FromRequestParts, Request};
-use axum::http::request::Parts;
 use axum::http::StatusCode;
+use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use uuid::Uuid;
@@ -35,8 +35,12 @@ pub fn optional_body<T: DeserializeOwned + Default>(
     if bytes.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(T::default());
     }
-    let malformed =
-        || ApiError::bad_request("malformed_json", format!("request body is not a valid {what}"));
+    let malformed = || {
+        ApiError::bad_request(
+            "malformed_json",
+            format!("request body is not a valid {what}"),
+        )
+    };
     let v: Value = serde_json::from_slice(bytes).map_err(|_| malformed())?;
     refuse_nul(&v)?;
     serde_json::from_value(v).map_err(|_| malformed())
@@ -63,7 +67,11 @@ pub(crate) fn nul_error(field: &str) -> ApiError {
 fn nul_path(v: &Value, at: String) -> Option<String> {
     let join = |key: &str| {
         let key = key.replace('\0', "\\u0000");
-        if at.is_empty() { key } else { format!("{at}.{key}") }
+        if at.is_empty() {
+            key
+        } else {
+            format!("{at}.{key}")
+        }
     };
     match v {
         Value::String(s) => s.contains('\0').then_some(at),
@@ -118,7 +126,11 @@ fn percent_decode(s: &str) -> String {
     let mut i = 0;
     while i < b.len() {
         let hex = |c: u8| (c as char).to_digit(16);
-        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
             (b'%', Some(h), Some(l)) => {
                 out.push((h * 16 + l) as u8);
                 i += 3;
@@ -277,7 +289,10 @@ mod tests {
 
     #[test]
     fn the_first_nul_is_named_by_its_json_path() {
-        assert_eq!(nul_path(&json!({"title": "ok", "n": 1}), String::new()), None);
+        assert_eq!(
+            nul_path(&json!({"title": "ok", "n": 1}), String::new()),
+            None
+        );
         assert_eq!(
             nul_path(&json!({"title": "a\0b"}), String::new()).as_deref(),
             Some("title")

@@ -169,9 +169,7 @@ async fn follow(
                 } else {
                     r#"{"code":"internal"}"#
                 };
-                let _ = tx
-                    .send(Event::default().event("error").data(data))
-                    .await;
+                let _ = tx.send(Event::default().event("error").data(data)).await;
                 return;
             }
         };
