@@ -63,6 +63,7 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
                     &crate::describe(&e),
                     e.retryable(),
                     Duration::from_millis(500),
+                    crate::redelivery_max(&ctx),
                 )
                 .await
             }

@@ -66,6 +66,7 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
                             &crate::describe(&e),
                             e.retryable(),
                             Duration::from_millis(500),
+                            crate::redelivery_max(&ctx),
                         )
                         .await
                     }

@@ -283,9 +283,14 @@ pub(crate) fn describe(e: &Error) -> String {
     }
 }
 
+/// The longest delay between deliveries of a message that failed transiently.
+pub(crate) fn redelivery_max(ctx: &Ctx) -> Duration {
+    Duration::from_millis(ctx.config.redelivery_max_ms)
+}
+
 /// How a stream consumer settles a message it could not handle now: a non-retryable failure is
 /// recorded in `rejected_messages` and terminated at once; a retryable one is redelivered after
-/// `base · 2^(n-1)` (at most `redelivery_max_ms`), until its `max_deliver`-th delivery, which
+/// `base · 2^(n-1)` (at most `max`), until its `max_deliver`-th delivery, which
 /// is recorded and terminated instead (a poison message is never retried forever).
 pub(crate) async fn retry_or_reject(
     ctx: &Ctx,
@@ -294,6 +299,7 @@ pub(crate) async fn retry_or_reject(
     reason: &str,
     retryable: bool,
     base: Duration,
+    max: Duration,
 ) -> jetstream::AckKind {
     let subject = msg.subject.as_str();
     if !retryable {
@@ -306,11 +312,7 @@ pub(crate) async fn retry_or_reject(
         reject(ctx, subject, consumer, &reason, &msg.payload).await;
         return jetstream::AckKind::Term;
     }
-    jetstream::AckKind::Nak(Some(redelivery_delay(
-        base,
-        delivered,
-        Duration::from_millis(ctx.config.redelivery_max_ms),
-    )))
+    jetstream::AckKind::Nak(Some(redelivery_delay(base, delivered, max)))
 }
 
 /// `base · 2^(delivered-1)`, capped at `max`.

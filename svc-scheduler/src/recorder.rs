@@ -109,6 +109,8 @@ async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
                             "an earlier event of the attempt never arrived",
                             true,
                             Duration::from_millis(100),
+                            // An earlier event is usually only late: look again soon.
+                            crate::redelivery_max(&ctx).min(Duration::from_secs(1)),
                         )
                         .await
                     }
@@ -125,6 +127,7 @@ async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
                             &crate::describe(&e),
                             e.retryable(),
                             Duration::from_millis(500),
+                            crate::redelivery_max(&ctx),
                         )
                         .await
                     }
