@@ -1,8 +1,9 @@
 //! One error type for the API, mapped to an HTTP status and a stable machine-readable code at the
 //! very end. Internal detail is logged, never sent.
 
+use agentscope_store::Fault;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -19,6 +20,9 @@ pub enum ApiError {
     #[error("bus")]
     Bus(#[source] async_nats::Error),
 }
+
+/// `Retry-After` of every `503 unavailable`, in seconds.
+pub const RETRY_AFTER_SECS: &str = "2";
 
 pub type ApiResult<T> = Result<T, ApiError>;
 
@@ -73,6 +77,42 @@ impl IntoResponse for ApiError {
                 "invalid_reference",
                 "a referenced resource does not exist".to_string(),
             ),
+            // A dependency outage (PostgreSQL unreachable or refusing connections, the pool
+            // timed out) or a conflict between transactions: the same request later may pass.
+            ApiError::Db(e)
+                if matches!(
+                    agentscope_store::fault(&e),
+                    Fault::Unavailable | Fault::Conflict
+                ) =>
+            {
+                tracing::warn!(error = %e, "database unavailable; answering 503");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "the database is unavailable; retry later".to_string(),
+                )
+            }
+            // A value PostgreSQL refuses (data exception, integrity violation) that no check
+            // caught before: the request, not the server, is at fault.
+            ApiError::Db(sqlx::Error::Database(e))
+                if e.code()
+                    .is_some_and(|c| c.starts_with("22") || c.starts_with("23")) =>
+            {
+                tracing::warn!(error = %e, "database refused a value");
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "invalid_field",
+                    "a value of the request is not accepted (text with characters that cannot be stored, or a value out of range)".to_string(),
+                )
+            }
+            ApiError::Bus(e) => {
+                tracing::warn!(error = %e, "message bus unavailable; answering 503");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "the message bus is unavailable; retry later".to_string(),
+                )
+            }
             other => {
                 tracing::error!(error = ?other, "request failed");
                 (
@@ -82,11 +122,13 @@ impl IntoResponse for ApiError {
                 )
             }
         };
-        (
-            status,
-            axum::Json(json!({"error": {"code": code, "message": message}})),
-        )
-            .into_response()
+        let body = axum::Json(json!({"error": {"code": code, "message": message}}));
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            // Every 503 is temporary: say when to come back.
+            (status, [(header::RETRY_AFTER, RETRY_AFTER_SECS)], body).into_response()
+        } else {
+            (status, body).into_response()
+        }
     }
 }
 

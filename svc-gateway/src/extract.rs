@@ -3,19 +3,149 @@
 use crate::AppState;
 use crate::error::ApiError;
 use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::StatusCode;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 use uuid::Uuid;
 
-/// A JSON request body; malformed, oversized or mistyped bodies become 4xx `ApiError`s.
+/// A JSON request body; malformed, oversized or mistyped bodies become 4xx `ApiError`s, and so
+/// does a NUL character in any string of it (see [`refuse_nul`]).
 pub struct Body<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let axum::Json(v) = axum::Json::<T>::from_request(req, state).await?;
-        Ok(Body(v))
+        let axum::Json(v) = axum::Json::<Value>::from_request(req, state).await?;
+        refuse_nul(&v)?;
+        let bytes = serde_json::to_vec(&v).map_err(|_| {
+            ApiError::bad_request("malformed_json", "request body is not valid JSON")
+        })?;
+        let axum::Json(t) = axum::Json::<T>::from_bytes(&bytes)?;
+        Ok(Body(t))
     }
+}
+
+/// Parses an optional JSON body (empty or whitespace is `T::default()`), refusing NUL the same
+/// way as [`Body`].
+pub fn optional_body<T: DeserializeOwned + Default>(
+    bytes: &[u8],
+    what: &str,
+) -> Result<T, ApiError> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(T::default());
+    }
+    let malformed = || {
+        ApiError::bad_request(
+            "malformed_json",
+            format!("request body is not a valid {what}"),
+        )
+    };
+    let v: Value = serde_json::from_slice(bytes).map_err(|_| malformed())?;
+    refuse_nul(&v)?;
+    serde_json::from_value(v).map_err(|_| malformed())
+}
+
+/// PostgreSQL cannot store NUL (`\u0000`) in text or JSON, and no field of the API means one:
+/// a request carrying it in any string, keys included, is refused with `422 invalid_field`
+/// naming the JSON path of the first one (`input.files[2]`, `params.<key>`).
+pub fn refuse_nul(v: &Value) -> Result<(), ApiError> {
+    match nul_path(v, String::new()) {
+        None => Ok(()),
+        Some(path) => Err(nul_error(if path.is_empty() { "(body)" } else { &path })),
+    }
+}
+
+pub(crate) fn nul_error(field: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_field",
+        format!("`{field}` contains a NUL character (\\u0000), which no text field accepts"),
+    )
+}
+
+fn nul_path(v: &Value, at: String) -> Option<String> {
+    let join = |key: &str| {
+        let key = key.replace('\0', "\\u0000");
+        if at.is_empty() {
+            key
+        } else {
+            format!("{at}.{key}")
+        }
+    };
+    match v {
+        Value::String(s) => s.contains('\0').then_some(at),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, item)| nul_path(item, format!("{at}[{i}]"))),
+        Value::Object(map) => map.iter().find_map(|(k, item)| {
+            if k.contains('\0') {
+                Some(join(k))
+            } else {
+                nul_path(item, join(k))
+            }
+        }),
+        _ => None,
+    }
+}
+
+/// Refuses a query string whose decoded parameters carry NUL (`%00`), naming the parameter,
+/// for every route (a middleware).
+pub async fn refuse_nul_in_query(
+    req: Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if let Some(q) = req.uri().query()
+        && let Some(name) = nul_query_param(q)
+    {
+        return ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_field",
+            format!("query parameter `{name}` contains a NUL character (\\u0000)"),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+fn nul_query_param(q: &str) -> Option<String> {
+    if !q.contains("%00") {
+        return None;
+    }
+    q.split('&').find(|p| p.contains("%00")).map(|pair| {
+        let key = pair.split('=').next().unwrap_or_default();
+        percent_decode(key).replace('\0', "\\u0000")
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b'+', ..) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (c, ..) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The `{id}` path segment as a UUID.
@@ -149,5 +279,45 @@ impl FromRequestParts<AppState> for TaskAuth {
             issue_id,
             agent_id,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_first_nul_is_named_by_its_json_path() {
+        assert_eq!(
+            nul_path(&json!({"title": "ok", "n": 1}), String::new()),
+            None
+        );
+        assert_eq!(
+            nul_path(&json!({"title": "a\0b"}), String::new()).as_deref(),
+            Some("title")
+        );
+        assert_eq!(
+            nul_path(&json!({"input": {"files": ["x", "y\0"]}}), String::new()).as_deref(),
+            Some("input.files[1]")
+        );
+        assert_eq!(
+            nul_path(&json!({"params": {"k\0": "v"}}), String::new()).as_deref(),
+            Some("params.k\\u0000")
+        );
+        assert_eq!(nul_path(&json!("\0"), String::new()).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn query_parameters_with_nul_are_named() {
+        assert_eq!(nul_query_param("status=pending&task_id=x"), None);
+        assert_eq!(
+            nul_query_param("status=pend%00ing").as_deref(),
+            Some("status")
+        );
+        assert_eq!(
+            nul_query_param("a=1&na%00me=x").as_deref(),
+            Some("na\\u0000me")
+        );
     }
 }

@@ -80,6 +80,12 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
             if body.trim().is_empty() || body.len() > 64 * 1024 {
                 return refused("invalid_field", "a comment is 1 byte to 64 KiB");
             }
+            if body.contains('\0') {
+                return refused(
+                    "invalid_field",
+                    "`body` contains a NUL character (\\u0000), which no text field accepts",
+                );
+            }
             sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
                 .bind(id)
                 .bind(ws)
@@ -97,6 +103,12 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
                 && !a.name.chars().any(|c| c.is_control());
             if !name_ok {
                 return refused("invalid_field", "an Artifact name is a plain file name");
+            }
+            if a.content_type.contains('\0') {
+                return refused(
+                    "invalid_field",
+                    "`content_type` contains a NUL character (\\u0000)",
+                );
             }
             if a.content.len() > MAX_SESSION_ARTIFACT {
                 return refused(
@@ -131,6 +143,11 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
             id: id.to_string(),
             ..Default::default()
         },
+        // A value the database refuses fails the same way on every retry.
+        Err(e) if agentscope_store::fault(&e) == agentscope_store::Fault::BadData => {
+            tracing::warn!(error = %e, "session issue write refused by the database");
+            refused("invalid_field", "a value of the write cannot be stored")
+        }
         Err(e) => {
             tracing::warn!(error = %e, "session issue write");
             refused("unavailable", "the gateway could not write; retry")

@@ -167,6 +167,7 @@ pub fn router(state: AppState) -> Router {
     .layer(axum::extract::DefaultBodyLimit::max(
         state.config.max_body_bytes,
     ))
+    .layer(axum::middleware::from_fn(extract::refuse_nul_in_query))
     .layer(axum::middleware::from_fn_with_state(state.clone(), observe))
     .with_state(state)
     .merge(health::router("svc-gateway", probe, metrics))

@@ -674,6 +674,9 @@ async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
                 durable_name: Some(durable.clone()),
                 filter_subject: subjects::control(&ctx.host_id.to_string()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                // Every command is acked once handled (a malformed one is dropped); only a host
+                // that dies before acking sees a redelivery, and never forever.
+                max_deliver: 100,
                 ..Default::default()
             },
         )

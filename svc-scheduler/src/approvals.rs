@@ -15,6 +15,10 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+/// "will retry" warnings: one line per interval during an outage.
+static RETRY_WARNING: agentscope_telemetry::Throttle =
+    agentscope_telemetry::Throttle::new(Duration::from_secs(5));
+
 /// Records tool requests published by hosts.
 pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let stream = ctx
@@ -22,16 +26,15 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
         .get_stream(STREAM_APPROVALS)
         .await
         .map_err(Error::bus)?;
+    // Created or updated: an existing consumer takes the current `max_deliver`.
     let consumer = stream
-        .get_or_create_consumer(
-            CONSUMER_APPROVALS,
-            pull::Config {
-                durable_name: Some(CONSUMER_APPROVALS.into()),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(10),
-                ..Default::default()
-            },
-        )
+        .create_consumer(pull::Config {
+            durable_name: Some(CONSUMER_APPROVALS.into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(10),
+            max_deliver: ctx.config.max_deliver,
+            ..Default::default()
+        })
         .await
         .map_err(Error::bus)?;
     let mut messages = consumer.messages().await.map_err(Error::bus)?;
@@ -47,17 +50,22 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
         let subject = msg.subject.to_string();
         let ack = match record_request(&ctx, &subject, &msg.payload).await {
             Ok(()) => AckKind::Ack,
-            Err(e) if e.retryable() => AckKind::Nak(Some(Duration::from_millis(500))),
             Err(e) => {
-                crate::reject(
+                if e.retryable()
+                    && let Some(more) = RETRY_WARNING.check()
+                {
+                    tracing::warn!(error = ?e, %subject, "record tool request failed; will retry{more}");
+                }
+                crate::retry_or_reject(
                     &ctx,
-                    &subject,
+                    &msg,
                     CONSUMER_APPROVALS,
-                    &e.to_string(),
-                    &msg.payload,
+                    &crate::describe(&e),
+                    e.retryable(),
+                    Duration::from_millis(500),
+                    crate::redelivery_max(&ctx),
                 )
-                .await;
-                AckKind::Term
+                .await
             }
         };
         let _ = msg.ack_with(ack).await;
@@ -67,6 +75,13 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
 async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), Error> {
     let req = ToolRequest::decode(payload)
         .map_err(|_| Error::Rejected("malformed ToolRequest payload".into()))?;
+    // The request id is what the decision is matched by: it cannot be altered, so a NUL in it
+    // refuses the request. The tool's name and input are free text, stored with U+FFFD.
+    if req.request_id.contains('\0') {
+        return Err(Error::Rejected(
+            "invalid_field: `request_id` contains a NUL character".into(),
+        ));
+    }
     // The subject names who published it (NATS permissions confine hosts to their own host id
     // and leave sessions' subjects to the dataplane); the hosted query below checks the host.
     let subject_host = if req.attempt_id.is_empty() && !req.session_id.is_empty() {
@@ -107,8 +122,9 @@ async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), 
     };
     let owner_id = Uuid::parse_str(owner)
         .map_err(|_| Error::Rejected("attempt_id or session_id is not a UUID".into()))?;
-    let input: serde_json::Value = serde_json::from_str(&req.input_json)
+    let mut input: serde_json::Value = serde_json::from_str(&req.input_json)
         .unwrap_or(serde_json::Value::String(req.input_json.clone()));
+    crate::storable_json(&mut input);
     let timeout_ms = if req.timeout_ms == 0 {
         600_000
     } else {
@@ -118,7 +134,7 @@ async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), 
         .bind(Uuid::now_v7())
         .bind(owner_id)
         .bind(&req.request_id)
-        .bind(&req.tool_name)
+        .bind(crate::storable(&req.tool_name).as_ref())
         .bind(&input)
         .bind(timeout_ms)
         .bind(req.lease_token as i64)
@@ -152,12 +168,26 @@ pub(crate) async fn serve_decisions(ctx: Ctx, cancel: CancellationToken) -> anyh
                     Ok(d) if Uuid::parse_str(&d.workspace_id).is_err() => {
                         refused("not_found", "approval not found", "")
                     }
-                    Ok(d) => decide(&ctx, d, "allowed", "denied")
-                        .await
-                        .unwrap_or_else(|e| {
+                    Ok(d) if nul_field(&d).is_some() => refused(
+                        "invalid_field",
+                        &format!(
+                            "`{}` contains a NUL character (\\u0000)",
+                            nul_field(&d).unwrap_or_default()
+                        ),
+                        "",
+                    ),
+                    Ok(d) => match decide(&ctx, d, "allowed", "denied").await {
+                        Ok(r) => r,
+                        // The same decision would fail the same way: refused, not "retry".
+                        Err(e) if !e.retryable() => {
+                            tracing::warn!(error = ?e, "decision refused by the database");
+                            refused("invalid_field", &crate::describe(&e), "")
+                        }
+                        Err(e) => {
                             tracing::error!(error = ?e, "decide approval");
                             refused("internal", "the decision could not be recorded; retry", "")
-                        }),
+                        }
+                    },
                     Err(_) => refused("malformed", "DecideApproval payload does not decode", ""),
                 };
                 let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
@@ -165,6 +195,19 @@ pub(crate) async fn serve_decisions(ctx: Ctx, cancel: CancellationToken) -> anyh
         })
         .await;
     Ok(())
+}
+
+/// The first text field of a decision that carries NUL, which PostgreSQL cannot store.
+fn nul_field(d: &DecideApproval) -> Option<&'static str> {
+    [
+        ("approval_id", &d.approval_id),
+        ("workspace_id", &d.workspace_id),
+        ("reason", &d.reason),
+        ("decided_by", &d.decided_by),
+    ]
+    .into_iter()
+    .find(|(_, v)| v.contains('\0'))
+    .map(|(name, _)| name)
 }
 
 fn refused(code: &str, message: &str, status: &str) -> DecideApprovalReply {

@@ -11,6 +11,10 @@ use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+/// "lease exists … skipping" warnings: one line per interval.
+static LEASE_SKIP_WARNING: agentscope_telemetry::Throttle =
+    agentscope_telemetry::Throttle::new(std::time::Duration::from_secs(5));
+
 pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let sub = ctx
         .nats
@@ -218,7 +222,11 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         let revision = match ctx.leases.create(&key, record.encode_to_vec().into()).await {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(error = ?e, attempt_id = %c.id, "lease exists or cannot be created; skipping");
+                // After a scheduler restart, many leases of the old one still exist: one line
+                // per interval.
+                if let Some(more) = LEASE_SKIP_WARNING.check() {
+                    tracing::warn!(error = ?e, attempt_id = %c.id, "lease exists or cannot be created; skipping{more}");
+                }
                 continue;
             }
         };

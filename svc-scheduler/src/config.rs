@@ -33,6 +33,13 @@ pub struct Config {
     /// How often expired leases and unscheduled tasks are swept.
     pub sweep_interval_ms: u64,
     pub db_max_connections: u32,
+    /// Deliveries of one stream message before a consumer gives up on it and records it in
+    /// `rejected_messages` (also the consumers' JetStream `max_deliver`). Transient failures
+    /// are redelivered after a delay that doubles up to `redelivery_max_ms`, so the default
+    /// rides out an outage of well over an hour.
+    pub max_deliver: i64,
+    /// The longest delay between two deliveries of a message that failed transiently.
+    pub redelivery_max_ms: u64,
     #[serde(default)]
     pub log_format: String,
 }
@@ -60,6 +67,8 @@ impl Config {
             .set_default("heartbeat_ttl_ms", 10_000)?
             .set_default("sweep_interval_ms", 1_000)?
             .set_default("db_max_connections", 16)?
+            .set_default("max_deliver", 1_000)?
+            .set_default("redelivery_max_ms", 10_000)?
             .set_default("log_format", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
@@ -82,6 +91,12 @@ impl Config {
         }
         if self.sweep_interval_ms == 0 || self.sweep_interval_ms > self.lease_ttl_ms {
             return bad("sweep_interval_ms must be between 1 and lease_ttl_ms");
+        }
+        if self.max_deliver < 2 {
+            return bad("max_deliver must be at least 2");
+        }
+        if self.redelivery_max_ms == 0 {
+            return bad("redelivery_max_ms must be positive");
         }
         if self.db_max_connections == 0 {
             return bad("db_max_connections must be positive");

@@ -15,18 +15,21 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
+/// "will retry" warnings: one line per interval during an outage.
+static RETRY_WARNING: agentscope_telemetry::Throttle =
+    agentscope_telemetry::Throttle::new(Duration::from_secs(5));
+
 pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let stream = ctx.js.get_stream(STREAM_TASKS).await.map_err(Error::bus)?;
+    // Created or updated: an existing consumer takes the current `max_deliver`.
     let consumer = stream
-        .get_or_create_consumer(
-            CONSUMER_INTAKE,
-            pull::Config {
-                durable_name: Some(CONSUMER_INTAKE.into()),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(30),
-                ..Default::default()
-            },
-        )
+        .create_consumer(pull::Config {
+            durable_name: Some(CONSUMER_INTAKE.into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: ctx.config.max_deliver,
+            ..Default::default()
+        })
         .await
         .map_err(Error::bus)?;
     let messages = consumer.messages().await.map_err(Error::bus)?;
@@ -50,20 +53,22 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
                 let res = handle(&ctx, &subject, &msg.payload).instrument(span).await;
                 let ack = match res {
                     Ok(()) => AckKind::Ack,
-                    Err(e) if e.retryable() => {
-                        tracing::warn!(error = ?e, %subject, "intake failed; will retry");
-                        AckKind::Nak(Some(Duration::from_millis(500)))
-                    }
                     Err(e) => {
-                        crate::reject(
+                        if e.retryable()
+                            && let Some(more) = RETRY_WARNING.check()
+                        {
+                            tracing::warn!(error = ?e, %subject, "intake failed; will retry{more}");
+                        }
+                        crate::retry_or_reject(
                             &ctx,
-                            &subject,
+                            &msg,
                             CONSUMER_INTAKE,
-                            &e.to_string(),
-                            &msg.payload,
+                            &crate::describe(&e),
+                            e.retryable(),
+                            Duration::from_millis(500),
+                            crate::redelivery_max(&ctx),
                         )
-                        .await;
-                        AckKind::Term
+                        .await
                     }
                 };
                 if let Err(e) = msg.ack_with(ack).await {

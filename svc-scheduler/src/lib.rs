@@ -37,9 +37,17 @@ pub enum Error {
 }
 
 impl Error {
-    /// Transient errors are retried (delayed NAK); everything else terminates the message.
+    /// Transient errors are retried (delayed NAK); everything else terminates the message at
+    /// once and records it in `rejected_messages`. A database error is transient unless the
+    /// data itself is refused (SQLSTATE 22xxx data exceptions such as a NUL character, 23xxx
+    /// integrity violations, values that do not encode or decode): those fail the same way on
+    /// every redelivery.
     pub fn retryable(&self) -> bool {
-        matches!(self, Error::Db(_) | Error::Bus(_))
+        match self {
+            Error::Db(e) => agentscope_store::fault(e) != agentscope_store::Fault::BadData,
+            Error::Bus(_) => true,
+            Error::Rejected(_) => false,
+        }
     }
     fn bus(e: impl Into<async_nats::Error>) -> Self {
         Error::Bus(e.into())
@@ -261,8 +269,91 @@ pub(crate) async fn last_published(
     }
 }
 
+/// An error as recorded in `rejected_messages`: with the database's own message and SQLSTATE.
+pub(crate) fn describe(e: &Error) -> String {
+    match e {
+        Error::Db(sqlx::Error::Database(d)) => format!(
+            "database refused the data ({}): {}",
+            d.code().unwrap_or_default(),
+            d.message()
+        ),
+        Error::Db(e) => format!("database: {e}"),
+        Error::Bus(e) => format!("bus: {e}"),
+        Error::Rejected(m) => m.clone(),
+    }
+}
+
+/// The longest delay between deliveries of a message that failed transiently.
+pub(crate) fn redelivery_max(ctx: &Ctx) -> Duration {
+    Duration::from_millis(ctx.config.redelivery_max_ms)
+}
+
+/// How a stream consumer settles a message it could not handle now: a non-retryable failure is
+/// recorded in `rejected_messages` and terminated at once; a retryable one is redelivered after
+/// `base · 2^(n-1)` (at most `max`), until its `max_deliver`-th delivery, which
+/// is recorded and terminated instead (a poison message is never retried forever).
+pub(crate) async fn retry_or_reject(
+    ctx: &Ctx,
+    msg: &jetstream::Message,
+    consumer: &str,
+    reason: &str,
+    retryable: bool,
+    base: Duration,
+    max: Duration,
+) -> jetstream::AckKind {
+    let subject = msg.subject.as_str();
+    if !retryable {
+        reject(ctx, subject, consumer, reason, &msg.payload).await;
+        return jetstream::AckKind::Term;
+    }
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1).max(1);
+    if delivered >= ctx.config.max_deliver {
+        let reason = format!("gave up after {delivered} deliveries: {reason}");
+        reject(ctx, subject, consumer, &reason, &msg.payload).await;
+        return jetstream::AckKind::Term;
+    }
+    jetstream::AckKind::Nak(Some(redelivery_delay(base, delivered, max)))
+}
+
+/// `base · 2^(delivered-1)`, capped at `max`.
+fn redelivery_delay(base: Duration, delivered: i64, max: Duration) -> Duration {
+    let exp = (delivered - 1).clamp(0, 20) as u32;
+    base.saturating_mul(1u32 << exp).min(max)
+}
+
+/// Text as PostgreSQL can store it: NUL (`\u0000`) is the one character a `text` or `jsonb`
+/// value cannot hold; it is stored as U+FFFD. Used for free text hosts and sessions report
+/// (output, messages, tool input), which must not make an event or request unrecordable.
+pub(crate) fn storable(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.contains('\0') {
+        std::borrow::Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        std::borrow::Cow::Borrowed(s)
+    }
+}
+
+/// [`storable`] for every string (keys included) of a JSON value.
+pub(crate) fn storable_json(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::String(s) if s.contains('\0') => *s = storable(s).into_owned(),
+        Value::Array(a) => a.iter_mut().for_each(storable_json),
+        Value::Object(o) if o.keys().any(|k| k.contains('\0')) => {
+            let old = std::mem::take(o);
+            for (k, mut v) in old {
+                storable_json(&mut v);
+                o.insert(storable(&k).into_owned(), v);
+            }
+        }
+        Value::Object(o) => o.values_mut().for_each(storable_json),
+        _ => {}
+    }
+}
+
 /// Records a bus message that was terminated instead of processed.
 pub(crate) async fn reject(ctx: &Ctx, subject: &str, consumer: &str, reason: &str, payload: &[u8]) {
+    let (subject, reason) = (storable(subject), storable(reason));
+    let (subject, reason) = (subject.as_ref(), reason.as_ref());
     ctx.metrics.inc(
         "agentscope_rejected_messages_total",
         &[("consumer", consumer)],
@@ -280,5 +371,32 @@ pub(crate) async fn reject(ctx: &Ctx, subject: &str, consumer: &str, reason: &st
     .await
     {
         tracing::error!(error = ?e, "record rejected message");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redelivery_doubles_up_to_the_cap() {
+        let base = Duration::from_millis(500);
+        let max = Duration::from_secs(10);
+        assert_eq!(redelivery_delay(base, 1, max), base);
+        assert_eq!(redelivery_delay(base, 2, max), Duration::from_secs(1));
+        assert_eq!(redelivery_delay(base, 5, max), Duration::from_secs(8));
+        assert_eq!(redelivery_delay(base, 6, max), max);
+        assert_eq!(redelivery_delay(base, 999, max), max);
+    }
+
+    #[test]
+    fn nul_characters_are_stored_as_replacement_characters() {
+        assert_eq!(storable("a\0b"), "a\u{FFFD}b");
+        let mut v = serde_json::json!({"k\0": ["x\0", {"y": "\0"}], "n": 1});
+        storable_json(&mut v);
+        assert_eq!(
+            v,
+            serde_json::json!({"k\u{FFFD}": ["x\u{FFFD}", {"y": "\u{FFFD}"}], "n": 1})
+        );
     }
 }

@@ -21,21 +21,24 @@ use uuid::Uuid;
 /// Events of one attempt always go to the same worker, so they are handled in order.
 const WORKERS: usize = 4;
 
+/// "will retry" warnings: one line per interval during an outage.
+static RETRY_WARNING: agentscope_telemetry::Throttle =
+    agentscope_telemetry::Throttle::new(Duration::from_secs(5));
+
 pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let stream = ctx.js.get_stream(STREAM_EVENTS).await.map_err(Error::bus)?;
+    // Created or updated: an existing consumer takes the current `max_deliver`.
     let consumer = stream
-        .get_or_create_consumer(
-            CONSUMER_RECORDER,
-            pull::Config {
-                durable_name: Some(CONSUMER_RECORDER.into()),
-                ack_policy: AckPolicy::Explicit,
-                // Short, so events in flight when a scheduler dies are redelivered soon; a slow
-                // redelivery of a message still being handled is a harmless duplicate.
-                ack_wait: Duration::from_secs(5),
-                max_ack_pending: 4096,
-                ..Default::default()
-            },
-        )
+        .create_consumer(pull::Config {
+            durable_name: Some(CONSUMER_RECORDER.into()),
+            ack_policy: AckPolicy::Explicit,
+            // Short, so events in flight when a scheduler dies are redelivered soon; a slow
+            // redelivery of a message still being handled is a harmless duplicate.
+            ack_wait: Duration::from_secs(5),
+            max_ack_pending: 4096,
+            max_deliver: ctx.config.max_deliver,
+            ..Default::default()
+        })
         .await
         .map_err(Error::bus)?;
     let mut messages = consumer.messages().await.map_err(Error::bus)?;
@@ -96,21 +99,37 @@ async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
                 );
                 match record(&ctx, &subject, ev).instrument(span).await {
                     Ok(Outcome::Stored | Outcome::Duplicate) => AckKind::Ack,
-                    Ok(Outcome::Gap) => AckKind::Nak(Some(Duration::from_millis(100))),
-                    Err(e) if e.retryable() => {
-                        tracing::warn!(error = ?e, %subject, "record failed; will retry");
-                        AckKind::Nak(Some(Duration::from_millis(500)))
+                    // An earlier event is late; one that never comes leaves this event to
+                    // `rejected_messages` after `max_deliver` deliveries.
+                    Ok(Outcome::Gap) => {
+                        crate::retry_or_reject(
+                            &ctx,
+                            &msg,
+                            CONSUMER_RECORDER,
+                            "an earlier event of the attempt never arrived",
+                            true,
+                            Duration::from_millis(100),
+                            // An earlier event is usually only late: look again soon.
+                            crate::redelivery_max(&ctx).min(Duration::from_secs(1)),
+                        )
+                        .await
                     }
                     Err(e) => {
-                        crate::reject(
+                        if e.retryable()
+                            && let Some(more) = RETRY_WARNING.check()
+                        {
+                            tracing::warn!(error = ?e, %subject, "record failed; will retry{more}");
+                        }
+                        crate::retry_or_reject(
                             &ctx,
-                            &subject,
+                            &msg,
                             CONSUMER_RECORDER,
-                            &e.to_string(),
-                            &msg.payload,
+                            &crate::describe(&e),
+                            e.retryable(),
+                            Duration::from_millis(500),
+                            crate::redelivery_max(&ctx),
                         )
-                        .await;
-                        AckKind::Term
+                        .await
                     }
                 }
             }
@@ -184,7 +203,9 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     if seq > a.last_seq + 1 {
         return Ok(Outcome::Gap);
     }
-    let (kind, payload) = to_record(body);
+    let (kind, mut payload) = to_record(body);
+    // Free text from a provider may carry NUL, which PostgreSQL cannot store.
+    crate::storable_json(&mut payload);
     let at = chrono::Utc
         .timestamp_millis_opt(ev.at_ms)
         .single()
@@ -230,7 +251,8 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
                     ),
                 };
                 let exit = l.has_exit_code.then_some(l.exit_code);
-                retry_pool = attempts::finish(&mut tx, &a, status, class, &l.detail, exit).await?;
+                let detail = crate::storable(&l.detail);
+                retry_pool = attempts::finish(&mut tx, &a, status, class, &detail, exit).await?;
                 terminal = true;
             }
             _ => {}
@@ -238,7 +260,7 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
         Body::SessionStarted(s) => {
             sqlx::query("UPDATE attempts SET provider_session_id = $2 WHERE id = $1")
                 .bind(attempt_id)
-                .bind(&s.provider_session_id)
+                .bind(crate::storable(&s.provider_session_id).as_ref())
                 .execute(&mut *tx)
                 .await?;
         }

@@ -88,6 +88,8 @@ pub struct StackOptions {
     pub gateway_env: Vec<(String, String)>,
     /// Extra AGENTSCOPE_* settings for the dataplane replicas (e.g. the model server).
     pub dataplane_env: Vec<(String, String)>,
+    /// Extra AGENTSCOPE_* settings for the scheduler.
+    pub scheduler_env: Vec<(String, String)>,
 }
 
 impl Default for StackOptions {
@@ -98,6 +100,7 @@ impl Default for StackOptions {
             heartbeat_ttl_ms: 3_000,
             gateway_env: vec![],
             dataplane_env: vec![],
+            scheduler_env: vec![],
         }
     }
 }
@@ -164,6 +167,7 @@ impl Stack {
             "AGENTSCOPE_HEARTBEAT_TTL_MS".into(),
             opts.heartbeat_ttl_ms.to_string(),
         ));
+        senv.extend(opts.scheduler_env.iter().cloned());
         let with_addr = |base: &Vec<(String, String)>, key: &str, port: u16| {
             let mut e = base.clone();
             e.push((key.to_string(), format!("127.0.0.1:{port}")));

@@ -11,6 +11,7 @@ mod executor;
 mod explain;
 mod failover;
 mod faults_nats;
+mod faults_outage;
 mod isolation_host;
 mod isolation_nats;
 mod isolation_policy;

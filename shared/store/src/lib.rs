@@ -36,3 +36,66 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     tracing::info!("database schema is current");
     Ok(())
 }
+
+/// What a failed query says about the request that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// PostgreSQL is unreachable, refusing connections, overloaded, restarting, or the pool
+    /// timed out: the same request later may succeed.
+    Unavailable,
+    /// A conflict between concurrent transactions (serialization failure, deadlock): retry.
+    Conflict,
+    /// The data itself is refused (SQLSTATE class 22, data exception: NUL characters,
+    /// untranslatable text, out-of-range values; class 23, integrity constraint violation;
+    /// values that do not encode or decode): the same request will fail the same way.
+    BadData,
+    /// Anything else (a bug, a missing row where one must be): not known to pass on a retry.
+    Other,
+}
+
+/// Classifies a sqlx error; consumers retry `Unavailable` and `Conflict`, and never `BadData`.
+pub fn fault(e: &sqlx::Error) -> Fault {
+    use sqlx::Error as E;
+    match e {
+        E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => {
+            Fault::Unavailable
+        }
+        E::Protocol(_) => Fault::Unavailable,
+        E::Database(d) => {
+            let code = d.code().unwrap_or_default();
+            match code.get(..2).unwrap_or_default() {
+                // connection exception, insufficient resources, operator intervention
+                // (admin shutdown, crash shutdown, cannot connect now), system error.
+                "08" | "53" | "57" | "58" => Fault::Unavailable,
+                // "database is not accepting connections" (ALLOW_CONNECTIONS false), and an
+                // invalid catalog (the database is gone): both answer every connection.
+                _ if code == "55000" || code == "3D000" => Fault::Unavailable,
+                // transaction rollback: serialization failure, deadlock.
+                "40" => Fault::Conflict,
+                "22" | "23" => Fault::BadData,
+                _ => Fault::Other,
+            }
+        }
+        E::Encode(_) | E::Decode(_) | E::ColumnDecode { .. } | E::TypeNotFound { .. } => {
+            Fault::BadData
+        }
+        _ => Fault::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_failures_are_outages() {
+        assert_eq!(fault(&sqlx::Error::PoolTimedOut), Fault::Unavailable);
+        assert_eq!(
+            fault(&sqlx::Error::Io(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused
+            ))),
+            Fault::Unavailable
+        );
+        assert_eq!(fault(&sqlx::Error::RowNotFound), Fault::Other);
+    }
+}

@@ -2,6 +2,9 @@
 //! by the standard `OTEL_*` variables.
 
 pub mod health;
+pub mod throttle;
+
+pub use throttle::{Suppressed, Throttle};
 
 use opentelemetry::trace::TracerProvider as _;
 use tracing_subscriber::layer::SubscriberExt;

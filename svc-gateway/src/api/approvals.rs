@@ -74,12 +74,7 @@ pub struct DecisionBody {
 }
 
 fn body_of(bytes: &axum::body::Bytes) -> ApiResult<DecisionBody> {
-    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
-        return Ok(DecisionBody::default());
-    }
-    serde_json::from_slice(bytes).map_err(|_| {
-        ApiError::bad_request("malformed_json", "request body is not a valid decision")
-    })
+    crate::extract::optional_body(bytes, "decision")
 }
 
 async fn decide(
@@ -149,6 +144,10 @@ pub(crate) async fn decide_as(
             "not_found" => ApiError::not_found("approval"),
             "already_decided" => ApiError::conflict("already_decided", r.message),
             "attempt_ended" => ApiError::conflict("attempt_ended", r.message),
+            // The scheduler refused the data itself: the same request fails the same way.
+            "invalid_field" => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", r.message)
+            }
             _ => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", r.message),
         });
     }

@@ -156,13 +156,20 @@ async fn follow(
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(error = ?e, "read events for a live stream");
-                let _ = tx
-                    .send(
-                        Event::default()
-                            .event("error")
-                            .data(r#"{"code":"internal"}"#),
-                    )
-                    .await;
+                let outage = match &e {
+                    crate::error::ApiError::Db(e) => matches!(
+                        agentscope_store::fault(e),
+                        agentscope_store::Fault::Unavailable | agentscope_store::Fault::Conflict
+                    ),
+                    crate::error::ApiError::Bus(_) => true,
+                    _ => false,
+                };
+                let data = if outage {
+                    r#"{"code":"unavailable"}"#
+                } else {
+                    r#"{"code":"internal"}"#
+                };
+                let _ = tx.send(Event::default().event("error").data(data)).await;
                 return;
             }
         };

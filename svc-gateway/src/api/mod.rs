@@ -137,7 +137,8 @@ pub fn openapi(routes: &[Route]) -> Value {
         if r.path == "/v1/task/artifacts" {
             op["parameters"] = json!([{"name": "name", "in": "query", "required": true, "schema": {"type": "string"}}]);
             op["requestBody"] = json!({"required": true, "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}});
-        } else if r.method == "post" {
+        } else if r.method == "post" && r.path != "/v1/secrets/rotate" {
+            // (Rotation reads no body.)
             op["requestBody"] = json!({"required": !(r.path.ends_with("/cancel") || r.path.ends_with("/approve") || r.path.ends_with("/deny")), "content": {"application/json": {"schema": {"type": "object"}}}});
         }
         op["security"] = match r.auth {

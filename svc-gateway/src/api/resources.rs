@@ -571,17 +571,24 @@ fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<Valu
         connectivity =
             json!({"ok": false, "detail": format!("no heartbeat for {:.0} s", age_ms / 1000.0)});
     }
-    let mut dispatch = find("dispatch_readiness");
-    if !online {
-        dispatch["ok"] = json!(false);
-    }
+    // An offline host's last heartbeat is history: no running count and no readiness from it.
+    let dispatch = if online {
+        find("dispatch_readiness")
+    } else {
+        json!({"ok": false, "detail": format!("offline: no heartbeat for {:.0} s; it accepts no work", age_ms / 1000.0)})
+    };
+    let running = if online {
+        json!(r.try_get::<i32, _>("running")?)
+    } else {
+        Value::Null
+    };
     Ok(json!({
         "id": r.try_get::<Uuid, _>("id")?,
         "name": r.try_get::<String, _>("name")?,
         "pool": r.try_get::<String, _>("pool_name")?,
         "pool_id": r.try_get::<Option<Uuid>, _>("pool_id")?,
         "capacity": r.try_get::<i32, _>("capacity")?,
-        "running": r.try_get::<i32, _>("running")?,
+        "running": running,
         "capabilities": r.try_get::<Vec<String>, _>("capabilities")?,
         "providers": r.try_get::<Value, _>("providers")?,
         "version": r.try_get::<String, _>("version")?,

@@ -520,16 +520,7 @@ pub async fn cancel_task(
     body: axum::body::Bytes,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     // The body is optional here.
-    let body: CancelBody = if body.iter().all(|b| b.is_ascii_whitespace()) {
-        CancelBody::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|_| {
-            ApiError::bad_request(
-                "malformed_json",
-                "request body is not a valid cancel request",
-            )
-        })?
-    };
+    let body: CancelBody = crate::extract::optional_body(&body, "cancel request")?;
     let reason = body
         .reason
         .unwrap_or_else(|| "cancelled through the API".into());
