@@ -643,11 +643,10 @@ async fn execute(
         }
     }
     let mut cmd = tokio::process::Command::new(&launch.argv[0]);
-    if let Some(who) = who {
-        // SAFETY: drop_privileges makes only async-signal-safe system calls, no allocation.
-        unsafe {
-            cmd.pre_exec(move || isolation::drop_privileges(who));
-        }
+    // The provider's tree dies with the host; then privileges are dropped.
+    // SAFETY: contain makes only async-signal-safe system calls, no allocation.
+    unsafe {
+        cmd.pre_exec(move || isolation::contain(who));
     }
     let user = isolation::user_name(who);
     let mut env = launch.env.clone();

@@ -270,6 +270,116 @@ pub fn drop_privileges(who: RunAs) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Runs in the forked child before exec (async-signal-safe calls only, no allocation): makes the
+/// provider's whole process tree die with the host, then drops privileges.
+///
+/// The child forks once more. This process (`C0`, root, in the attempt's process group) stays
+/// behind as a sentinel: `PR_SET_PDEATHSIG` tells it when the host dies, however it dies, and it
+/// then kills every process of the attempt's uid (`kill(-1)` as that uid: the provider, its
+/// descendants, and any that left the process group), or the attempt's process group when
+/// there is no uid of its own. The provider (`C1`) execs, with `PR_SET_PDEATHSIG(SIGKILL)` on
+/// the sentinel. So no provider outlives its host and a retry elsewhere never overlaps it.
+/// Cancellation still signals the process group: the provider handles it, the sentinel ignores
+/// it and ends like the provider (its exit status or signal).
+pub fn contain(who: Option<RunAs>) -> std::io::Result<()> {
+    let err = std::io::Error::last_os_error;
+    // SAFETY: plain system calls on the calling (forked, single-threaded) child process.
+    unsafe {
+        let host = libc::getppid();
+        let mut watched: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut watched);
+        libc::sigaddset(&mut watched, libc::SIGUSR2);
+        libc::sigaddset(&mut watched, libc::SIGCHLD);
+        if libc::sigprocmask(libc::SIG_BLOCK, &watched, std::ptr::null_mut()) != 0 {
+            return Err(err());
+        }
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGUSR2, 0, 0, 0) != 0 {
+            return Err(err());
+        }
+        if libc::getppid() != host {
+            libc::_exit(137);
+        }
+        let provider = libc::fork();
+        if provider < 0 {
+            return Err(err());
+        }
+        if provider > 0 {
+            sentinel(provider, who, &watched);
+        }
+        // C1, the provider: a clean signal mask, then its identity, then death with the sentinel
+        // (set after the credential change, which clears it).
+        let sentinel_pid = libc::getppid();
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        if libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut()) != 0 {
+            return Err(err());
+        }
+        if let Some(who) = who {
+            drop_privileges(who)?;
+        }
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+            return Err(err());
+        }
+        if libc::getppid() != sentinel_pid {
+            libc::_exit(137);
+        }
+    }
+    Ok(())
+}
+
+/// The sentinel's loop (see [`contain`]); never returns.
+unsafe fn sentinel(provider: libc::pid_t, who: Option<RunAs>, watched: &libc::sigset_t) -> ! {
+    // SAFETY: async-signal-safe system calls only.
+    unsafe {
+        // Cancellation signals the whole group: the provider handles them, not the sentinel.
+        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        // None of the provider's descriptors is the sentinel's business: its pipes (the end of
+        // output must mean the provider's end) and the spawner's exec-status pipe (which the
+        // host reads until every copy is closed).
+        libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32);
+        loop {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            let sig = libc::sigwaitinfo(watched, &mut info);
+            if sig == libc::SIGUSR2 {
+                // The host is gone: end the attempt's every process.
+                match who {
+                    Some(who)
+                        if libc::setresgid(who.gid, who.gid, who.gid) == 0
+                            && libc::setresuid(who.uid, who.uid, who.uid) == 0 =>
+                    {
+                        libc::kill(-1, libc::SIGKILL);
+                    }
+                    _ => {
+                        libc::kill(0, libc::SIGKILL);
+                    }
+                }
+                libc::_exit(137);
+            }
+            if sig != libc::SIGCHLD {
+                continue;
+            }
+            let mut status = 0;
+            let pid = libc::waitpid(provider, &mut status, libc::WNOHANG);
+            if pid != provider {
+                continue;
+            }
+            if libc::WIFSIGNALED(status) {
+                let sig = libc::WTERMSIG(status);
+                libc::signal(sig, libc::SIG_DFL);
+                let mut one: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut one);
+                libc::sigaddset(&mut one, sig);
+                libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
+                libc::kill(libc::getpid(), sig);
+                libc::_exit(128 + sig);
+            }
+            libc::_exit(libc::WEXITSTATUS(status));
+        }
+    }
+}
+
 // ------------------------------------------------------------------------- permissions
 
 /// The host's state: the state directory and the task directories' parent are traversable but

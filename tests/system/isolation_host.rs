@@ -94,11 +94,12 @@ async fn a_task_cannot_reach_another_running_tasks_files_environment_or_the_host
         .unwrap();
     let s = stack.shared.display().to_string();
     // The victim keeps its credential in its task directory and in its HOME, says where it is
-    // (as an attacker might find out), and waits until the attacker is done.
+    // (as an attacker might find out: its pid from /proc), and waits until the attacker is done.
     let victim = format!(
         "printf %s \"$AGENTSCOPE_TASK_TOKEN\" > \"$AGENTSCOPE_TASK_DIR/secret.txt\"; \
          mkdir -p \"$HOME/.config\"; printf %s \"$AGENTSCOPE_TASK_TOKEN\" > \"$HOME/.config/credentials\"; \
-         echo \"$AGENTSCOPE_TASK_DIR $$ $(id -u)\" > {s}/a.tmp; chmod 644 {s}/a.tmp; mv {s}/a.tmp {s}/a.info; \
+         read HOSTPID _ < /proc/self/stat; \
+         echo \"$AGENTSCOPE_TASK_DIR $HOSTPID $(id -u)\" > {s}/a.tmp; chmod 644 {s}/a.tmp; mv {s}/a.tmp {s}/a.info; \
          i=0; while [ ! -e {s}/b.done ] && [ $i -lt 2400 ]; do sleep 0.05; i=$((i+1)); done; echo victim-done"
     );
     let attack = format!(
