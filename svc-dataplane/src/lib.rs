@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 pub struct App {
     nats: async_nats::Client,
+    runner: Arc<session::Runner>,
     health_addr: SocketAddr,
     cancel: CancellationToken,
     health_task: tokio::task::JoinHandle<()>,
@@ -198,6 +199,7 @@ impl App {
         tracing::info!(%health_addr, "svc-dataplane listening for health checks");
         Ok(App {
             nats,
+            runner,
             health_addr,
             cancel,
             health_task,
@@ -214,6 +216,19 @@ impl App {
     ) -> anyhow::Result<()> {
         shutdown.await;
         self.cancel.cancel();
+        // Sessions stop at their next await point and hand their leases back, so another
+        // replica continues them at once instead of after the lease's TTL.
+        self.runner.stopping.cancel();
+        self.runner.sessions.close();
+        if tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            self.runner.sessions.wait(),
+        )
+        .await
+        .is_err()
+        {
+            tracing::warn!("sessions did not stop within 10 s; their leases expire instead");
+        }
         let _ = self.health_task.await;
         let _ = self.nats.flush().await;
         tracing::info!("svc-dataplane stopped");

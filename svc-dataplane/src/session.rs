@@ -41,6 +41,10 @@ pub struct Runner {
     pub config: Arc<Config>,
     pub replica: String,
     active: Mutex<HashSet<Uuid>>,
+    /// Fired on SIGTERM: sessions stop at their next await point and hand their lease back.
+    pub stopping: CancellationToken,
+    /// Every session this replica works on, awaited (within a grace period) at shutdown.
+    pub sessions: tokio_util::task::TaskTracker,
     /// The bubblewrap sandbox's settings (shared by every sandbox session).
     sandbox: Arc<SandboxSpec>,
     uids: UidRange,
@@ -53,6 +57,8 @@ enum Stop {
     Db(sqlx::Error),
     /// This replica's lease could not be renewed.
     Lost,
+    /// This replica stops (SIGTERM): the session is handed back.
+    Shutdown,
 }
 
 impl From<sqlx::Error> for Stop {
@@ -132,6 +138,8 @@ impl Runner {
             config,
             replica,
             active: Mutex::new(HashSet::new()),
+            stopping: CancellationToken::new(),
+            sessions: tokio_util::task::TaskTracker::new(),
         })
     }
 
@@ -257,6 +265,9 @@ impl Runner {
     /// Works on `session_id` if no replica holds its lease; returns at once otherwise.
     pub fn offer(self: &Arc<Self>, session_id: Uuid) {
         self.news.notify_waiters();
+        if self.stopping.is_cancelled() {
+            return;
+        }
         {
             let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
             if !active.insert(session_id) {
@@ -264,7 +275,7 @@ impl Runner {
             }
         }
         let me = self.clone();
-        tokio::spawn(async move {
+        self.sessions.spawn(async move {
             me.hold_and_run(session_id).await;
             me.active
                 .lock()
@@ -305,9 +316,15 @@ impl Runner {
         let result = tokio::select! {
             r = self.run(session_id, token as i64) => r,
             _ = lost.cancelled() => Err(Stop::Lost),
+            // A tool call interrupted here is journaled `started`: the replica that takes over
+            // reports it interrupted to the model and never runs it again.
+            _ = self.stopping.cancelled() => Err(Stop::Shutdown),
         };
         match result {
             Ok(()) => {}
+            Err(Stop::Shutdown) => {
+                tracing::info!(%session_id, replica = %self.replica, "replica stopping; session handed back");
+            }
             Err(Stop::Fenced) | Err(Stop::Lost) => {
                 tracing::warn!(%session_id, replica = %self.replica, "session taken over; stopping");
             }

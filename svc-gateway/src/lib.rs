@@ -36,6 +36,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// (attempt id, task id) of every event the recorder committed: wakes live streams.
     pub recorded: broadcast::Sender<(Uuid, Uuid)>,
+    /// Fired when the gateway stops: live streams end (clients resume with `Last-Event-ID`).
+    pub shutdown: CancellationToken,
 }
 
 pub struct App {
@@ -73,6 +75,7 @@ impl App {
                 config: Arc::new(config),
                 metrics: Metrics::default(),
                 recorded,
+                shutdown: CancellationToken::new(),
             },
             listener,
             addr,
@@ -92,9 +95,12 @@ impl App {
         let writes = tokio::spawn(issue_writes::serve(self.state.clone(), cancel.clone()));
         let app = router(self.state.clone());
         let c2 = cancel.clone();
+        let streams = self.state.shutdown.clone();
         axum::serve(self.listener, app)
             .with_graceful_shutdown(async move {
                 shutdown.await;
+                // Live streams end now, so the graceful shutdown does not wait on them.
+                streams.cancel();
                 c2.cancel();
             })
             .await?;

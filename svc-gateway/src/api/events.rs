@@ -150,6 +150,17 @@ async fn follow(
     tx: tokio::sync::mpsc::Sender<Event>,
 ) {
     loop {
+        if s.shutdown.is_cancelled() {
+            // The gateway stops: the client resumes elsewhere from its Last-Event-ID.
+            let _ = tx
+                .send(
+                    Event::default()
+                        .event("shutdown")
+                        .data(r#"{"resume":true}"#),
+                )
+                .await;
+            return;
+        }
         // Subscribe before reading, so a commit between the read and the wait still wakes us.
         let mut wake = s.recorded.subscribe();
         let page = match fetch(&s, scope, cursor, 500).await {
@@ -207,6 +218,7 @@ async fn follow(
         loop {
             tokio::select! {
                 _ = &mut deadline => break,
+                _ = s.shutdown.cancelled() => break,
                 _ = tx.closed() => return,
                 r = wake.recv() => match r {
                     Ok((attempt, task)) => {
