@@ -1,6 +1,7 @@
-//! The broker restarts while work runs: healthy attempts keep their leases across the reconnects
-//! (a renewal applied while its reply was lost is still the host's), every task ends exactly
-//! once with one attempt, no event is lost or duplicated, and no side effect happens twice.
+//! The broker restarts, or the database refuses connections, while work runs: healthy attempts
+//! keep their leases (a renewal applied while its reply was lost is still the host's), every
+//! task ends exactly once with one attempt, no event is lost or duplicated, and no side effect
+//! happens twice.
 
 use agentscope_system_tests::*;
 use serde_json::json;
@@ -171,4 +172,114 @@ async fn a_lease_renewal_applied_without_its_reply_is_still_the_holders() {
         lease.renew_deadline() < ttl,
         "the holder stops before the TTL ends"
     );
+}
+
+/// PostgreSQL refuses connections for longer than a lease: the hosts keep their leases (they live
+/// in NATS), the recorder catches up once the database is back, and every task still ends once,
+/// with one attempt, every event once and its side effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_attempts_survive_a_database_outage_longer_than_a_lease() {
+    let stack = Stack::start(
+        "faults-pg",
+        StackOptions {
+            lease_ttl_ms: 4_000,
+            heartbeat_ttl_ms: 4_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let effects = stack.shared.join("effects");
+    std::fs::create_dir_all(&effects).unwrap();
+    std::fs::set_permissions(
+        &effects,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let script = format!(
+        "for i in $(seq 1 14); do echo tick $i; sleep 1; done; echo run >> {}/$AGENTSCOPE_TASK_ID; echo ok",
+        effects.display()
+    );
+    let (agent, _) = stack
+        .command_agent("ticker", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
+    let _h = stack.host("h", "pool", 4).await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": i.to_string()}),
+            )
+            .await
+            .unwrap();
+        ids.push(t["id"].as_str().unwrap().to_string());
+    }
+    let api = stack.api.clone();
+    let all = ids.clone();
+    kit::wait_for("all four attempts to run", Duration::from_secs(60), || {
+        let api = api.clone();
+        let all = all.clone();
+        async move {
+            for id in &all {
+                let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
+                if t["status"] != "running" {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await
+    .unwrap();
+
+    // The database refuses every connection for twice the lease's TTL.
+    let name = stack.db.name.clone();
+    admin_sql(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS false")).await;
+    admin_sql(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+    ))
+    .await;
+    // The outage itself (a fault's duration, not a synchronization).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    admin_sql(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true")).await;
+
+    for id in &ids {
+        let t = stack
+            .wait_task(id, "succeeded", Duration::from_secs(120))
+            .await
+            .unwrap();
+        let attempts = t["attempts"].as_array().unwrap();
+        assert_eq!(attempts.len(), 1, "no attempt lost to the outage: {t:#}");
+        let events = stack
+            .events(&format!(
+                "/v1/attempts/{}/events",
+                attempts[0]["id"].as_str().unwrap()
+            ))
+            .await
+            .unwrap();
+        let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+        let ticks = events
+            .iter()
+            .filter(|e| {
+                e["payload"]["text"]
+                    .as_str()
+                    .is_some_and(|t| t.starts_with("tick "))
+            })
+            .count();
+        assert_eq!(ticks, 14, "every line once");
+        let runs = std::fs::read_to_string(effects.join(id)).unwrap();
+        assert_eq!(runs.lines().count(), 1, "the work ran once: {runs:?}");
+    }
+}
+
+async fn admin_sql(sql: &str) {
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(&kit::TestDb::admin_url())
+        .await
+        .unwrap();
+    sqlx::query(sql).execute(&mut c).await.unwrap();
 }
