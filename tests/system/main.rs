@@ -10,6 +10,7 @@ mod e2e;
 mod executor;
 mod explain;
 mod failover;
+mod faults_edges;
 mod faults_nats;
 mod faults_outage;
 mod isolation_host;

@@ -11,7 +11,10 @@
 //!   first title, e.g. `bash`), rawInput}`; `completed`/`failed` → `ToolResult` (rawOutput's
 //!   `output`, else its `error`, else the text content);
 //! - the response to `session/prompt` → `Usage` and `Result` (`end_turn` is a success; any other
-//!   stop reason or an error is a failure);
+//!   stop reason or an error is a failure). ACP's reject carries no reason and ends the turn
+//!   without asking the model again, so after a deny (`StreamParser::denied`) a turn that ends
+//!   `end_turn` is followed by one more `session/prompt` telling the model what was denied and
+//!   why; its response is the `Result`;
 //! - a server request other than `session/request_permission` (which the adapter turns into an
 //!   Approval) is answered with a JSON-RPC error so that the agent never waits;
 //! - everything else → `Raw`.
@@ -30,6 +33,8 @@ const PROMPT_REQUEST_ID: u64 = 3;
 pub const PERMISSION_METHOD: &str = "session/request_permission";
 /// Tool calls remembered between their start and their result.
 const MAX_OPEN_CALLS: usize = 10_000;
+/// Follow-up prompts (deny reasons) sent in one run at most.
+const MAX_FOLLOW_UPS: u64 = 100;
 
 #[derive(Debug)]
 struct Call {
@@ -51,6 +56,10 @@ pub struct AcpParser {
     replies: Vec<String>,
     /// The line just mapped was a chunk kept in `message`.
     absorbed: bool,
+    /// The id of the `session/prompt` whose response ends the current turn.
+    prompt_id: u64,
+    /// Deny reasons the model has not been told yet.
+    follow_ups: Vec<String>,
 }
 
 impl AcpParser {
@@ -68,6 +77,8 @@ impl AcpParser {
             last_message: None,
             replies: vec![],
             absorbed: false,
+            prompt_id: PROMPT_REQUEST_ID,
+            follow_ups: vec![],
         }
     }
 
@@ -171,7 +182,7 @@ impl AcpParser {
 
     fn response(&mut self, v: &Map<String, Value>, out: &mut Vec<Body>) {
         let id = v.get("id").and_then(Value::as_u64);
-        if id != Some(SESSION_REQUEST_ID) && id != Some(PROMPT_REQUEST_ID) {
+        if id != Some(SESSION_REQUEST_ID) && id != Some(self.prompt_id) {
             return;
         }
         if let Some(e) = v.get("error") {
@@ -230,6 +241,19 @@ impl AcpParser {
             }));
         }
         let failed = stop != "end_turn";
+        let follow_up = self.prompt_id - PROMPT_REQUEST_ID < MAX_FOLLOW_UPS;
+        if !failed && follow_up && !self.follow_ups.is_empty() {
+            let text = std::mem::take(&mut self.follow_ups).join("\n\n");
+            self.prompt_id += 1;
+            self.replies.push(
+                json!({"jsonrpc": "2.0", "id": self.prompt_id, "method": "session/prompt", "params": {
+                    "sessionId": self.session_id.clone().unwrap_or_default(),
+                    "prompt": [{"type": "text", "text": text}]}})
+                .to_string()
+                    + "\n",
+            );
+            return;
+        }
         out.push(Body::Result(ResultEvent {
             is_error: failed,
             text: match (self.last_message.take(), failed) {
@@ -237,7 +261,7 @@ impl AcpParser {
                 (None, true) => format!("the turn stopped: {stop}"),
                 (None, false) => String::new(),
             },
-            turns: 1,
+            turns: super::turns(self.prompt_id - PROMPT_REQUEST_ID + 1),
         }));
     }
 }
@@ -284,6 +308,10 @@ impl StreamParser for AcpParser {
 
     fn replies(&mut self) -> Vec<String> {
         std::mem::take(&mut self.replies)
+    }
+
+    fn denied(&mut self, tool: &str, reason: &str) {
+        self.follow_ups.push(super::denied_message(tool, reason));
     }
 }
 
