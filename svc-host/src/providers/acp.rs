@@ -335,6 +335,54 @@ mod tests {
     }
 
     #[test]
+    fn a_denied_turn_is_followed_by_a_prompt_with_the_reason_and_only_its_end_is_the_result() {
+        let mut p = AcpParser::new("opencode", "do it", None);
+        p.line(
+            r#"{"jsonrpc":"2.0","id":2,"result":{"sessionId":"ses_1"}}"#,
+            false,
+        );
+        assert_eq!(p.replies().len(), 1, "the first prompt");
+        p.denied("bash", "not on a Friday");
+        let out = p.line(
+            r#"{"jsonrpc":"2.0","id":3,"result":{"stopReason":"end_turn"}}"#,
+            false,
+        );
+        assert!(!out.iter().any(|b| matches!(b, Body::Result(_))), "{out:?}");
+        let r = p.replies();
+        assert_eq!(r.len(), 1, "{r:?}");
+        let v: Value = serde_json::from_str(&r[0]).unwrap();
+        assert_eq!(
+            (v["id"].as_u64(), v["method"].as_str()),
+            (Some(4), Some("session/prompt"))
+        );
+        assert_eq!(v["params"]["sessionId"], "ses_1");
+        assert!(
+            v["params"]["prompt"][0]["text"]
+                .as_str()
+                .unwrap()
+                .contains("not on a Friday")
+        );
+        // A late answer to the first prompt is not the end; the follow-up's is.
+        let late = p.line(
+            r#"{"jsonrpc":"2.0","id":3,"result":{"stopReason":"end_turn"}}"#,
+            false,
+        );
+        assert!(
+            !late.iter().any(|b| matches!(b, Body::Result(_))),
+            "{late:?}"
+        );
+        let out = p.line(
+            r#"{"jsonrpc":"2.0","id":4,"result":{"stopReason":"end_turn"}}"#,
+            false,
+        );
+        assert!(
+            matches!(out.last(), Some(Body::Result(r)) if !r.is_error && r.turns == 2),
+            "{out:?}"
+        );
+        assert!(p.replies().is_empty());
+    }
+
+    #[test]
     fn the_recorded_approving_run_maps_to_normalized_events() {
         let Some(text) = sample(&["opencode-acp"]) else {
             return;
