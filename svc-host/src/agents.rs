@@ -91,6 +91,13 @@ fn prompt(ctx: &LaunchCtx) -> String {
          input (read_input), post a comment (post_comment) and upload deliverables as Artifacts \
          (upload_artifact). Files you leave in this directory are not shared; upload what others need.",
     );
+    let cli = ctx.cli.to_string_lossy();
+    p.push_str(&format!(
+        "\n\nThe tools reach the platform from outside any sandbox: prefer them. The same operations \
+         are a command line, always at this absolute path (a login shell may reset PATH): \
+         `{cli} task show`, `{cli} task comment TEXT`, `{cli} task upload FILE`. The command \
+         needs network access to the platform's API, which a sandbox may refuse."
+    ));
     p
 }
 
@@ -601,7 +608,8 @@ impl Adapter for Codex {
         Some(crate::provider::ControlRequest {
             request_id,
             rpc_id: Some(v["id"].clone()),
-            meta: serde_json::Value::Null,
+            // The turn a deny reason is steered into.
+            meta: json!({"threadId": params.get("threadId"), "turnId": params.get("turnId")}),
             tool_name: tool_name.into(),
             input,
         })
@@ -611,10 +619,29 @@ impl Adapter for Codex {
         &self,
         req: &crate::provider::ControlRequest,
         allow: bool,
-        _reason: &str,
+        reason: &str,
     ) -> String {
-        let decision = if allow { "accept" } else { "decline" };
-        json!({"id": req.rpc_id, "result": {"decision": decision}}).to_string() + "\n"
+        if allow {
+            return json!({"id": req.rpc_id, "result": {"decision": "accept"}}).to_string() + "\n";
+        }
+        // `decline` carries no reason (the model reads "rejected by user"): the reason goes into
+        // the running turn as steered user input first, so the model's next request holds both.
+        let mut out = String::new();
+        if let (Some(thread), Some(turn)) =
+            (req.meta["threadId"].as_str(), req.meta["turnId"].as_str())
+        {
+            out.push_str(
+                &(json!({"id": format!("agentscope-steer-{}", req.request_id), "method": "turn/steer", "params": {
+                    "threadId": thread, "expectedTurnId": turn,
+                    "input": [{"type": "text", "text": providers::denied_message(&req.tool_name, reason), "text_elements": []}]}})
+                .to_string()
+                    + "\n"),
+            );
+        }
+        out.push_str(
+            &(json!({"id": req.rpc_id, "result": {"decision": "decline"}}).to_string() + "\n"),
+        );
+        out
     }
 
     fn resume_rejected(&self, line: &str) -> bool {

@@ -725,6 +725,9 @@ async fn execute(
         Default::default();
     // "Allow always" lives in this attempt's memory only: it never outlives the task.
     let mut always: std::collections::HashSet<String> = Default::default();
+    // The last denied tool request, until a later one is allowed: a turn that ends after it
+    // ended because of it (`tool_denied`, or `approval_timeout` when nobody decided).
+    let mut denial: Option<(FailureClass, String)> = None;
     // Every process of the provider's tree carries this, even one that left the process group.
     let marker = format!("AGENTSCOPE_ATTEMPT_ID={}", a.attempt_id);
     let mut parser = adapter.parser_for(&launch);
@@ -839,6 +842,7 @@ async fn execute(
                     if let Some(req) = (!truncated).then(|| adapter.control_request(&text)).flatten() {
                         if always.contains(&req.tool_name) {
                             answer(&mut stdin, adapter, sink, &req, true, "allowed for the rest of this task", "always_for_task", "").await;
+                            denial = None;
                         } else {
                             request_approval(ctx, a, sink, &req, launch.approval_timeout_ms).await;
                             pending.insert(req.request_id.clone(), req);
@@ -887,6 +891,10 @@ async fn execute(
                     always.insert(req.tool_name.clone());
                 }
                 answer(&mut stdin, adapter, sink, &req, d.allow, &d.reason, &d.decided_by, class).await;
+                denial = denied_outcome(&req, &d);
+                if !d.allow {
+                    parser.denied(&req.tool_name, &d.reason);
+                }
             }
             st = child.wait(), if !output_open || stop.is_some() => break st,
         }
@@ -923,12 +931,16 @@ async fn execute(
             },
             Some(0),
         ),
-        Ok(s) if s.success() => (
-            AttemptState::Succeeded,
-            None,
-            "exit status 0".into(),
-            Some(0),
-        ),
+        Ok(s) if s.success() => match denial {
+            // The work asked for did not happen: not a plain success.
+            Some((class, detail)) => (AttemptState::Failed, Some(class), detail, Some(0)),
+            None => (
+                AttemptState::Succeeded,
+                None,
+                "exit status 0".into(),
+                Some(0),
+            ),
+        },
         Ok(s) => match s.code() {
             Some(code) => (
                 AttemptState::Failed,
@@ -946,6 +958,38 @@ async fn execute(
             format!("wait for provider: {e}"),
         ),
     }
+}
+
+/// The denial a turn that ends now ended with: a deny replaces it, an allow clears it.
+fn denied_outcome(
+    req: &provider::ControlRequest,
+    d: &ApprovalDecision,
+) -> Option<(FailureClass, String)> {
+    if d.allow {
+        return None;
+    }
+    let (class, by) = if d.decided_by == "policy" {
+        (
+            FailureClass::ApprovalTimeout,
+            "nobody decided before the approval timeout".to_string(),
+        )
+    } else {
+        (
+            FailureClass::ToolDenied,
+            format!("denied by {}", d.decided_by),
+        )
+    };
+    let reason = match d.reason.trim() {
+        "" => String::new(),
+        r => format!(": {r}"),
+    };
+    Some((
+        class,
+        format!(
+            "the agent's turn ended after its `{}` request was refused ({by}{reason})",
+            req.tool_name
+        ),
+    ))
 }
 
 /// The task directory an earlier run of this host prepared for the attempt.

@@ -85,7 +85,9 @@ impl Ctx {
 
     /// The `agentscope` CLI executors use (and whose `mcp` subcommand serves MCP).
     pub fn cli_path(&self) -> PathBuf {
-        self.cli_dir().join("agentscope")
+        // Absolute: the translated instructions name it, and a login shell resets PATH.
+        let p = self.cli_dir().join("agentscope");
+        std::path::absolute(&p).unwrap_or(p)
     }
 
     /// What discovery found out about a provider.

@@ -142,10 +142,12 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
     )
     .await;
     assert_eq!((st, v["status"].as_str()), (200, Some("denied")), "{v}");
+    // The turn ended because its tool was denied: not a plain success.
     let t = stack
-        .wait_task(&task2, "succeeded", Duration::from_secs(120))
+        .wait_task(&task2, "failed", Duration::from_secs(120))
         .await
         .unwrap();
+    assert_eq!(t["attempts"][0]["failure_class"], "tool_denied", "{t}");
     let events = stack
         .events(&format!(
             "/v1/attempts/{}/events",
@@ -174,9 +176,10 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
     let task3 = t["id"].as_str().unwrap().to_string();
     let ap = pending_approval(&stack, &task3).await;
     let t = stack
-        .wait_task(&task3, "succeeded", Duration::from_secs(120))
+        .wait_task(&task3, "failed", Duration::from_secs(120))
         .await
         .unwrap();
+    assert_eq!(t["attempts"][0]["failure_class"], "approval_timeout", "{t}");
     let after = stack
         .api
         .get(&format!("/v1/approvals/{}", ap["id"].as_str().unwrap()))
@@ -214,7 +217,8 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
 }
 
 /// A provider with its own approval protocol (`approvals: ask`): an approved shell command runs,
-/// a denied one does not and the run still finishes, and each decision applies once.
+/// a denied one does not and the run still finishes (its task `failed` with `tool_denied`), and
+/// each decision applies once.
 async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
     let stack = Stack::start(label, StackOptions::default()).await.unwrap();
     let script = json!({
@@ -266,10 +270,14 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
             (409, Some("already_decided")),
             "{v}"
         );
+        let status = if runs { "succeeded" } else { "failed" };
         let t = stack
-            .wait_task(&task, "succeeded", Duration::from_secs(120))
+            .wait_task(&task, status, Duration::from_secs(120))
             .await
             .unwrap();
+        if !runs {
+            assert_eq!(t["attempts"][0]["failure_class"], "tool_denied", "{t}");
+        }
         let attempt = t["attempts"][0]["id"].as_str().unwrap();
         let events = stack
             .events(&format!("/v1/attempts/{attempt}/events"))

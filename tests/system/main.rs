@@ -11,6 +11,7 @@ mod executor;
 mod explain;
 mod failover;
 mod faults_drain;
+mod faults_edges;
 mod faults_host;
 mod faults_nats;
 mod faults_outage;

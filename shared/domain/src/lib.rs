@@ -107,6 +107,7 @@ pub enum FailureClass {
     HostOffline,
     HostRestart,
     ApprovalTimeout,
+    ToolDenied,
     Cancelled,
     Timeout,
     NoBinding,
@@ -114,7 +115,7 @@ pub enum FailureClass {
 }
 
 impl FailureClass {
-    pub const ALL: [FailureClass; 15] = [
+    pub const ALL: [FailureClass; 16] = [
         Self::ProviderLogin,
         Self::BadParameters,
         Self::TaskDir,
@@ -126,6 +127,7 @@ impl FailureClass {
         Self::HostOffline,
         Self::HostRestart,
         Self::ApprovalTimeout,
+        Self::ToolDenied,
         Self::Cancelled,
         Self::Timeout,
         Self::NoBinding,
@@ -145,6 +147,7 @@ impl FailureClass {
             Self::HostOffline => "host_offline",
             Self::HostRestart => "host_restart",
             Self::ApprovalTimeout => "approval_timeout",
+            Self::ToolDenied => "tool_denied",
             Self::Cancelled => "cancelled",
             Self::Timeout => "timeout",
             Self::NoBinding => "no_binding",
@@ -188,6 +191,9 @@ impl FailureClass {
             }
             Self::ApprovalTimeout => {
                 "decide approvals faster or raise the approval timeout in the policy"
+            }
+            Self::ToolDenied => {
+                "the agent's turn ended after a tool request was denied: approve it, or change the instructions or the tools the agent may use, then resubmit"
             }
             Self::Cancelled => "the task was cancelled on request",
             Self::Timeout => "raise the task timeout or split the work",

@@ -11,7 +11,10 @@
 //!   first title, e.g. `bash`), rawInput}`; `completed`/`failed` → `ToolResult` (rawOutput's
 //!   `output`, else its `error`, else the text content);
 //! - the response to `session/prompt` → `Usage` and `Result` (`end_turn` is a success; any other
-//!   stop reason or an error is a failure);
+//!   stop reason or an error is a failure). ACP's reject carries no reason and ends the turn
+//!   without asking the model again, so after a deny (`StreamParser::denied`) a turn that ends
+//!   `end_turn` is followed by one more `session/prompt` telling the model what was denied and
+//!   why; its response is the `Result`;
 //! - a server request other than `session/request_permission` (which the adapter turns into an
 //!   Approval) is answered with a JSON-RPC error so that the agent never waits;
 //! - everything else → `Raw`.
@@ -30,6 +33,8 @@ const PROMPT_REQUEST_ID: u64 = 3;
 pub const PERMISSION_METHOD: &str = "session/request_permission";
 /// Tool calls remembered between their start and their result.
 const MAX_OPEN_CALLS: usize = 10_000;
+/// Follow-up prompts (deny reasons) sent in one run at most.
+const MAX_FOLLOW_UPS: u64 = 100;
 
 #[derive(Debug)]
 struct Call {
@@ -51,6 +56,10 @@ pub struct AcpParser {
     replies: Vec<String>,
     /// The line just mapped was a chunk kept in `message`.
     absorbed: bool,
+    /// The id of the `session/prompt` whose response ends the current turn.
+    prompt_id: u64,
+    /// Deny reasons the model has not been told yet.
+    follow_ups: Vec<String>,
 }
 
 impl AcpParser {
@@ -68,6 +77,8 @@ impl AcpParser {
             last_message: None,
             replies: vec![],
             absorbed: false,
+            prompt_id: PROMPT_REQUEST_ID,
+            follow_ups: vec![],
         }
     }
 
@@ -171,7 +182,7 @@ impl AcpParser {
 
     fn response(&mut self, v: &Map<String, Value>, out: &mut Vec<Body>) {
         let id = v.get("id").and_then(Value::as_u64);
-        if id != Some(SESSION_REQUEST_ID) && id != Some(PROMPT_REQUEST_ID) {
+        if id != Some(SESSION_REQUEST_ID) && id != Some(self.prompt_id) {
             return;
         }
         if let Some(e) = v.get("error") {
@@ -230,6 +241,19 @@ impl AcpParser {
             }));
         }
         let failed = stop != "end_turn";
+        let follow_up = self.prompt_id - PROMPT_REQUEST_ID < MAX_FOLLOW_UPS;
+        if !failed && follow_up && !self.follow_ups.is_empty() {
+            let text = std::mem::take(&mut self.follow_ups).join("\n\n");
+            self.prompt_id += 1;
+            self.replies.push(
+                json!({"jsonrpc": "2.0", "id": self.prompt_id, "method": "session/prompt", "params": {
+                    "sessionId": self.session_id.clone().unwrap_or_default(),
+                    "prompt": [{"type": "text", "text": text}]}})
+                .to_string()
+                    + "\n",
+            );
+            return;
+        }
         out.push(Body::Result(ResultEvent {
             is_error: failed,
             text: match (self.last_message.take(), failed) {
@@ -237,7 +261,7 @@ impl AcpParser {
                 (None, true) => format!("the turn stopped: {stop}"),
                 (None, false) => String::new(),
             },
-            turns: 1,
+            turns: super::turns(self.prompt_id - PROMPT_REQUEST_ID + 1),
         }));
     }
 }
@@ -285,6 +309,10 @@ impl StreamParser for AcpParser {
     fn replies(&mut self) -> Vec<String> {
         std::mem::take(&mut self.replies)
     }
+
+    fn denied(&mut self, tool: &str, reason: &str) {
+        self.follow_ups.push(super::denied_message(tool, reason));
+    }
 }
 
 #[cfg(test)]
@@ -304,6 +332,54 @@ mod tests {
         }
         out.extend(p.finish());
         (out, replies)
+    }
+
+    #[test]
+    fn a_denied_turn_is_followed_by_a_prompt_with_the_reason_and_only_its_end_is_the_result() {
+        let mut p = AcpParser::new("opencode", "do it", None);
+        p.line(
+            r#"{"jsonrpc":"2.0","id":2,"result":{"sessionId":"ses_1"}}"#,
+            false,
+        );
+        assert_eq!(p.replies().len(), 1, "the first prompt");
+        p.denied("bash", "not on a Friday");
+        let out = p.line(
+            r#"{"jsonrpc":"2.0","id":3,"result":{"stopReason":"end_turn"}}"#,
+            false,
+        );
+        assert!(!out.iter().any(|b| matches!(b, Body::Result(_))), "{out:?}");
+        let r = p.replies();
+        assert_eq!(r.len(), 1, "{r:?}");
+        let v: Value = serde_json::from_str(&r[0]).unwrap();
+        assert_eq!(
+            (v["id"].as_u64(), v["method"].as_str()),
+            (Some(4), Some("session/prompt"))
+        );
+        assert_eq!(v["params"]["sessionId"], "ses_1");
+        assert!(
+            v["params"]["prompt"][0]["text"]
+                .as_str()
+                .unwrap()
+                .contains("not on a Friday")
+        );
+        // A late answer to the first prompt is not the end; the follow-up's is.
+        let late = p.line(
+            r#"{"jsonrpc":"2.0","id":3,"result":{"stopReason":"end_turn"}}"#,
+            false,
+        );
+        assert!(
+            !late.iter().any(|b| matches!(b, Body::Result(_))),
+            "{late:?}"
+        );
+        let out = p.line(
+            r#"{"jsonrpc":"2.0","id":4,"result":{"stopReason":"end_turn"}}"#,
+            false,
+        );
+        assert!(
+            matches!(out.last(), Some(Body::Result(r)) if !r.is_error && r.turns == 2),
+            "{out:?}"
+        );
+        assert!(p.replies().is_empty());
     }
 
     #[test]

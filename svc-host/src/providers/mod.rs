@@ -36,6 +36,20 @@ pub trait StreamParser: Send {
     fn replies(&mut self) -> Vec<String> {
         vec![]
     }
+    /// The host denied one of the provider's tool requests with `reason`. A protocol whose deny
+    /// carries no reason (ACP) tells the model in a follow-up prompt.
+    fn denied(&mut self, _tool: &str, _reason: &str) {}
+}
+
+/// What the model is told when the platform denies one of its tool requests and the provider's
+/// own deny cannot carry the reason (ACP's reject, Codex app-server's decline).
+pub fn denied_message(tool: &str, reason: &str) -> String {
+    let reason = reason.trim();
+    if reason.is_empty() {
+        format!("The platform denied your `{tool}` request (no reason was given).")
+    } else {
+        format!("The platform denied your `{tool}` request. The reason given: {reason}")
+    }
 }
 
 /// The parser for a provider name as used in `TaskSpec.provider`; None for providers without one
