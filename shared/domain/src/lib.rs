@@ -109,12 +109,13 @@ pub enum FailureClass {
     ApprovalTimeout,
     Cancelled,
     Timeout,
+    ModelUnreachable,
     NoBinding,
     Internal,
 }
 
 impl FailureClass {
-    pub const ALL: [FailureClass; 15] = [
+    pub const ALL: [FailureClass; 16] = [
         Self::ProviderLogin,
         Self::BadParameters,
         Self::TaskDir,
@@ -128,6 +129,7 @@ impl FailureClass {
         Self::ApprovalTimeout,
         Self::Cancelled,
         Self::Timeout,
+        Self::ModelUnreachable,
         Self::NoBinding,
         Self::Internal,
     ];
@@ -147,6 +149,7 @@ impl FailureClass {
             Self::ApprovalTimeout => "approval_timeout",
             Self::Cancelled => "cancelled",
             Self::Timeout => "timeout",
+            Self::ModelUnreachable => "model_unreachable",
             Self::NoBinding => "no_binding",
             Self::Internal => "internal",
         }
@@ -190,7 +193,14 @@ impl FailureClass {
                 "decide approvals faster or raise the approval timeout in the policy"
             }
             Self::Cancelled => "the task was cancelled on request",
-            Self::Timeout => "raise the task timeout or split the work",
+            Self::Timeout => {
+                "raise the limit named in the detail (the task's `timeout_secs`, the runtime \
+                 profile's `timeout_secs`, or the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS) or split the work"
+            }
+            Self::ModelUnreachable => {
+                "the provider could not connect to its model endpoint (named in the detail): check \
+                 the host's ANTHROPIC_BASE_URL / OPENAI_BASE_URL and that the model service is up"
+            }
             Self::NoBinding => "bind the agent to a pool: POST /v1/bindings",
             Self::Internal => "report a bug with the attempt id; the platform failed unexpectedly",
         }
