@@ -386,6 +386,14 @@ impl Adapter for ClaudeCode {
             .any(|p| p.path().join(format!("{session_id}.jsonl")).is_file())
     }
 
+    fn model_connection_error(&self, line: &str) -> bool {
+        providers::claude::is_connection_retry(line)
+    }
+
+    fn model_endpoint(&self) -> String {
+        std::env::var("ANTHROPIC_BASE_URL").unwrap_or_else(|_| "https://api.anthropic.com".into())
+    }
+
     fn fatal(&self, line: &str) -> Option<(agentscope_domain::FailureClass, String)> {
         if !line.contains("api_retry") {
             return None;
@@ -468,6 +476,14 @@ fn codex_app_handshake(ctx: &LaunchCtx, sandbox: &str, resume: Option<&str>) -> 
 }
 
 impl Adapter for Codex {
+    fn model_connection_error(&self, line: &str) -> bool {
+        providers::codex::is_connection_retry(line)
+    }
+
+    fn model_endpoint(&self) -> String {
+        openai_base()
+    }
+
     fn name(&self) -> &'static str {
         providers::codex::PROVIDER
     }

@@ -166,12 +166,13 @@ async fn request_approval(
     a: &AttemptAssignment,
     sink: &mut EventSink,
     req: &provider::ControlRequest,
+    key: &str,
     timeout_ms: u32,
 ) {
     let input_json = isolation::redact_text(&req.input.to_string(), &sink.secrets);
     sink.emit(Body::ApprovalRequested(
         agentscope_schemas::v1::ApprovalRequested {
-            request_id: req.request_id.clone(),
+            request_id: key.to_string(),
             tool_name: req.tool_name.clone(),
             input_json: input_json.clone(),
             timeout_ms,
@@ -179,7 +180,7 @@ async fn request_approval(
     ))
     .await;
     let tr = agentscope_schemas::v1::ToolRequest {
-        request_id: req.request_id.clone(),
+        request_id: key.to_string(),
         attempt_id: a.attempt_id.clone(),
         session_id: String::new(),
         tool_name: req.tool_name.clone(),
@@ -188,7 +189,7 @@ async fn request_approval(
         requested_at_ms: agentscope_bus::now_ms(),
         timeout_ms,
     };
-    let msg_id = format!("approval:{}:{}", a.attempt_id, req.request_id);
+    let msg_id = format!("approval:{}:{key}", a.attempt_id);
     let mut delay = Duration::from_millis(100);
     for _ in 0..20 {
         let sent = async {
@@ -231,6 +232,7 @@ async fn answer(
     adapter: &dyn provider::Adapter,
     sink: &mut EventSink,
     req: &provider::ControlRequest,
+    key: &str,
     allow: bool,
     reason: &str,
     decided_by: &str,
@@ -244,7 +246,7 @@ async fn answer(
     }
     sink.emit(Body::ApprovalDecided(
         agentscope_schemas::v1::ApprovalDecided {
-            request_id: req.request_id.clone(),
+            request_id: key.to_string(),
             allow,
             reason: reason.to_string(),
             decided_by: decided_by.to_string(),
@@ -441,6 +443,11 @@ pub async fn run(
                 }
                 _ => {}
             }
+        }
+        if let (Some(FailureClass::ProviderLogin), Some(spec)) = (outcome.1, a.spec.as_ref()) {
+            // Before the failure is reported (and the task moves on): the next claim must not
+            // bring this provider's work here again.
+            ctx.provider_login_failed(&spec.provider, &outcome.2);
         }
         if !stops.lease_lost.is_cancelled() {
             let (state, class, detail, exit) = outcome;
@@ -731,6 +738,11 @@ async fn execute(
     // Every process of the provider's tree carries this, even one that left the process group.
     let marker = format!("AGENTSCOPE_ATTEMPT_ID={}", a.attempt_id);
     let mut parser = adapter.parser_for(&launch);
+    // A resumed or restarted provider session may number its items from the start again (Codex's
+    // `item_0`): its call and approval ids get the launch's first seq as a prefix, so they stay
+    // unique within the attempt. The first launch keeps the provider's own ids.
+    let scope = (resume.is_some() || fresh_only).then(|| format!("g{}", sink.entry.last_seq + 1));
+    let mut watch = ModelWatch::default();
     if let Some(d) = ctx.descriptor(adapter.name()) {
         if !d.live_stream {
             sink.diag(
@@ -796,10 +808,7 @@ async fn execute(
     }
     drop(tx);
 
-    let timeout = match spec.timeout_secs {
-        0 => Duration::from_secs(24 * 3600),
-        s => Duration::from_secs(s as u64),
-    };
+    let (timeout, limit) = run_limit(&spec);
     let deadline = tokio::time::sleep(timeout);
     tokio::pin!(deadline);
     let grace = Duration::from_millis(ctx.config.kill_grace_ms);
@@ -832,7 +841,7 @@ async fn execute(
             _ = &mut deadline, if stop.is_none() => {
                 let mut left = provider::terminate_group(pgid, grace).await;
                 left.extend(provider::kill_marked(&marker).await);
-                stop = Some(failed(FailureClass::Timeout, format!("timed out after {} s ({} processes left)", timeout.as_secs(), left.len())));
+                stop = Some(failed(FailureClass::Timeout, format!("timed out after {} s: {limit} ({} processes left)", timeout.as_secs(), left.len())));
             }
             line = rx.recv(), if output_open => match line {
                 Some(("stdout", text, truncated)) => {
@@ -840,19 +849,34 @@ async fn execute(
                         rejected = true;
                     }
                     if let Some(req) = (!truncated).then(|| adapter.control_request(&text)).flatten() {
+                        let key = scoped_id(scope.as_deref(), &req.request_id);
                         if always.contains(&req.tool_name) {
-                            answer(&mut stdin, adapter, sink, &req, true, "allowed for the rest of this task", "always_for_task", "").await;
+                            answer(&mut stdin, adapter, sink, &req, &key, true, "allowed for the rest of this task", "always_for_task", "").await;
                             denial = None;
                         } else {
-                            request_approval(ctx, a, sink, &req, launch.approval_timeout_ms).await;
-                            pending.insert(req.request_id.clone(), req);
+                            request_approval(ctx, a, sink, &req, &key, launch.approval_timeout_ms).await;
+                            pending.insert(key, req);
+                        }
+                        continue;
+                    }
+                    if stop.is_none() && adapter.model_connection_error(&text) {
+                        for body in parser.line(&text, truncated) {
+                            sink.emit(scope_ids(body, scope.as_deref())).await;
+                        }
+                        let limit = (ctx.config.model_retry_limit, Duration::from_secs(ctx.config.model_retry_secs));
+                        if let Some((errors, secs)) = watch.connection_error(limit.0, limit.1) {
+                            let detail = format!("the provider could not connect to its model endpoint {}: {errors} connection errors in a row over {secs} s, no response", adapter.model_endpoint());
+                            sink.diag("error", FailureClass::ModelUnreachable.as_str(), detail.clone()).await;
+                            let mut left = provider::terminate_group(pgid, grace).await;
+                            left.extend(provider::kill_marked(&marker).await);
+                            stop = Some(failed(FailureClass::ModelUnreachable, format!("{detail} ({} processes left)", left.len())));
                         }
                         continue;
                     }
                     let fatal = if stop.is_none() { adapter.fatal(&text) } else { None };
                     if let Some((class, detail)) = fatal {
                         for body in parser.line(&text, truncated) {
-                            sink.emit(body).await;
+                            sink.emit(scope_ids(body, scope.as_deref())).await;
                         }
                         sink.diag("error", class.as_str(), detail.clone()).await;
                         let mut left = provider::terminate_group(pgid, grace).await;
@@ -868,7 +892,10 @@ async fn execute(
                         if let Body::Result(r) = &body {
                             result_error = Some(r.is_error.then(|| r.text.clone()));
                         }
-                        sink.emit(body).await;
+                        if matches!(body, Body::AssistantMessage(_) | Body::ToolCall(_) | Body::Result(_) | Body::Usage(_)) {
+                            watch.progress();
+                        }
+                        sink.emit(scope_ids(body, scope.as_deref())).await;
                     }
                     write_lines(&mut stdin, parser.replies()).await;
                     if end {
@@ -890,7 +917,7 @@ async fn execute(
                 if d.allow && d.always_for_task {
                     always.insert(req.tool_name.clone());
                 }
-                answer(&mut stdin, adapter, sink, &req, d.allow, &d.reason, &d.decided_by, class).await;
+                answer(&mut stdin, adapter, sink, &req, &d.request_id, d.allow, &d.reason, &d.decided_by, class).await;
                 denial = denied_outcome(&req, &d);
                 if !d.allow {
                     parser.denied(&req.tool_name, &d.reason);
@@ -901,7 +928,7 @@ async fn execute(
     };
     if !stops.lease_lost.is_cancelled() {
         for body in parser.finish() {
-            sink.emit(body).await;
+            sink.emit(scope_ids(body, scope.as_deref())).await;
         }
     }
     if let Some(outcome) = stop {
@@ -990,6 +1017,71 @@ fn denied_outcome(
             req.tool_name
         ),
     ))
+}
+
+/// Counts a provider's model connection errors in a row (a CLI retrying an endpoint that does
+/// not answer); any model output in between starts the count over.
+#[derive(Debug, Default)]
+pub struct ModelWatch {
+    errors: u32,
+    first: Option<std::time::Instant>,
+}
+
+impl ModelWatch {
+    /// One more connection error. Some((errors, seconds since the first)) when the attempt
+    /// should end: `limit` errors in a row, or the first of them `max` ago.
+    pub fn connection_error(&mut self, limit: u32, max: Duration) -> Option<(u32, u64)> {
+        self.errors += 1;
+        let first = *self.first.get_or_insert_with(std::time::Instant::now);
+        let since = first.elapsed();
+        (self.errors >= limit.max(1) || since >= max).then_some((self.errors, since.as_secs()))
+    }
+
+    /// The model answered.
+    pub fn progress(&mut self) {
+        self.errors = 0;
+        self.first = None;
+    }
+}
+
+/// `id` within launch `scope` of an attempt (None: the attempt's first launch, ids unchanged).
+pub fn scoped_id(scope: Option<&str>, id: &str) -> String {
+    match scope {
+        Some(g) if !id.is_empty() => format!("{g}:{id}"),
+        _ => id.to_string(),
+    }
+}
+
+/// Puts the call ids of `body` in launch `scope`, so that a provider that restarts its item
+/// numbering on resume never records two different calls under one id in an attempt.
+pub fn scope_ids(mut body: Body, scope: Option<&str>) -> Body {
+    if scope.is_some() {
+        match &mut body {
+            Body::ToolCall(c) => c.call_id = scoped_id(scope, &c.call_id),
+            Body::ToolResult(r) => r.call_id = scoped_id(scope, &r.call_id),
+            _ => {}
+        }
+    }
+    body
+}
+
+/// The run timeout of an attempt, from the scheduler's resolution (task, then runtime profile,
+/// then the deployment default), and the words naming the limit that applies.
+pub fn run_limit(spec: &agentscope_schemas::v1::TaskSpec) -> (Duration, String) {
+    /// An attempt whose spec carries no timeout (created before timeouts were resolved).
+    const FALLBACK_SECS: u64 = 4 * 3600;
+    let secs = match spec.timeout_secs {
+        0 => FALLBACK_SECS,
+        s => s as u64,
+    };
+    let limit = match spec.timeout_source.as_str() {
+        "task" => format!("the task's timeout_secs ({secs} s)"),
+        "profile" => format!("the runtime profile's timeout_secs ({secs} s)"),
+        _ => format!(
+            "the deployment's default run timeout ({secs} s, the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS)"
+        ),
+    };
+    (Duration::from_secs(secs), limit)
 }
 
 /// The task directory an earlier run of this host prepared for the attempt.
@@ -1112,4 +1204,89 @@ async fn clone(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentscope_schemas::v1::{ToolCall, ToolResult};
+
+    fn call(id: &str) -> Body {
+        Body::ToolCall(ToolCall {
+            call_id: id.into(),
+            name: "shell".into(),
+            input_json: "{}".into(),
+        })
+    }
+
+    #[test]
+    fn call_ids_stay_unique_across_resumes() {
+        // Codex numbers its items from item_0 again after a resume.
+        let first = scope_ids(call("item_0"), None);
+        let resumed = scope_ids(call("item_0"), Some("g12"));
+        let again = scope_ids(call("item_0"), Some("g30"));
+        let ids: Vec<String> = [first, resumed, again]
+            .into_iter()
+            .map(|b| match b {
+                Body::ToolCall(c) => c.call_id,
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(ids, ["item_0", "g12:item_0", "g30:item_0"]);
+        // A result names the same call as its call.
+        match scope_ids(
+            Body::ToolResult(ToolResult {
+                call_id: "item_0".into(),
+                output: "ok".into(),
+                is_error: false,
+            }),
+            Some("g12"),
+        ) {
+            Body::ToolResult(r) => assert_eq!(r.call_id, "g12:item_0"),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn approval_keys_follow_the_call_ids() {
+        // The approval is keyed (and decided) under the scoped id; the provider is answered
+        // under its own id, which the ControlRequest keeps.
+        assert_eq!(scoped_id(None, "item_0"), "item_0");
+        assert_eq!(scoped_id(Some("g12"), "item_0"), "g12:item_0");
+        assert_ne!(scoped_id(Some("g12"), "item_0"), scoped_id(None, "item_0"));
+        assert_eq!(scoped_id(Some("g12"), ""), "");
+    }
+
+    #[test]
+    fn repeated_connection_errors_end_the_run_and_progress_resets_them() {
+        let mut w = ModelWatch::default();
+        let long = Duration::from_secs(3600);
+        assert_eq!(w.connection_error(3, long), None);
+        assert_eq!(w.connection_error(3, long), None);
+        w.progress();
+        assert_eq!(w.connection_error(3, long), None);
+        assert_eq!(w.connection_error(3, long), None);
+        assert_eq!(w.connection_error(3, long).map(|(n, _)| n), Some(3));
+        // The seconds bound ends it before the count does.
+        let mut w = ModelWatch::default();
+        assert!(w.connection_error(100, Duration::ZERO).is_some());
+    }
+
+    #[test]
+    fn the_timeout_names_its_limit() {
+        let spec = |secs, source: &str| agentscope_schemas::v1::TaskSpec {
+            timeout_secs: secs,
+            timeout_source: source.into(),
+            ..Default::default()
+        };
+        let (d, l) = run_limit(&spec(2, "profile"));
+        assert_eq!(d, Duration::from_secs(2));
+        assert!(l.contains("runtime profile's timeout_secs"), "{l}");
+        let (d, l) = run_limit(&spec(7, "task"));
+        assert_eq!(d, Duration::from_secs(7));
+        assert!(l.contains("task's timeout_secs"), "{l}");
+        let (d, l) = run_limit(&spec(0, ""));
+        assert_eq!(d, Duration::from_secs(4 * 3600));
+        assert!(l.contains("default"), "{l}");
+    }
 }

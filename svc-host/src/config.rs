@@ -49,6 +49,13 @@ pub struct Config {
     /// Directory holding the `agentscope` CLI executors use; default: next to svc-host.
     #[serde(default)]
     pub cli_dir: String,
+    /// A provider's model connection errors in a row (its CLI retrying an endpoint that does not
+    /// answer) that end the attempt as `model_unreachable`...
+    pub model_retry_limit: u32,
+    /// ...or the seconds since the first of them, whichever comes first.
+    pub model_retry_secs: u64,
+    /// How often a provider taken out of readiness (its login failed) is checked again.
+    pub provider_recheck_ms: u64,
     #[serde(default)]
     pub log_format: String,
 }
@@ -70,6 +77,9 @@ impl Config {
             .set_default("run_as", "auto")?
             .set_default("run_as_uids", crate::isolation::DEFAULT_UID_RANGE)?
             .set_default("run_as_lock_dir", "/run/agentscope/uids")?
+            .set_default("model_retry_limit", 3)?
+            .set_default("model_retry_secs", 60)?
+            .set_default("provider_recheck_ms", 60_000)?
             .set_default("log_format", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
@@ -123,6 +133,12 @@ impl Config {
                 range.len(),
                 self.capacity
             )));
+        }
+        if self.model_retry_limit == 0 {
+            return bad("model_retry_limit must be positive");
+        }
+        if self.provider_recheck_ms == 0 {
+            return bad("provider_recheck_ms must be positive");
         }
         if self.max_line_bytes < 1024 {
             return bad("max_line_bytes must be at least 1024");

@@ -50,6 +50,8 @@ pub struct Ctx {
     adapters: Arc<Vec<Box<dyn Adapter>>>,
     lease_ttl_ms: Arc<AtomicU64>,
     state: Arc<Mutex<State>>,
+    /// Sends a heartbeat at once (a provider's readiness changed).
+    beat: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Default)]
@@ -63,6 +65,8 @@ struct State {
     reported: Vec<String>,
     /// Attempts this run finished recently (bounded), so none is ever taken for a lost offer.
     finished: std::collections::VecDeque<String>,
+    /// Providers whose login failed in an attempt, and when: not ready until a re-check passes.
+    login_failed: HashMap<String, std::time::Instant>,
 }
 
 impl Ctx {
@@ -107,6 +111,29 @@ impl Ctx {
         let rest = std::env::var_os("PATH").unwrap_or_default();
         std::env::join_paths(std::iter::once(cli_dir).chain(std::env::split_paths(&rest)))
             .unwrap_or(rest)
+    }
+
+    /// A provider whose login failed in an attempt (`provider_login`): not ready on this host
+    /// (discovery, dispatch readiness, and so claims) until a re-check passes (`recheck`).
+    pub fn provider_login_failed(&self, name: &str, detail: &str) {
+        let mut st = self.state.lock().expect("host state");
+        let Some(p) = st.providers.iter_mut().find(|p| p.name == name) else {
+            return;
+        };
+        p.logged_in = false;
+        p.detail = format!(
+            "its login failed in an attempt ({detail}); checked again every {} s",
+            self.config.provider_recheck_ms.div_ceil(1000)
+        );
+        st.login_failed
+            .insert(name.to_string(), std::time::Instant::now());
+        drop(st);
+        tracing::warn!(
+            provider = name,
+            detail,
+            "provider login failed; not ready until a re-check passes"
+        );
+        self.beat.notify_one();
     }
 
     pub fn lease_ttl_ms(&self) -> u64 {
@@ -232,6 +259,7 @@ impl App {
             adapters: Arc::new(adapters),
             lease_ttl_ms: Arc::new(AtomicU64::new(15_000)),
             state: Arc::new(Mutex::new(State::default())),
+            beat: Arc::new(tokio::sync::Notify::new()),
         };
         discover(&ctx).await;
         let cancel = CancellationToken::new();
@@ -294,6 +322,7 @@ impl App {
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(heartbeat(ctx.clone(), slots.clone(), cancel.clone()));
         tasks.spawn(control(ctx.clone(), cancel.clone()));
+        tasks.spawn(recheck(ctx.clone(), cancel.clone()));
         tasks.spawn(claim_loop(
             ctx.clone(),
             registered.pool_id.clone(),
@@ -650,6 +679,60 @@ async fn heartbeat(
                 return Ok(());
             }
             _ = tokio::time::sleep(every) => {}
+            _ = ctx.beat.notified() => {}
+        }
+    }
+}
+
+/// Re-checks providers whose login failed, each `provider_recheck_ms` after its failure (or its
+/// last re-check): discovery again (installed, version, credentials present). One that passes is
+/// ready again; the next heartbeat says so.
+async fn recheck(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    let every = Duration::from_millis(ctx.config.provider_recheck_ms);
+    let tick = every.min(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(tick) => {}
+        }
+        let due: Vec<String> = {
+            let st = ctx.state.lock().expect("host state");
+            st.login_failed
+                .iter()
+                .filter(|(_, at)| at.elapsed() >= every)
+                .map(|(n, _)| n.clone())
+                .collect()
+        };
+        for name in due {
+            let adapters = ctx.adapters.clone();
+            let wanted = name.clone();
+            let found = tokio::task::spawn_blocking(move || {
+                adapters
+                    .iter()
+                    .find(|a| a.name() == wanted)
+                    .map(|a| a.discover())
+            })
+            .await
+            .ok()
+            .flatten();
+            let Some(d) = found else { continue };
+            let mut st = ctx.state.lock().expect("host state");
+            if d.installed && d.logged_in {
+                tracing::info!(provider = %name, "provider re-check passed; ready again");
+                st.login_failed.remove(&name);
+                if let Some(p) = st.providers.iter_mut().find(|p| p.name == name) {
+                    *p = d;
+                }
+                drop(st);
+                ctx.beat.notify_one();
+            } else {
+                tracing::warn!(provider = %name, detail = %d.detail, "provider re-check failed");
+                st.login_failed
+                    .insert(name.clone(), std::time::Instant::now());
+                if let Some(p) = st.providers.iter_mut().find(|p| p.name == name) {
+                    *p = d;
+                }
+            }
         }
     }
 }

@@ -104,6 +104,16 @@ pub trait Adapter: Send + Sync {
     fn fatal(&self, _line: &str) -> Option<(FailureClass, String)> {
         None
     }
+    /// A stdout line saying the provider could not connect to its model endpoint and retries
+    /// (no HTTP status: a refused connection, DNS, TLS). Repeated ones end the attempt as
+    /// `model_unreachable` (see `attempt::ModelWatch`).
+    fn model_connection_error(&self, _line: &str) -> bool {
+        false
+    }
+    /// The model endpoint this provider uses on this host: the evidence of `model_unreachable`.
+    fn model_endpoint(&self) -> String {
+        String::new()
+    }
     /// How to continue provider session `session_id` in the same task directory (H15), if the
     /// provider can.
     fn resume_launch(

@@ -23,7 +23,33 @@ struct Resolved {
     spec: serde_json::Value,
 }
 
-async fn resolve(tx: &mut Tx<'_>, task_id: Uuid) -> Result<Option<Resolved>, Error> {
+/// The run timeout of an attempt and the limit it comes from: the task's own `timeout_secs`,
+/// else the runtime profile's `timeout_secs` parameter, else the deployment default
+/// (`run_timeout_secs`). Values that are not positive integers count as unset.
+pub fn effective_timeout(
+    task_secs: Option<i64>,
+    profile_param: Option<&serde_json::Value>,
+    default_secs: u64,
+) -> (u64, &'static str) {
+    if let Some(t) = task_secs.filter(|t| *t > 0) {
+        return (t as u64, "task");
+    }
+    let profile = profile_param.and_then(|v| match v {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(s) => s.trim().parse::<u64>().ok(),
+        _ => None,
+    });
+    match profile.filter(|p| *p > 0 && *p <= u32::MAX as u64) {
+        Some(p) => (p, "profile"),
+        None => (default_secs, "default"),
+    }
+}
+
+async fn resolve(
+    tx: &mut Tx<'_>,
+    task_id: Uuid,
+    default_timeout_secs: u64,
+) -> Result<Option<Resolved>, Error> {
     let row = sqlx::query(
         r#"
         SELECT t.workspace_id, t.agent_id, t.repository, t.branch, t.input, t.timeout_secs,
@@ -70,6 +96,12 @@ async fn resolve(tx: &mut Tx<'_>, task_id: Uuid) -> Result<Option<Resolved>, Err
     }
     let agent_id: Uuid = row.try_get("agent_id")?;
     let version_id: Option<Uuid> = row.try_get("version_id")?;
+    let (timeout_secs, timeout_source) = effective_timeout(
+        row.try_get::<Option<i32>, _>("timeout_secs")?
+            .map(i64::from),
+        params.get("timeout_secs"),
+        default_timeout_secs,
+    );
     let spec = json!({
         "provider": provider.clone().unwrap_or_default(),
         "repository": row.try_get::<Option<String>, _>("repository")?.unwrap_or_default(),
@@ -83,7 +115,8 @@ async fn resolve(tx: &mut Tx<'_>, task_id: Uuid) -> Result<Option<Resolved>, Err
         "issue_body": row.try_get::<Option<String>, _>("issue_body")?.unwrap_or_default(),
         "agent_id": agent_id.to_string(),
         "agent_version_id": version_id.map(|v| v.to_string()).unwrap_or_default(),
-        "timeout_secs": row.try_get::<Option<i32>, _>("timeout_secs")?.unwrap_or(0),
+        "timeout_secs": timeout_secs,
+        "timeout_source": timeout_source,
     });
     Ok(Some(Resolved {
         workspace_id: row.try_get("workspace_id")?,
@@ -111,7 +144,7 @@ pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Opt
     if exists.is_some() {
         return Ok(None);
     }
-    let Some(r) = resolve(&mut tx, task_id).await? else {
+    let Some(r) = resolve(&mut tx, task_id, ctx.config.run_timeout_secs).await? else {
         return Err(Error::Rejected(format!("unknown task {task_id}")));
     };
     let (status, class): (AttemptStatus, Option<FailureClass>) = if r.cancel_requested {

@@ -368,5 +368,6 @@ fn spec_from_json(v: &serde_json::Value) -> TaskSpec {
         issue_id: s("issue_id"),
         resume_session_id: s("resume_session_id"),
         resume_from_attempt_id: s("resume_from_attempt_id"),
+        timeout_source: s("timeout_source"),
     }
 }

@@ -40,6 +40,8 @@ pub struct Config {
     pub max_deliver: i64,
     /// The longest delay between two deliveries of a message that failed transiently.
     pub redelivery_max_ms: u64,
+    /// The run timeout of an attempt whose task and runtime profile set none (seconds).
+    pub run_timeout_secs: u64,
     #[serde(default)]
     pub log_format: String,
 }
@@ -69,6 +71,7 @@ impl Config {
             .set_default("db_max_connections", 16)?
             .set_default("max_deliver", 1_000)?
             .set_default("redelivery_max_ms", 10_000)?
+            .set_default("run_timeout_secs", 4 * 3600)?
             .set_default("log_format", "")?;
         if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
             builder = builder.add_source(config::File::with_name(&path));
@@ -94,6 +97,9 @@ impl Config {
         }
         if self.max_deliver < 2 {
             return bad("max_deliver must be at least 2");
+        }
+        if self.run_timeout_secs == 0 || self.run_timeout_secs > u32::MAX as u64 {
+            return bad("run_timeout_secs must be between 1 and 4294967295");
         }
         if self.redelivery_max_ms == 0 {
             return bad("redelivery_max_ms must be positive");

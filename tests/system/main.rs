@@ -15,6 +15,7 @@ mod faults_edges;
 mod faults_host;
 mod faults_nats;
 mod faults_outage;
+mod faults_timeouts;
 mod isolation_host;
 mod isolation_nats;
 mod isolation_policy;

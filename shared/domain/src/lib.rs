@@ -110,12 +110,13 @@ pub enum FailureClass {
     ToolDenied,
     Cancelled,
     Timeout,
+    ModelUnreachable,
     NoBinding,
     Internal,
 }
 
 impl FailureClass {
-    pub const ALL: [FailureClass; 16] = [
+    pub const ALL: [FailureClass; 17] = [
         Self::ProviderLogin,
         Self::BadParameters,
         Self::TaskDir,
@@ -130,6 +131,7 @@ impl FailureClass {
         Self::ToolDenied,
         Self::Cancelled,
         Self::Timeout,
+        Self::ModelUnreachable,
         Self::NoBinding,
         Self::Internal,
     ];
@@ -150,6 +152,7 @@ impl FailureClass {
             Self::ToolDenied => "tool_denied",
             Self::Cancelled => "cancelled",
             Self::Timeout => "timeout",
+            Self::ModelUnreachable => "model_unreachable",
             Self::NoBinding => "no_binding",
             Self::Internal => "internal",
         }
@@ -196,7 +199,14 @@ impl FailureClass {
                 "the agent's turn ended after a tool request was denied: approve it, or change the instructions or the tools the agent may use, then resubmit"
             }
             Self::Cancelled => "the task was cancelled on request",
-            Self::Timeout => "raise the task timeout or split the work",
+            Self::Timeout => {
+                "raise the limit named in the detail (the task's `timeout_secs`, the runtime \
+                 profile's `timeout_secs`, or the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS) or split the work"
+            }
+            Self::ModelUnreachable => {
+                "the provider could not connect to its model endpoint (named in the detail): check \
+                 the host's ANTHROPIC_BASE_URL / OPENAI_BASE_URL and that the model service is up"
+            }
             Self::NoBinding => "bind the agent to a pool: POST /v1/bindings",
             Self::Internal => "report a bug with the attempt id; the platform failed unexpectedly",
         }

@@ -120,6 +120,8 @@ pub async fn explain(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiRe
         "attempts": attempts.iter().map(|a| a.json.clone()).collect::<Vec<_>>(),
     });
 
+    out["timeout"] = effective_timeout(&s, auth, id, newest.map(|a| a.id)).await?;
+
     match newest {
         None => {
             out["waiting"] = json!(true);
@@ -240,6 +242,71 @@ pub async fn explain(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiRe
         }
     }
     Ok(Json(out))
+}
+
+/// The run timeout that applies to the task's attempts and where it comes from. Precedence: the
+/// task's `timeout_secs`, then the runtime profile's `timeout_secs` parameter, then the
+/// deployment default (the scheduler's `AGENTSCOPE_RUN_TIMEOUT_SECS`). The scheduler resolves it
+/// when it creates an attempt (its spec keeps it); before that it is derived here, and the
+/// deployment default, which only the scheduler knows, is named without a number.
+async fn effective_timeout(
+    s: &AppState,
+    auth: Auth,
+    task_id: Uuid,
+    newest: Option<Uuid>,
+) -> ApiResult<Value> {
+    let describe = |secs: Option<i64>, source: &str| {
+        let detail = match (source, secs) {
+            ("task", Some(n)) => format!("{n} s, from the task's timeout_secs"),
+            ("profile", Some(n)) => {
+                format!("{n} s, from the runtime profile's timeout_secs (the task sets none)")
+            }
+            (_, Some(n)) => format!(
+                "{n} s, the deployment default (the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS; neither the task nor its runtime profile sets timeout_secs)"
+            ),
+            (_, None) => "the deployment default (the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS; neither the task nor its runtime profile sets timeout_secs)".to_string(),
+        };
+        json!({"secs": secs, "source": source, "detail": detail})
+    };
+    if let Some(attempt) = newest {
+        let row: Option<(Option<i64>, Option<String>)> = sqlx::query_as(
+            "SELECT (spec->>'timeout_secs')::bigint, spec->>'timeout_source'
+             FROM attempts WHERE workspace_id = $1 AND id = $2",
+        )
+        .bind(auth.workspace_id)
+        .bind(attempt)
+        .fetch_optional(&s.db)
+        .await?;
+        if let Some((Some(secs), Some(source))) = row
+            && secs > 0
+        {
+            return Ok(describe(Some(secs), &source));
+        }
+    }
+    let row: Option<(Option<i32>, Option<Value>)> = sqlx::query_as(
+        "SELECT t.timeout_secs, rp.params->'timeout_secs'
+         FROM tasks t
+         LEFT JOIN bindings b ON b.agent_id = t.agent_id
+         LEFT JOIN runtime_profiles rp ON rp.id = b.runtime_profile_id
+         WHERE t.workspace_id = $1 AND t.id = $2",
+    )
+    .bind(auth.workspace_id)
+    .bind(task_id)
+    .fetch_optional(&s.db)
+    .await?;
+    let (task_secs, profile) = row.unwrap_or((None, None));
+    if let Some(t) = task_secs.filter(|t| *t > 0) {
+        return Ok(describe(Some(t as i64), "task"));
+    }
+    let profile = profile.and_then(|v| match v {
+        Value::Number(n) => n.as_i64(),
+        Value::String(s) => s.trim().parse::<i64>().ok(),
+        _ => None,
+    });
+    Ok(match profile.filter(|p| *p > 0) {
+        Some(p) => describe(Some(p), "profile"),
+        None => describe(None, "default"),
+    })
 }
 
 /// The binding's view of a task that has no attempt yet.

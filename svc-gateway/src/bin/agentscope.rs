@@ -1487,6 +1487,13 @@ async fn explain(api: &Api, raw_id: &str, json: bool) -> Result<()> {
         cell(&v["status"])
     ));
     out(format!("  {}", text(&v["summary"])));
+    if v["timeout"].is_object() {
+        out(format!(
+            "  run timeout: {} ({})",
+            text(&v["timeout"]["detail"]),
+            cell(&v["timeout"]["source"])
+        ));
+    }
     for a in v["attempts"].as_array().into_iter().flatten() {
         out(format!("  {}", attempt_line(a)));
     }

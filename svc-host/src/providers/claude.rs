@@ -199,6 +199,22 @@ fn result_text(v: &Map<String, Value>) -> String {
     str_or_empty(v, "subtype").to_owned()
 }
 
+/// Claude Code's `api_retry` system event for a request that got no HTTP status: the model
+/// endpoint could not be reached (refused connection, DNS, TLS). Retries with a status (429,
+/// 5xx) and refused credentials (401/403, `fatal`) are something else.
+pub fn is_connection_retry(line: &str) -> bool {
+    if !line.contains("api_retry") {
+        return false;
+    }
+    let Ok(v) = serde_json::from_str::<Value>(line) else {
+        return false;
+    };
+    v["type"] == "system"
+        && v["subtype"] == "api_retry"
+        && v["error_status"].is_null()
+        && v["error"] != "authentication_failed"
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,5 +520,20 @@ mod tests {
             }
             assert_capped(&p.finish());
         }
+    }
+
+    #[test]
+    fn a_retry_without_status_is_a_connection_error() {
+        let down = r#"{"type":"system","subtype":"api_retry","attempt":1,"max_retries":10,"retry_delay_ms":520,"error_status":null,"error":"unknown","session_id":"s"}"#;
+        assert!(super::is_connection_retry(down));
+        let absent = r#"{"type":"system","subtype":"api_retry","attempt":2,"error":"unknown"}"#;
+        assert!(super::is_connection_retry(absent));
+        let overloaded = r#"{"type":"system","subtype":"api_retry","attempt":1,"error_status":529,"error":"overloaded"}"#;
+        assert!(!super::is_connection_retry(overloaded));
+        let refused = r#"{"type":"system","subtype":"api_retry","attempt":1,"error_status":null,"error":"authentication_failed"}"#;
+        assert!(!super::is_connection_retry(refused));
+        assert!(!super::is_connection_retry(
+            r#"{"type":"system","subtype":"init"}"#
+        ));
     }
 }

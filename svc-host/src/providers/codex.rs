@@ -248,6 +248,21 @@ fn mcp_result_text(r: &Value) -> String {
     }
 }
 
+/// Codex's error event while it reconnects to its model endpoint
+/// (`{"type":"error","message":"Reconnecting... 1/5 (...)"}`, also as an app-server error
+/// notification): the request could not be completed over the network.
+pub fn is_connection_retry(line: &str) -> bool {
+    if !line.contains("Reconnecting...") {
+        return false;
+    }
+    let Ok(v) = serde_json::from_str::<Value>(line) else {
+        return false;
+    };
+    let message = |m: &Value| m.as_str().is_some_and(|m| m.starts_with("Reconnecting..."));
+    (v["type"] == "error" && message(&v["message"]))
+        || (v["method"] == "error" && message(&v["params"]["error"]["message"]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -550,5 +565,18 @@ mod tests {
             }
             assert_capped(&p.finish());
         }
+    }
+
+    #[test]
+    fn reconnecting_is_a_connection_error() {
+        assert!(super::is_connection_retry(
+            r#"{"type":"error","message":"Reconnecting... 1/5 (stream disconnected before completion)"}"#
+        ));
+        assert!(super::is_connection_retry(
+            r#"{"type":"error","message":"Reconnecting... waiting for network (Connection failed: error sending request)"}"#
+        ));
+        assert!(!super::is_connection_retry(
+            r#"{"type":"item.completed","item":{"id":"item_1","type":"agent_message","text":"Reconnecting... is what I said"}}"#
+        ));
     }
 }
