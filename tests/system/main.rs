@@ -12,6 +12,7 @@ mod explain;
 mod failover;
 mod faults_nats;
 mod faults_outage;
+mod faults_worker;
 mod isolation_host;
 mod isolation_nats;
 mod isolation_policy;
