@@ -625,4 +625,18 @@ mod tests {
         assert_ne!(worker_id("w", "laptop"), worker_id("w", "desk"));
         assert_eq!(worker_id("w", "laptop").len(), 32);
     }
+
+    #[test]
+    fn operation_ids_are_the_same_on_every_replica_and_distinct_per_call_and_tool() {
+        let s = Uuid::now_v7();
+        let id = operation_id(s, "toolu_1", "shell");
+        assert_eq!(id, operation_id(s, "toolu_1", "shell"));
+        assert_ne!(id, operation_id(s, "toolu_2", "shell"));
+        assert_ne!(id, operation_id(s, "toolu_1", "read_file"));
+        assert_ne!(id, operation_id(Uuid::now_v7(), "toolu_1", "shell"));
+        // A subject token, whatever the call id holds.
+        let odd = operation_id(s, "materialize:notes.md", "write_file");
+        assert_eq!(odd.len(), 32);
+        assert!(odd.bytes().all(|b| b.is_ascii_hexdigit()));
+    }
 }
