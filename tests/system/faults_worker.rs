@@ -276,3 +276,38 @@ async fn a_replica_that_takes_over_gets_the_workers_result_instead_of_interrupte
     assert_ne!(state.0, holder, "the other replica finished the session");
     assert_eq!(state.1, "completed");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_running_across_a_broker_restart_gets_its_result_once() {
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo once >> ledger.txt; sleep 8; echo survived"}, "expect": "survived"}],
+        "final": "Survived the restart."
+    });
+    let (mut stack, _sim, _log, _simdir, _second) =
+        managed_stack_with("faults-worker-broker", &script, &[]).await;
+    let dir = stack.dir.path.join("worker-sturdy");
+    let _worker = spawn_worker(&stack, "sturdy", &dir).await;
+    let agent = managed_agent(&stack, "sturdy", json!({})).await;
+    let id = start_on_worker(&stack, &agent, "sturdy", "Run it.").await;
+    let ledger = dir.join(&id).join("ledger.txt");
+    kit::wait_for("the command to start", Duration::from_secs(60), || {
+        std::future::ready(ledger.exists().then_some(()))
+    })
+    .await
+    .unwrap();
+    // Beats and maybe the result are lost while the broker is away; the dataplane asks again.
+    stack.nats.restart().await.unwrap();
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let events = session_events(&stack, &id).await;
+    let results = results(&events);
+    assert_eq!(results.len(), 1, "{events:#?}");
+    let output = results[0]["output"].as_str().unwrap();
+    assert!(output.starts_with("survived\n"), "{output}");
+    assert_eq!(final_text(&events), "Survived the restart.", "{events:#?}");
+    assert_eq!(
+        std::fs::read_to_string(&ledger).unwrap(),
+        "once\n",
+        "the command ran once"
+    );
+}
