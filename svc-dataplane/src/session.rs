@@ -402,6 +402,7 @@ impl Runner {
             workers: self.workers.clone(),
             worker_id: crate::worker::worker_id(&workspace_id.to_string(), &name),
             name,
+            ttl: Duration::from_millis(self.config.worker_ttl_ms),
         });
         Ok(Pinned {
             refused,
@@ -837,7 +838,15 @@ impl Session<'_> {
         }
         if let Some((status, output, is_error)) = existing {
             // Seen before this replica: a `started` call may have run; it is never run again.
-            let (out, kind) = if status == "started" {
+            // A Worker that ran it (or still runs it) is asked for its result.
+            let recovered = if status == "started" {
+                self.recover(p, call).await?
+            } else {
+                None
+            };
+            let (out, kind) = if let Some(out) = recovered {
+                (out, "tool_result")
+            } else if status == "started" {
                 (
                     ToolOutput {
                         output: "interrupted: the dataplane replica running this tool stopped before it reported; the tool was not run again, its effects (if any) are unknown".into(),
@@ -856,10 +865,17 @@ impl Session<'_> {
             };
             let (mut tx, mut seq) = self.begin().await?;
             if status == "started" {
-                sqlx::query("UPDATE session_tool_calls SET status = 'interrupted', output = $3, is_error = true, finished_at = now() WHERE session_id = $1 AND call_id = $2")
+                let done = if kind == "tool_result" {
+                    "completed"
+                } else {
+                    "interrupted"
+                };
+                sqlx::query("UPDATE session_tool_calls SET status = $4, output = $3, is_error = $5, finished_at = now() WHERE session_id = $1 AND call_id = $2")
                     .bind(self.id)
                     .bind(&call.id)
                     .bind(&out.output)
+                    .bind(done)
+                    .bind(out.is_error)
                     .execute(&mut *tx)
                     .await?;
             }
@@ -1092,6 +1108,41 @@ impl Session<'_> {
         Ok((out, true))
     }
 
+    /// The result of a `started` call that a previous replica sent to the session's Worker,
+    /// asked for by its operation id (waiting while it still runs); `None` when there is no
+    /// Worker, the call is not a Worker operation, or the Worker does not know it or is gone.
+    async fn recover(&self, p: &Pinned, call: &ToolCallReq) -> Result<Option<ToolOutput>, Stop> {
+        let Some(link) = &p.worker else {
+            return Ok(None);
+        };
+        if p.e2b
+            || matches!(
+                call.name.as_str(),
+                "memory_search" | "memory_write" | "comment" | "upload_artifact"
+            )
+        {
+            return Ok(None);
+        }
+        let operation_id = crate::worker::operation_id(self.id, &call.id, &call.name);
+        match link
+            .recover(self.id, &operation_id, self.r.limits().timeout)
+            .await
+        {
+            Ok(mut out) => {
+                tracing::info!(session_id = %self.id, call_id = %call.id, %operation_id, "result of an interrupted call recovered from the worker");
+                if let Ok(values) = self.r.secrets(p.workspace_id, &p.policy.secrets).await? {
+                    out.output =
+                        agentscope_domain::vault::Redactor::new(&values).redact(&out.output);
+                }
+                Ok(Some(out))
+            }
+            Err(e) => {
+                tracing::info!(session_id = %self.id, call_id = %call.id, %operation_id, error = ?e, "an interrupted call's result is not on the worker");
+                Ok(None)
+            }
+        }
+    }
+
     /// Writes the definition's files into a new session directory (through the Worker for
     /// `self_hosted`).
     async fn materialize(&self, p: &Pinned) -> Result<(), Stop> {
@@ -1258,10 +1309,18 @@ impl Session<'_> {
         let Some(link) = &p.worker else {
             return Ok(tools::run(&p.env, limits, &call.name, &call.input, env).await);
         };
+        let operation_id = crate::worker::operation_id(self.id, &call.id, &call.name);
         let mut reported = false;
         loop {
             match link
-                .run(self.id, &call.name, &call.input, env, limits.timeout)
+                .run(
+                    self.id,
+                    &operation_id,
+                    &call.name,
+                    &call.input,
+                    env,
+                    limits.timeout,
+                )
                 .await
             {
                 Ok(out) => {
@@ -1272,8 +1331,12 @@ impl Session<'_> {
                     self.report_offline(link, &mut reported).await?;
                     self.r.wait_for_news(Duration::from_millis(500)).await;
                 }
+                Err(crate::worker::LinkError::Unknown) => {
+                    unreachable!("only a query is answered `unknown`")
+                }
                 Err(crate::worker::LinkError::Lost(e)) => {
                     self.report_online(link, reported).await?;
+                    tracing::warn!(session_id = %self.id, worker = %link.name, %operation_id, error = %e, "worker operation lost");
                     return Ok(ToolOutput {
                         output: format!(
                             "worker_offline: worker `{}` stopped answering during this call ({e}); it was not retried, its effects are unknown",

@@ -7,6 +7,13 @@
 //!   `worker_ttl`); no key means offline, and a session that needs it shows `worker_offline`.
 //! - Tool operations arrive as `ToolOperation` requests on `agentscope.worker.<id>.ops` and run
 //!   with the same tool code as the `local` environment, in `<dir>/<session_id>`.
+//! - Long operations: the Worker acknowledges an operation at once, publishes progress beats on
+//!   `agentscope.worker.<id>.progress.<operation_id>` while it runs, then its result there. The
+//!   dataplane waits until the tool's timeout plus a margin; when beats stop for `worker_ttl` it
+//!   asks by operation id (`query_only`), and only a Worker that does not answer that either is
+//!   `worker_offline` (effects unknown). The Worker keeps each result for 30 minutes, so a
+//!   dataplane that lost its connection, or a replica that took the session over, gets the
+//!   result by asking again; an operation id is never run twice by a Worker.
 
 use crate::env::{Environment, Limits};
 use crate::tools::{self, ToolOutput};
@@ -108,6 +115,22 @@ async fn register(
     }
 }
 
+/// The operation id of `tool` for call `call_id` of `session_id`: the same on every replica, so
+/// a replica that took the session over asks the Worker about the very operation the first one
+/// sent (a call's `read_file` and `write_file`, as in `materialize`, are different operations).
+pub fn operation_id(session_id: Uuid, call_id: &str, tool: &str) -> String {
+    agentscope_domain::hash_token(&format!("agentscope-op:{session_id}:{tool}:{call_id}"))[..32]
+        .to_string()
+}
+
+/// How long the dataplane waits for the Worker's acknowledgement of one request.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Beyond the tool's own timeout (which the Worker enforces), how long a running operation may
+/// take to report its result.
+const DEADLINE_MARGIN: Duration = Duration::from_secs(15);
+/// How long a Worker keeps the result of an operation for a dataplane that asks again.
+const RESULT_RETENTION: Duration = Duration::from_secs(30 * 60);
+
 /// The dataplane's handle on one Worker.
 #[derive(Clone)]
 pub struct WorkerLink {
@@ -115,6 +138,8 @@ pub struct WorkerLink {
     pub workers: kv::Store,
     pub worker_id: String,
     pub name: String,
+    /// A Worker silent this long is offline (`worker_ttl_ms`); it beats three times as often.
+    pub ttl: Duration,
 }
 
 #[derive(Debug)]
@@ -123,6 +148,27 @@ pub enum LinkError {
     Offline,
     /// Sent, but no answer came: the operation may or may not have run.
     Lost(String),
+    /// A query only: the Worker never received this operation (or no longer remembers it).
+    Unknown,
+}
+
+/// What one request to the Worker got back.
+enum Reply {
+    Done(ToolOutput),
+    Running,
+    Unknown,
+}
+
+fn reply_of(r: &ToolOperationResult) -> Reply {
+    match r.state.as_str() {
+        "running" => Reply::Running,
+        "unknown" => Reply::Unknown,
+        // "done", or an older Worker that answers with the result only.
+        _ => Reply::Done(ToolOutput {
+            output: r.output.clone(),
+            is_error: !r.ok,
+        }),
+    }
 }
 
 impl WorkerLink {
@@ -133,10 +179,38 @@ impl WorkerLink {
         )
     }
 
-    /// Runs one tool operation on the Worker.
+    fn beat(&self) -> Duration {
+        (self.ttl / 3).max(Duration::from_millis(100))
+    }
+
+    /// Sends `op` and waits for the acknowledgement (an explicit timeout, never the client's
+    /// default).
+    async fn ask(&self, op: &ToolOperation) -> Result<Reply, async_nats::RequestError> {
+        let m = self
+            .nats
+            .send_request(
+                agentscope_bus::subjects::worker_ops(&self.worker_id),
+                async_nats::Request::new()
+                    .payload(op.encode_to_vec().into())
+                    .timeout(Some(ACK_TIMEOUT)),
+            )
+            .await?;
+        Ok(match ToolOperationResult::decode(m.payload.as_ref()) {
+            Ok(r) => reply_of(&r),
+            // Something answered, but not a Worker: treat it as a silent one.
+            Err(_) => Reply::Running,
+        })
+    }
+
+    /// Runs one tool operation on the Worker (`operation_id` from [`operation_id`]). The Worker
+    /// acknowledges at once and beats while it runs; the call waits until the result, the
+    /// tool's timeout plus a margin, or a Worker that stopped beating and does not answer a
+    /// query either (then `Lost`: its effects are unknown).
+    #[allow(clippy::too_many_arguments)]
     pub async fn run(
         &self,
         session_id: Uuid,
+        operation_id: &str,
         tool: &str,
         input: &serde_json::Value,
         env: &[(String, String)],
@@ -146,36 +220,133 @@ impl WorkerLink {
             return Err(LinkError::Offline);
         }
         let op = ToolOperation {
-            operation_id: Uuid::now_v7().to_string(),
+            operation_id: operation_id.to_string(),
             session_id: session_id.to_string(),
             tool: tool.to_string(),
             input_json: input.to_string(),
             env: env.iter().cloned().collect(),
             timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
+            query_only: false,
+            beat_ms: self.beat().as_millis() as u32,
         };
-        let reply = tokio::time::timeout(
-            timeout + Duration::from_secs(10),
-            self.nats.request(
-                agentscope_bus::subjects::worker_ops(&self.worker_id),
-                op.encode_to_vec().into(),
-            ),
-        )
-        .await;
-        let msg = match reply {
-            Ok(Ok(m)) => m,
+        self.follow(op, timeout).await
+    }
+
+    /// What became of an operation a replica sent before this one took the session over: its
+    /// result (waiting while it still runs), or `Unknown` when the Worker never received it. It
+    /// is never run by this call.
+    pub async fn recover(
+        &self,
+        session_id: Uuid,
+        operation_id: &str,
+        timeout: Duration,
+    ) -> Result<ToolOutput, LinkError> {
+        let op = ToolOperation {
+            operation_id: operation_id.to_string(),
+            session_id: session_id.to_string(),
+            timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
+            query_only: true,
+            beat_ms: self.beat().as_millis() as u32,
+            ..Default::default()
+        };
+        self.follow(op, timeout).await
+    }
+
+    async fn follow(&self, op: ToolOperation, timeout: Duration) -> Result<ToolOutput, LinkError> {
+        let deadline = tokio::time::Instant::now() + timeout + DEADLINE_MARGIN;
+        // Subscribed before the request, so a quick result is not missed.
+        let mut progress = match self
+            .nats
+            .subscribe(agentscope_bus::subjects::worker_progress(
+                &self.worker_id,
+                &op.operation_id,
+            ))
+            .await
+        {
+            Ok(s) => s,
+            // Nothing was sent yet.
+            Err(_) if !op.query_only => return Err(LinkError::Offline),
+            Err(e) => return Err(LinkError::Lost(format!("subscribe to its progress: {e}"))),
+        };
+        let silence = self.ttl.max(Duration::from_millis(300));
+        let mut failing_since: Option<tokio::time::Instant> = None;
+        let mut next_check = tokio::time::Instant::now() + silence;
+        match self.ask(&op).await {
+            Ok(Reply::Done(out)) => return Ok(out),
+            Ok(Reply::Unknown) => return Err(LinkError::Unknown),
+            Ok(Reply::Running) => {}
             // Nobody subscribed: the operation was certainly not delivered.
-            Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
-                return Err(LinkError::Offline);
+            Err(e) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {
+                return Err(if op.query_only {
+                    LinkError::Lost("the worker is not connected".into())
+                } else {
+                    LinkError::Offline
+                });
             }
-            Ok(Err(e)) => return Err(LinkError::Lost(e.to_string())),
-            Err(_) => return Err(LinkError::Lost("no answer before the deadline".into())),
+            // It may have arrived: from now on the Worker is only asked about it.
+            Err(e) => {
+                tracing::warn!(worker = %self.name, operation_id = %op.operation_id, error = %e, "no acknowledgement; asking again");
+                failing_since = Some(tokio::time::Instant::now());
+                next_check = tokio::time::Instant::now() + self.beat();
+            }
+        }
+        let query = ToolOperation {
+            query_only: true,
+            input_json: String::new(),
+            env: Default::default(),
+            ..op
         };
-        let r = ToolOperationResult::decode(msg.payload.as_ref())
-            .map_err(|_| LinkError::Lost("unreadable answer from the worker".into()))?;
-        Ok(ToolOutput {
-            output: r.output,
-            is_error: !r.ok,
-        })
+        loop {
+            tokio::select! {
+                m = progress.next() => {
+                    let Some(m) = m else {
+                        return Err(LinkError::Lost("the progress subscription ended".into()));
+                    };
+                    match ToolOperationResult::decode(m.payload.as_ref()).map(|r| reply_of(&r)) {
+                        Ok(Reply::Done(out)) => return Ok(out),
+                        Ok(_) => {
+                            failing_since = None;
+                            next_check = tokio::time::Instant::now() + silence;
+                        }
+                        Err(_) => {}
+                    }
+                }
+                _ = tokio::time::sleep_until(next_check.min(deadline)) => {
+                    let now = tokio::time::Instant::now();
+                    if now >= deadline {
+                        return Err(LinkError::Lost(format!(
+                            "no result within the tool's timeout of {} s and a margin of {} s",
+                            timeout.as_secs(),
+                            DEADLINE_MARGIN.as_secs()
+                        )));
+                    }
+                    // No beat for a while: ask (a lost connection, a result published while
+                    // this replica was away) before calling the Worker gone.
+                    match self.ask(&query).await {
+                        Ok(Reply::Done(out)) => return Ok(out),
+                        Ok(Reply::Running) => {
+                            failing_since = None;
+                            next_check = now + silence;
+                        }
+                        Ok(Reply::Unknown) => {
+                            return Err(LinkError::Lost(
+                                "the worker no longer knows this operation (it restarted)".into(),
+                            ));
+                        }
+                        Err(e) => {
+                            let since = *failing_since.get_or_insert(now);
+                            if now.duration_since(since) >= silence {
+                                return Err(LinkError::Lost(format!(
+                                    "no progress for {} s and no answer when asked: {e}",
+                                    (now.duration_since(since) + silence).as_secs()
+                                )));
+                            }
+                            next_check = now + self.beat();
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -258,6 +429,7 @@ pub async fn run_worker(
         .map_err(|e| anyhow::anyhow!("subscribe to operations: {e}"))?;
     tracing::info!(worker_id = %id, %name, dir = %dir.display(), "worker ready");
     println!("worker {name} ready as {id}");
+    let operations = SharedOperations::default();
     let mut ticker = tokio::time::interval(beat);
     loop {
         tokio::select! {
@@ -272,27 +444,125 @@ pub async fn run_worker(
             }
             m = ops.next() => {
                 let Some(m) = m else { return Ok(()) };
-                let nats = nats.clone();
-                let dir = dir.clone();
-                tokio::spawn(async move {
-                    let Some(reply) = m.reply.clone() else { return };
-                    let result = serve_op(&dir, m.payload.as_ref()).await;
-                    let _ = nats.publish(reply, result.encode_to_vec().into()).await;
-                });
+                let Some(reply) = m.reply.clone() else { continue };
+                let answer = accept(&nats, &id, &dir, &operations, m.payload.as_ref());
+                if let Err(e) = nats.publish(reply, answer.encode_to_vec().into()).await {
+                    tracing::warn!(error = %e, "answer an operation");
+                }
             }
         }
     }
 }
 
-async fn serve_op(dir: &std::path::Path, payload: &[u8]) -> ToolOperationResult {
+/// What a Worker knows of the operations it was sent, by operation id.
+#[derive(Default)]
+struct Operations {
+    map: std::collections::HashMap<String, Known>,
+}
+
+enum Known {
+    Running,
+    Done(ToolOperationResult, std::time::Instant),
+}
+
+type SharedOperations = std::sync::Arc<std::sync::Mutex<Operations>>;
+
+fn done(mut r: ToolOperationResult) -> ToolOperationResult {
+    r.state = "done".into();
+    r
+}
+
+/// Answers one operation request at once: the stored result, "running" (started now, or
+/// already), or "unknown" for a query about an operation never received. An operation id is run
+/// at most once per Worker process.
+fn accept(
+    nats: &async_nats::Client,
+    worker_id: &str,
+    dir: &std::path::Path,
+    operations: &SharedOperations,
+    payload: &[u8],
+) -> ToolOperationResult {
     let Ok(op) = ToolOperation::decode(payload) else {
-        return ToolOperationResult {
+        return done(ToolOperationResult {
             ok: false,
             output: "malformed ToolOperation".into(),
             error_code: "bad_request".into(),
             ..Default::default()
-        };
+        });
     };
+    // The id names a subject token.
+    if op.operation_id.is_empty()
+        || op.operation_id.len() > 64
+        || !op
+            .operation_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return done(ToolOperationResult {
+            ok: false,
+            output: "operation_id must be 1 to 64 letters, digits, `-` or `_`".into(),
+            error_code: "bad_request".into(),
+            ..Default::default()
+        });
+    }
+    let id = op.operation_id.clone();
+    let status = |state: &str| ToolOperationResult {
+        operation_id: id.clone(),
+        state: state.into(),
+        ..Default::default()
+    };
+    {
+        let mut known = operations.lock().expect("operations lock");
+        known.map.retain(|_, k| match k {
+            Known::Done(_, at) => at.elapsed() < RESULT_RETENTION,
+            Known::Running => true,
+        });
+        match known.map.get(&op.operation_id) {
+            Some(Known::Done(r, _)) => return r.clone(),
+            Some(Known::Running) => return status("running"),
+            None if op.query_only => return status("unknown"),
+            None => {
+                known.map.insert(op.operation_id.clone(), Known::Running);
+            }
+        }
+    }
+    let nats = nats.clone();
+    let operations = operations.clone();
+    let subject = agentscope_bus::subjects::worker_progress(worker_id, &op.operation_id);
+    let dir = dir.to_path_buf();
+    let beat = Duration::from_millis(if op.beat_ms == 0 {
+        1000
+    } else {
+        op.beat_ms.max(100)
+    } as u64);
+    let operation_id = op.operation_id.clone();
+    let running = status("running").encode_to_vec();
+    let accepted = status("running");
+    tokio::spawn(async move {
+        let work = serve_op(&dir, op);
+        tokio::pin!(work);
+        let mut ticker = tokio::time::interval(beat);
+        ticker.tick().await;
+        let result = loop {
+            tokio::select! {
+                r = &mut work => break done(r),
+                _ = ticker.tick() => {
+                    let _ = nats.publish(subject.clone(), running.clone().into()).await;
+                }
+            }
+        };
+        operations.lock().expect("operations lock").map.insert(
+            operation_id,
+            Known::Done(result.clone(), std::time::Instant::now()),
+        );
+        if let Err(e) = nats.publish(subject, result.encode_to_vec().into()).await {
+            tracing::warn!(error = %e, "publish an operation's result; it is kept for a query");
+        }
+    });
+    accepted
+}
+
+async fn serve_op(dir: &std::path::Path, op: ToolOperation) -> ToolOperationResult {
     // The session id names the directory: a UUID, never a path.
     let Ok(session) = op.session_id.parse::<Uuid>() else {
         return ToolOperationResult {
@@ -300,6 +570,7 @@ async fn serve_op(dir: &std::path::Path, payload: &[u8]) -> ToolOperationResult 
             ok: false,
             output: "session_id is not a UUID".into(),
             error_code: "bad_request".into(),
+            ..Default::default()
         };
     };
     let root = dir.join(session.to_string());
@@ -309,6 +580,7 @@ async fn serve_op(dir: &std::path::Path, payload: &[u8]) -> ToolOperationResult 
             ok: false,
             output: format!("io: create {}: {e}", root.display()),
             error_code: "io".into(),
+            ..Default::default()
         };
     }
     let input: serde_json::Value =
@@ -338,6 +610,7 @@ async fn serve_op(dir: &std::path::Path, payload: &[u8]) -> ToolOperationResult 
         ok: !out.is_error,
         output: out.output,
         error_code: String::new(),
+        state: "done".into(),
     }
 }
 
@@ -351,5 +624,19 @@ mod tests {
         assert_ne!(worker_id("w", "laptop"), worker_id("w2", "laptop"));
         assert_ne!(worker_id("w", "laptop"), worker_id("w", "desk"));
         assert_eq!(worker_id("w", "laptop").len(), 32);
+    }
+
+    #[test]
+    fn operation_ids_are_the_same_on_every_replica_and_distinct_per_call_and_tool() {
+        let s = Uuid::now_v7();
+        let id = operation_id(s, "toolu_1", "shell");
+        assert_eq!(id, operation_id(s, "toolu_1", "shell"));
+        assert_ne!(id, operation_id(s, "toolu_2", "shell"));
+        assert_ne!(id, operation_id(s, "toolu_1", "read_file"));
+        assert_ne!(id, operation_id(Uuid::now_v7(), "toolu_1", "shell"));
+        // A subject token, whatever the call id holds.
+        let odd = operation_id(s, "materialize:notes.md", "write_file");
+        assert_eq!(odd.len(), 32);
+        assert!(odd.bytes().all(|b| b.is_ascii_hexdigit()));
     }
 }

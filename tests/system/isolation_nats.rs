@@ -311,6 +311,7 @@ async fn a_worker_credential_reaches_only_its_own_operations() {
     }
     for subject in [
         format!("$KV.{}.worker.{other}", agentscope_bus::BUCKET_WORKERS),
+        agentscope_bus::subjects::worker_progress(&other, "0123456789abcdef"),
         agentscope_bus::subjects::events(&uuid::Uuid::new_v4().to_string(), "x"),
         agentscope_bus::subjects::ISSUE_WRITE.to_string(),
         agentscope_bus::subjects::SESSIONS_NUDGE.to_string(),

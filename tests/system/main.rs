@@ -16,6 +16,7 @@ mod faults_host;
 mod faults_nats;
 mod faults_outage;
 mod faults_timeouts;
+mod faults_worker;
 mod isolation_host;
 mod isolation_nats;
 mod isolation_policy;

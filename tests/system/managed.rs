@@ -101,7 +101,7 @@ pub(crate) async fn wait_outcomes(stack: &Stack, id: &str, n: usize) -> Value {
 }
 
 /// `agentscope worker --name NAME` with a fresh worker token, its sessions under `dir`; ready.
-async fn spawn_worker(stack: &Stack, name: &str, dir: &std::path::Path) -> kit::Proc {
+pub(crate) async fn spawn_worker(stack: &Stack, name: &str, dir: &std::path::Path) -> kit::Proc {
     let tok = stack
         .api
         .post("/v1/worker-tokens", json!({"name": name}))
@@ -138,7 +138,12 @@ async fn spawn_worker(stack: &Stack, name: &str, dir: &std::path::Path) -> kit::
     w
 }
 
-async fn start_on_worker(stack: &Stack, agent: &str, worker: &str, input: &str) -> String {
+pub(crate) async fn start_on_worker(
+    stack: &Stack,
+    agent: &str,
+    worker: &str,
+    input: &str,
+) -> String {
     let s = stack
         .api
         .post(

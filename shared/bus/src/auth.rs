@@ -247,9 +247,9 @@ pub fn host_permissions(workspace_id: &str, host_id: &str) -> Permissions {
     }
 }
 
-/// What a self-hosted Worker with id `worker_id` may do: register, beat into its presence key and
-/// answer its own tool operations (replies go to the dataplane's inbox through the server's
-/// response permission).
+/// What a self-hosted Worker with id `worker_id` may do: register, beat into its presence key,
+/// answer its own tool operations (the acknowledgement goes to the dataplane's inbox through the
+/// server's response permission) and publish its own operations' progress and results.
 pub fn worker_permissions(worker_id: &str, token: &str) -> Permissions {
     use crate::{BUCKET_WORKERS, subjects};
     Permissions {
@@ -257,6 +257,7 @@ pub fn worker_permissions(worker_id: &str, token: &str) -> Permissions {
             subjects::WORKER_REGISTER.to_string(),
             format!("$KV.{BUCKET_WORKERS}.worker.{worker_id}"),
             format!("$JS.API.STREAM.INFO.KV_{BUCKET_WORKERS}"),
+            subjects::worker_progress(worker_id, "*"),
         ],
         subscribe: vec![
             format!("{}.>", worker_inbox(token)),

@@ -35,6 +35,10 @@ pub mod subjects {
     pub fn worker_ops(worker_id: &str) -> String {
         format!("agentscope.worker.{worker_id}.ops")
     }
+    /// Core NATS, Worker → dataplane: beats and the result of one running operation.
+    pub fn worker_progress(worker_id: &str, operation_id: &str) -> String {
+        format!("agentscope.worker.{worker_id}.progress.{operation_id}")
+    }
     pub fn host_register(host_id: &str) -> String {
         format!("agentscope.host.{host_id}.register")
     }
