@@ -111,6 +111,20 @@ const MAX_BACKOFF_MS: u64 = 10_000;
 /// Characters of an error body quoted in errors.
 const EXCERPT_CHARS: usize = 500;
 
+/// A hosted model API reached without a key cannot answer: say that no model is configured
+/// instead of retrying it (a self-hosted server without authentication needs no key).
+pub fn unconfigured(cfg: &ModelConfig) -> Option<String> {
+    let hosted = ["api.anthropic.com", "api.openai.com"]
+        .iter()
+        .any(|h| cfg.base_url.contains(h));
+    (cfg.api_key.trim().is_empty() && hosted).then(|| {
+        format!(
+            "no model is configured: {} needs an API key (set AGENTSCOPE_MODEL_API_KEY, or AGENTSCOPE_MODEL_BASE_URL to your own model server)",
+            cfg.base_url
+        )
+    })
+}
+
 /// One model turn: sends system prompt + history + tools, returns the assistant's text and tool calls.
 /// Transient failures (connect errors, timeouts, HTTP 408/429/5xx, a stream cut short) are retried with
 /// exponential backoff (retry_base_ms * 2^n, capped at 10 s) up to max_retries; then Connection (or
@@ -122,6 +136,9 @@ pub async fn complete(
     history: &[Message],
     tools: &[ToolSpec],
 ) -> Result<Turn, ModelError> {
+    if let Some(why) = unconfigured(cfg) {
+        return Err(ModelError::Rejected(why));
+    }
     let url = endpoint(cfg);
     let body = match cfg.api {
         Api::Anthropic => anthropic_body(cfg, system, history, tools),
@@ -1192,6 +1209,26 @@ mod tests {
             max_retries: 2,
             retry_base_ms: 1,
         }
+    }
+
+    #[tokio::test]
+    async fn a_hosted_api_without_a_key_is_reported_unconfigured_at_once() {
+        let mut c = cfg(Api::Anthropic, "https://api.anthropic.com".into(), false);
+        c.api_key = String::new();
+        c.max_retries = 100;
+        let started = std::time::Instant::now();
+        let err = complete(&test_http(), &c, "s", &[], &[]).await.unwrap_err();
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        match err {
+            ModelError::Rejected(m) => assert!(m.contains("no model is configured"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        // A self-hosted server needs no key; a hosted API with a key is configured.
+        c.base_url = "http://127.0.0.1:9".into();
+        assert!(unconfigured(&c).is_none());
+        c.base_url = "https://api.openai.com/v1".into();
+        c.api_key = "sk-x".into();
+        assert!(unconfigured(&c).is_none());
     }
 
     fn read_file_tool() -> Vec<ToolSpec> {

@@ -350,6 +350,28 @@ impl WorkerLink {
     }
 }
 
+/// The uids a root Worker gives its sessions (AGENTSCOPE_WORKER_SESSION_UIDS, default
+/// 800000-865535, apart from the dataplane's and the hosts' ranges).
+fn worker_uids() -> crate::env::UidRange {
+    std::env::var("AGENTSCOPE_WORKER_SESSION_UIDS")
+        .ok()
+        .and_then(|v| crate::env::UidRange::parse(&v).ok())
+        .unwrap_or_else(|| crate::env::UidRange::parse("800000-865535").expect("a valid range"))
+}
+
+/// bubblewrap for the Worker's sandbox: AGENTSCOPE_WORKER_SANDBOX `off` runs operations
+/// unsandboxed (still under each session's uid when root); otherwise AGENTSCOPE_BWRAP_PATH or
+/// /usr/bin/bwrap when installed.
+fn worker_bwrap() -> Option<PathBuf> {
+    if std::env::var("AGENTSCOPE_WORKER_SANDBOX").is_ok_and(|v| v == "off") {
+        return None;
+    }
+    let path = PathBuf::from(
+        std::env::var("AGENTSCOPE_BWRAP_PATH").unwrap_or_else(|_| "/usr/bin/bwrap".into()),
+    );
+    path.exists().then_some(path)
+}
+
 /// A Worker accepts a NATS server without authentication only on a development install
 /// (AGENTSCOPE_NATS_ALLOW_OPEN=true).
 fn allow_open_nats() -> bool {
@@ -573,16 +595,50 @@ async fn serve_op(dir: &std::path::Path, op: ToolOperation) -> ToolOperationResu
             ..Default::default()
         };
     };
-    let root = dir.join(session.to_string());
-    if let Err(e) = tokio::fs::create_dir_all(&root).await {
-        return ToolOperationResult {
-            operation_id: op.operation_id,
-            ok: false,
-            output: format!("io: create {}: {e}", root.display()),
-            error_code: "io".into(),
-            ..Default::default()
-        };
-    }
+    // Each session's operations run under its own identity (when the Worker is root) and, where
+    // bubblewrap is installed, in the same sandbox as the dataplane's: one session's commands
+    // cannot read another's directory on this machine.
+    let prepared = {
+        let dir = dir.to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            crate::env::prepare_session_dir(&dir, session, worker_uids())
+        })
+        .await
+    };
+    let (root, identity) = match prepared {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            return ToolOperationResult {
+                operation_id: op.operation_id,
+                ok: false,
+                output: e.to_string(),
+                error_code: e.code().into(),
+                ..Default::default()
+            };
+        }
+        Err(e) => {
+            return ToolOperationResult {
+                operation_id: op.operation_id,
+                ok: false,
+                output: format!("io: prepare the session directory: {e}"),
+                error_code: "io".into(),
+                ..Default::default()
+            };
+        }
+    };
+    let environment = match worker_bwrap() {
+        Some(bwrap) => Environment::Sandbox {
+            root,
+            identity,
+            spec: std::sync::Arc::new(crate::env::SandboxSpec {
+                bwrap,
+                etc_dir: dir.join(".etc"),
+                extra_ro: vec![],
+                limit_mode: crate::env::LimitMode::Rlimits,
+            }),
+        },
+        None => Environment::Local { root, identity },
+    };
     let input: serde_json::Value =
         serde_json::from_str(&op.input_json).unwrap_or(serde_json::Value::Null);
     let limits = Limits {
@@ -594,17 +650,7 @@ async fn serve_op(dir: &std::path::Path, op: ToolOperation) -> ToolOperationResu
         cpu_secs: None,
     };
     let env: Vec<(String, String)> = op.env.into_iter().collect();
-    let out = tools::run(
-        &Environment::Local {
-            root,
-            identity: None,
-        },
-        &limits,
-        &op.tool,
-        &input,
-        &env,
-    )
-    .await;
+    let out = tools::run(&environment, &limits, &op.tool, &input, &env).await;
     ToolOperationResult {
         operation_id: op.operation_id,
         ok: !out.is_error,

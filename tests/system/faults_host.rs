@@ -35,25 +35,34 @@ async fn a_host_killed_for_good_takes_its_providers_with_it() {
         .command_agent("effects", "pool", &["sh", "-c", &script], None)
         .await
         .unwrap();
-    let (mut host_a, _) = stack.host("a", "pool", 1).await.unwrap();
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent, "input": "x"}))
-        .await
-        .unwrap();
-    let task = t["id"].as_str().unwrap().to_string();
-    let first = stack
-        .wait_attempt(&task, 1, "running", Duration::from_secs(30))
-        .await
-        .unwrap();
-    let attempt1 = first["id"].as_str().unwrap().to_string();
-    let a1 = attempt1.clone();
+    let (mut host_a, _) = stack.host("a", "pool", 12).await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": i.to_string()}),
+            )
+            .await
+            .unwrap();
+        tasks.push(t["id"].as_str().unwrap().to_string());
+    }
+    let mut first_attempts = Vec::new();
+    for task in &tasks {
+        let first = stack
+            .wait_attempt(task, 1, "running", Duration::from_secs(60))
+            .await
+            .unwrap();
+        first_attempts.push(first["id"].as_str().unwrap().to_string());
+    }
+    let all = first_attempts.clone();
     kit::wait_for(
-        "the first attempt's processes",
-        Duration::from_secs(10),
+        "the first attempts' processes",
+        Duration::from_secs(20),
         || {
-            let n = processes_of_attempt(&a1).len();
-            std::future::ready((n >= 2).then_some(()))
+            let ready = all.iter().all(|a| processes_of_attempt(a).len() >= 2);
+            std::future::ready(ready.then_some(()))
         },
     )
     .await
@@ -61,32 +70,34 @@ async fn a_host_killed_for_good_takes_its_providers_with_it() {
 
     // The host dies and never comes back.
     host_a.kill9_leader();
-    let a1 = attempt1.clone();
+    let all = first_attempts.clone();
     kit::wait_for(
-        "every process of the dead host's attempt to end",
+        "every process of the dead host's attempts to end",
         Duration::from_secs(5),
         || {
-            let left = processes_of_attempt(&a1);
-            std::future::ready(left.is_empty().then_some(()))
+            let left: usize = all.iter().map(|a| processes_of_attempt(a).len()).sum();
+            std::future::ready((left == 0).then_some(()))
         },
     )
     .await
     .unwrap();
 
-    // Another host takes the retry once the lease expires; the work runs once, there.
-    let _b = stack.host("b", "pool", 1).await.unwrap();
-    let t = stack
-        .wait_task(&task, "succeeded", Duration::from_secs(90))
-        .await
-        .unwrap();
-    let attempts = t["attempts"].as_array().unwrap();
-    assert_eq!(attempts.len(), 2, "{t:#}");
-    assert_eq!(attempts[0]["status"], "lost", "{t:#}");
-    assert_eq!(attempts[0]["failure_class"], "host_offline", "{t:#}");
-    let done = std::fs::read_to_string(effects.join(&task)).unwrap_or_default();
-    assert_eq!(
-        done.lines().collect::<Vec<_>>(),
-        vec!["run", "late"],
-        "each side effect once, from the retry: {done:?}"
-    );
+    // Another host takes the retries once the leases expire; the work runs once, there.
+    let _b = stack.host("b", "pool", 12).await.unwrap();
+    for task in &tasks {
+        let t = stack
+            .wait_task(task, "succeeded", Duration::from_secs(120))
+            .await
+            .unwrap();
+        let attempts = t["attempts"].as_array().unwrap();
+        assert_eq!(attempts.len(), 2, "{t:#}");
+        assert_eq!(attempts[0]["status"], "lost", "{t:#}");
+        assert_eq!(attempts[0]["failure_class"], "host_offline", "{t:#}");
+        let done = std::fs::read_to_string(effects.join(task)).unwrap_or_default();
+        assert_eq!(
+            done.lines().collect::<Vec<_>>(),
+            vec!["run", "late"],
+            "each side effect once, from the retry: {done:?}"
+        );
+    }
 }

@@ -36,10 +36,10 @@ async fn running_attempts_survive_two_nats_restarts() {
         .command_agent("ticker", "pool", &["sh", "-c", &script], None)
         .await
         .unwrap();
-    let _h1 = stack.host("h1", "pool", 3).await.unwrap();
-    let _h2 = stack.host("h2", "pool", 3).await.unwrap();
+    let _h1 = stack.host("h1", "pool", 6).await.unwrap();
+    let _h2 = stack.host("h2", "pool", 6).await.unwrap();
     let mut ids = Vec::new();
-    for i in 0..6 {
+    for i in 0..12 {
         let t = stack
             .api
             .post(
@@ -52,19 +52,23 @@ async fn running_attempts_survive_two_nats_restarts() {
     }
     let api = stack.api.clone();
     let all = ids.clone();
-    kit::wait_for("all six attempts to run", Duration::from_secs(60), || {
-        let api = api.clone();
-        let all = all.clone();
-        async move {
-            for id in &all {
-                let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
-                if t["status"] != "running" {
-                    return None;
+    kit::wait_for(
+        "all twelve attempts to run",
+        Duration::from_secs(60),
+        || {
+            let api = api.clone();
+            let all = all.clone();
+            async move {
+                for id in &all {
+                    let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
+                    if t["status"] != "running" {
+                        return None;
+                    }
                 }
+                Some(())
             }
-            Some(())
-        }
-    })
+        },
+    )
     .await
     .unwrap();
 
@@ -204,9 +208,10 @@ async fn running_attempts_survive_a_database_outage_longer_than_a_lease() {
         .command_agent("ticker", "pool", &["sh", "-c", &script], None)
         .await
         .unwrap();
-    let _h = stack.host("h", "pool", 4).await.unwrap();
+    let _h1 = stack.host("h1", "pool", 6).await.unwrap();
+    let _h2 = stack.host("h2", "pool", 6).await.unwrap();
     let mut ids = Vec::new();
-    for i in 0..4 {
+    for i in 0..12 {
         let t = stack
             .api
             .post(
@@ -219,19 +224,23 @@ async fn running_attempts_survive_a_database_outage_longer_than_a_lease() {
     }
     let api = stack.api.clone();
     let all = ids.clone();
-    kit::wait_for("all four attempts to run", Duration::from_secs(60), || {
-        let api = api.clone();
-        let all = all.clone();
-        async move {
-            for id in &all {
-                let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
-                if t["status"] != "running" {
-                    return None;
+    kit::wait_for(
+        "all twelve attempts to run",
+        Duration::from_secs(60),
+        || {
+            let api = api.clone();
+            let all = all.clone();
+            async move {
+                for id in &all {
+                    let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
+                    if t["status"] != "running" {
+                        return None;
+                    }
                 }
+                Some(())
             }
-            Some(())
-        }
-    })
+        },
+    )
     .await
     .unwrap();
 

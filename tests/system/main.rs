@@ -21,6 +21,7 @@ mod isolation_host;
 mod isolation_nats;
 mod isolation_policy;
 mod isolation_sandbox;
+mod isolation_worker;
 mod limits;
 mod managed;
 mod restart;
