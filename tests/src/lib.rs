@@ -647,3 +647,111 @@ pub async fn sse_collect(
         }
     }
 }
+
+/// The shared shape of the fault tests: work whose side effects land in a directory every
+/// attempt's uid may write, submitted in bulk, checked for "once".
+pub mod faults {
+    use super::*;
+
+    /// A directory under the stack's shared one that any attempt's uid may append to.
+    pub fn effects_dir(stack: &Stack) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let effects = stack.shared.join("effects");
+        std::fs::create_dir_all(&effects).expect("create the effects directory");
+        std::fs::set_permissions(&effects, std::fs::Permissions::from_mode(0o777))
+            .expect("open the effects directory");
+        effects
+    }
+
+    /// A command agent whose attempt prints `tick 1..=ticks` a second apart, then appends `run`
+    /// to `effects/<task id>` once per run.
+    pub async fn ticker(stack: &Stack, effects: &Path, ticks: u32) -> String {
+        let script = format!(
+            "for i in $(seq 1 {ticks}); do echo tick $i; sleep 1; done; echo run >> {}/$AGENTSCOPE_TASK_ID; echo ok",
+            effects.display()
+        );
+        let (agent, _) = stack
+            .command_agent("ticker", "pool", &["sh", "-c", &script], None)
+            .await
+            .expect("the ticker agent");
+        agent
+    }
+
+    /// Submits `n` tasks to `agent`; returns their ids.
+    pub async fn submit(stack: &Stack, agent: &str, n: usize) -> Vec<String> {
+        let mut ids = Vec::new();
+        for i in 0..n {
+            let t = stack
+                .api
+                .post(
+                    "/v1/tasks",
+                    json!({"agent_id": agent, "input": i.to_string()}),
+                )
+                .await
+                .expect("submit a task");
+            ids.push(t["id"].as_str().expect("task id").to_string());
+        }
+        ids
+    }
+
+    /// Waits until every task of `ids` is running at the same time.
+    pub async fn wait_all_running(stack: &Stack, ids: &[String]) {
+        let api = stack.api.clone();
+        let all = ids.to_vec();
+        wait_for("every attempt to run", Duration::from_secs(60), || {
+            let api = api.clone();
+            let all = all.clone();
+            async move {
+                for id in &all {
+                    let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
+                    if t["status"] != "running" {
+                        return None;
+                    }
+                }
+                Some(())
+            }
+        })
+        .await
+        .expect("every attempt running");
+    }
+
+    /// Every task succeeded with exactly one attempt, its events contiguous with every tick
+    /// once, and its side effect once.
+    pub async fn assert_each_once(stack: &Stack, ids: &[String], effects: &Path, ticks: usize) {
+        for id in ids {
+            let t = stack
+                .wait_task(id, "succeeded", Duration::from_secs(120))
+                .await
+                .expect("the task succeeds");
+            let attempts = t["attempts"].as_array().expect("attempts");
+            assert_eq!(attempts.len(), 1, "a healthy attempt was lost: {t:#}");
+            let events = stack
+                .events(&format!(
+                    "/v1/attempts/{}/events",
+                    attempts[0]["id"].as_str().expect("attempt id")
+                ))
+                .await
+                .expect("events");
+            let seqs: Vec<i64> = events
+                .iter()
+                .map(|e| e["seq"].as_i64().unwrap_or(0))
+                .collect();
+            assert_eq!(
+                seqs,
+                (1..=seqs.len() as i64).collect::<Vec<_>>(),
+                "events lost or duplicated"
+            );
+            let seen = events
+                .iter()
+                .filter(|e| {
+                    e["payload"]["text"]
+                        .as_str()
+                        .is_some_and(|t| t.starts_with("tick "))
+                })
+                .count();
+            assert_eq!(seen, ticks, "every line once: {events:?}");
+            let runs = std::fs::read_to_string(effects.join(id)).unwrap_or_default();
+            assert_eq!(runs.lines().count(), 1, "the work ran once: {runs:?}");
+        }
+    }
+}

@@ -3,7 +3,6 @@
 //! happens twice.
 
 use agentscope_system_tests::*;
-use serde_json::json;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -17,13 +16,7 @@ async fn a_host_killed_for_good_takes_its_providers_with_it() {
     )
     .await
     .unwrap();
-    let effects = stack.shared.join("effects");
-    std::fs::create_dir_all(&effects).unwrap();
-    std::fs::set_permissions(
-        &effects,
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let effects = faults::effects_dir(&stack);
     let e = effects.display();
     // The work: a side effect after a while, and a descendant that leaves the process group and
     // would write later still.
@@ -36,18 +29,7 @@ async fn a_host_killed_for_good_takes_its_providers_with_it() {
         .await
         .unwrap();
     let (mut host_a, _) = stack.host("a", "pool", 12).await.unwrap();
-    let mut tasks = Vec::new();
-    for i in 0..12 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": i.to_string()}),
-            )
-            .await
-            .unwrap();
-        tasks.push(t["id"].as_str().unwrap().to_string());
-    }
+    let tasks = faults::submit(&stack, &agent, 12).await;
     let mut first_attempts = Vec::new();
     for task in &tasks {
         let first = stack

@@ -4,7 +4,6 @@
 //! happens twice.
 
 use agentscope_system_tests::*;
-use serde_json::json;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -20,57 +19,12 @@ async fn running_attempts_survive_two_nats_restarts() {
     )
     .await
     .unwrap();
-    let effects = stack.shared.join("effects");
-    std::fs::create_dir_all(&effects).unwrap();
-    std::fs::set_permissions(
-        &effects,
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
-    // Each attempt ticks for a while, then appends one line per run to its task's file.
-    let script = format!(
-        "for i in $(seq 1 24); do echo tick $i; sleep 1; done; echo run >> {}/$AGENTSCOPE_TASK_ID; echo ok",
-        effects.display()
-    );
-    let (agent, _) = stack
-        .command_agent("ticker", "pool", &["sh", "-c", &script], None)
-        .await
-        .unwrap();
+    let effects = faults::effects_dir(&stack);
+    let agent = faults::ticker(&stack, &effects, 24).await;
     let _h1 = stack.host("h1", "pool", 6).await.unwrap();
     let _h2 = stack.host("h2", "pool", 6).await.unwrap();
-    let mut ids = Vec::new();
-    for i in 0..12 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": i.to_string()}),
-            )
-            .await
-            .unwrap();
-        ids.push(t["id"].as_str().unwrap().to_string());
-    }
-    let api = stack.api.clone();
-    let all = ids.clone();
-    kit::wait_for(
-        "all twelve attempts to run",
-        Duration::from_secs(60),
-        || {
-            let api = api.clone();
-            let all = all.clone();
-            async move {
-                for id in &all {
-                    let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
-                    if t["status"] != "running" {
-                        return None;
-                    }
-                }
-                Some(())
-            }
-        },
-    )
-    .await
-    .unwrap();
+    let ids = faults::submit(&stack, &agent, 12).await;
+    faults::wait_all_running(&stack, &ids).await;
 
     // Two outages of the broker, each a few seconds, on the same store.
     for outage in [Duration::from_secs(5), Duration::from_secs(6)] {
@@ -95,42 +49,7 @@ async fn running_attempts_survive_two_nats_restarts() {
         .unwrap();
     }
 
-    for id in &ids {
-        let t = stack
-            .wait_task(id, "succeeded", Duration::from_secs(120))
-            .await
-            .unwrap();
-        let attempts = t["attempts"].as_array().unwrap();
-        assert_eq!(
-            attempts.len(),
-            1,
-            "a healthy attempt was lost to the restarts: {t:#}"
-        );
-        let events = stack
-            .events(&format!(
-                "/v1/attempts/{}/events",
-                attempts[0]["id"].as_str().unwrap()
-            ))
-            .await
-            .unwrap();
-        let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-        assert_eq!(
-            seqs,
-            (1..=seqs.len() as i64).collect::<Vec<_>>(),
-            "events lost or duplicated"
-        );
-        let ticks = events
-            .iter()
-            .filter(|e| {
-                e["payload"]["text"]
-                    .as_str()
-                    .is_some_and(|t| t.starts_with("tick "))
-            })
-            .count();
-        assert_eq!(ticks, 24, "every line once: {events:?}");
-        let runs = std::fs::read_to_string(effects.join(id)).unwrap();
-        assert_eq!(runs.lines().count(), 1, "the work ran once: {runs:?}");
-    }
+    faults::assert_each_once(&stack, &ids, &effects, 24).await;
 }
 
 /// The lease keeper's two rules, against a real server: a renewal that was applied although its
@@ -193,56 +112,12 @@ async fn running_attempts_survive_a_database_outage_longer_than_a_lease() {
     )
     .await
     .unwrap();
-    let effects = stack.shared.join("effects");
-    std::fs::create_dir_all(&effects).unwrap();
-    std::fs::set_permissions(
-        &effects,
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
-    let script = format!(
-        "for i in $(seq 1 14); do echo tick $i; sleep 1; done; echo run >> {}/$AGENTSCOPE_TASK_ID; echo ok",
-        effects.display()
-    );
-    let (agent, _) = stack
-        .command_agent("ticker", "pool", &["sh", "-c", &script], None)
-        .await
-        .unwrap();
+    let effects = faults::effects_dir(&stack);
+    let agent = faults::ticker(&stack, &effects, 14).await;
     let _h1 = stack.host("h1", "pool", 6).await.unwrap();
     let _h2 = stack.host("h2", "pool", 6).await.unwrap();
-    let mut ids = Vec::new();
-    for i in 0..12 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": i.to_string()}),
-            )
-            .await
-            .unwrap();
-        ids.push(t["id"].as_str().unwrap().to_string());
-    }
-    let api = stack.api.clone();
-    let all = ids.clone();
-    kit::wait_for(
-        "all twelve attempts to run",
-        Duration::from_secs(60),
-        || {
-            let api = api.clone();
-            let all = all.clone();
-            async move {
-                for id in &all {
-                    let t = api.get(&format!("/v1/tasks/{id}")).await.ok()?;
-                    if t["status"] != "running" {
-                        return None;
-                    }
-                }
-                Some(())
-            }
-        },
-    )
-    .await
-    .unwrap();
+    let ids = faults::submit(&stack, &agent, 12).await;
+    faults::wait_all_running(&stack, &ids).await;
 
     // The database refuses every connection for twice the lease's TTL.
     let name = stack.db.name.clone();
@@ -255,34 +130,7 @@ async fn running_attempts_survive_a_database_outage_longer_than_a_lease() {
     tokio::time::sleep(Duration::from_secs(8)).await;
     admin_sql(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true")).await;
 
-    for id in &ids {
-        let t = stack
-            .wait_task(id, "succeeded", Duration::from_secs(120))
-            .await
-            .unwrap();
-        let attempts = t["attempts"].as_array().unwrap();
-        assert_eq!(attempts.len(), 1, "no attempt lost to the outage: {t:#}");
-        let events = stack
-            .events(&format!(
-                "/v1/attempts/{}/events",
-                attempts[0]["id"].as_str().unwrap()
-            ))
-            .await
-            .unwrap();
-        let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
-        let ticks = events
-            .iter()
-            .filter(|e| {
-                e["payload"]["text"]
-                    .as_str()
-                    .is_some_and(|t| t.starts_with("tick "))
-            })
-            .count();
-        assert_eq!(ticks, 14, "every line once");
-        let runs = std::fs::read_to_string(effects.join(id)).unwrap();
-        assert_eq!(runs.lines().count(), 1, "the work ran once: {runs:?}");
-    }
+    faults::assert_each_once(&stack, &ids, &effects, 14).await;
 }
 
 async fn admin_sql(sql: &str) {
