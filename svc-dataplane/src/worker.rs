@@ -15,7 +15,7 @@
 //!   dataplane that lost its connection, or a replica that took the session over, gets the
 //!   result by asking again; an operation id is never run twice by a Worker.
 
-use crate::env::{Environment, Limits};
+use crate::env::{Environment, Limits, ToolError};
 use crate::tools::{self, ToolOutput};
 use agentscope_schemas::Message as _;
 use agentscope_schemas::v1::{
@@ -23,7 +23,9 @@ use agentscope_schemas::v1::{
 };
 use async_nats::jetstream::kv;
 use futures::StreamExt;
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -350,26 +352,84 @@ impl WorkerLink {
     }
 }
 
-/// The uids a root Worker gives its sessions (AGENTSCOPE_WORKER_SESSION_UIDS, default
-/// 800000-865535, apart from the dataplane's and the hosts' ranges).
-fn worker_uids() -> crate::env::UidRange {
-    std::env::var("AGENTSCOPE_WORKER_SESSION_UIDS")
-        .ok()
-        .and_then(|v| crate::env::UidRange::parse(&v).ok())
-        .unwrap_or_else(|| crate::env::UidRange::parse("800000-865535").expect("a valid range"))
+/// Where and how this Worker runs sessions' operations, settled once at start-up: the
+/// directory, the uids a root Worker gives its sessions (AGENTSCOPE_WORKER_SESSION_UIDS, default
+/// 800000-865535, apart from the dataplane's and the hosts' ranges), the bubblewrap sandbox
+/// (AGENTSCOPE_WORKER_SANDBOX `off` runs operations unsandboxed, still under each session's uid
+/// when root; otherwise AGENTSCOPE_BWRAP_PATH or /usr/bin/bwrap when installed), and each
+/// session's prepared directory and identity.
+struct Sessions {
+    dir: PathBuf,
+    uids: crate::env::UidRange,
+    sandbox: Option<std::sync::Arc<crate::env::SandboxSpec>>,
+    prepared: Mutex<HashMap<Uuid, (PathBuf, Option<crate::env::Identity>)>>,
 }
 
-/// bubblewrap for the Worker's sandbox: AGENTSCOPE_WORKER_SANDBOX `off` runs operations
-/// unsandboxed (still under each session's uid when root); otherwise AGENTSCOPE_BWRAP_PATH or
-/// /usr/bin/bwrap when installed.
-fn worker_bwrap() -> Option<PathBuf> {
-    if std::env::var("AGENTSCOPE_WORKER_SANDBOX").is_ok_and(|v| v == "off") {
-        return None;
+impl Sessions {
+    fn new(dir: PathBuf) -> Sessions {
+        let uids = std::env::var("AGENTSCOPE_WORKER_SESSION_UIDS")
+            .ok()
+            .and_then(|v| crate::env::UidRange::parse(&v).ok())
+            .unwrap_or_else(|| {
+                crate::env::UidRange::parse("800000-865535").expect("a valid range")
+            });
+        let bwrap = PathBuf::from(
+            std::env::var("AGENTSCOPE_BWRAP_PATH").unwrap_or_else(|_| "/usr/bin/bwrap".into()),
+        );
+        let off = std::env::var("AGENTSCOPE_WORKER_SANDBOX").is_ok_and(|v| v == "off");
+        let sandbox = (!off && bwrap.exists()).then(|| {
+            std::sync::Arc::new(crate::env::SandboxSpec {
+                bwrap,
+                etc_dir: dir.join(".etc"),
+                extra_ro: vec![],
+                limit_mode: crate::env::LimitMode::Rlimits,
+            })
+        });
+        Sessions {
+            dir,
+            uids,
+            sandbox,
+            prepared: Mutex::new(HashMap::new()),
+        }
     }
-    let path = PathBuf::from(
-        std::env::var("AGENTSCOPE_BWRAP_PATH").unwrap_or_else(|_| "/usr/bin/bwrap".into()),
-    );
-    path.exists().then_some(path)
+
+    /// The environment of `session`'s operations; its directory and identity are prepared on
+    /// its first operation.
+    async fn environment(self: &Arc<Self>, session: Uuid) -> Result<Environment, ToolError> {
+        let known = self
+            .prepared
+            .lock()
+            .expect("sessions lock")
+            .get(&session)
+            .cloned();
+        let (root, identity) = match known {
+            Some(p) => p,
+            None => {
+                let me = self.clone();
+                let p = tokio::task::spawn_blocking(move || {
+                    crate::env::prepare_session_dir(&me.dir, session, me.uids)
+                })
+                .await
+                .map_err(|e| ToolError::Failed {
+                    code: "io",
+                    message: format!("prepare the session directory: {e}"),
+                })??;
+                self.prepared
+                    .lock()
+                    .expect("sessions lock")
+                    .insert(session, p.clone());
+                p
+            }
+        };
+        Ok(match &self.sandbox {
+            Some(spec) => Environment::Sandbox {
+                root,
+                identity,
+                spec: spec.clone(),
+            },
+            None => Environment::Local { root, identity },
+        })
+    }
 }
 
 /// A Worker accepts a NATS server without authentication only on a development install
@@ -452,6 +512,7 @@ pub async fn run_worker(
     tracing::info!(worker_id = %id, %name, dir = %dir.display(), "worker ready");
     println!("worker {name} ready as {id}");
     let operations = SharedOperations::default();
+    let sessions = Arc::new(Sessions::new(dir));
     let mut ticker = tokio::time::interval(beat);
     loop {
         tokio::select! {
@@ -467,7 +528,7 @@ pub async fn run_worker(
             m = ops.next() => {
                 let Some(m) = m else { return Ok(()) };
                 let Some(reply) = m.reply.clone() else { continue };
-                let answer = accept(&nats, &id, &dir, &operations, m.payload.as_ref());
+                let answer = accept(&nats, &id, &sessions, &operations, m.payload.as_ref());
                 if let Err(e) = nats.publish(reply, answer.encode_to_vec().into()).await {
                     tracing::warn!(error = %e, "answer an operation");
                 }
@@ -500,7 +561,7 @@ fn done(mut r: ToolOperationResult) -> ToolOperationResult {
 fn accept(
     nats: &async_nats::Client,
     worker_id: &str,
-    dir: &std::path::Path,
+    sessions: &Arc<Sessions>,
     operations: &SharedOperations,
     payload: &[u8],
 ) -> ToolOperationResult {
@@ -551,7 +612,7 @@ fn accept(
     let nats = nats.clone();
     let operations = operations.clone();
     let subject = agentscope_bus::subjects::worker_progress(worker_id, &op.operation_id);
-    let dir = dir.to_path_buf();
+    let sessions = sessions.clone();
     let beat = Duration::from_millis(if op.beat_ms == 0 {
         1000
     } else {
@@ -561,7 +622,7 @@ fn accept(
     let running = status("running").encode_to_vec();
     let accepted = status("running");
     tokio::spawn(async move {
-        let work = serve_op(&dir, op);
+        let work = serve_op(&sessions, op);
         tokio::pin!(work);
         let mut ticker = tokio::time::interval(beat);
         ticker.tick().await;
@@ -584,7 +645,7 @@ fn accept(
     accepted
 }
 
-async fn serve_op(dir: &std::path::Path, op: ToolOperation) -> ToolOperationResult {
+async fn serve_op(sessions: &Arc<Sessions>, op: ToolOperation) -> ToolOperationResult {
     // The session id names the directory: a UUID, never a path.
     let Ok(session) = op.session_id.parse::<Uuid>() else {
         return ToolOperationResult {
@@ -598,16 +659,9 @@ async fn serve_op(dir: &std::path::Path, op: ToolOperation) -> ToolOperationResu
     // Each session's operations run under its own identity (when the Worker is root) and, where
     // bubblewrap is installed, in the same sandbox as the dataplane's: one session's commands
     // cannot read another's directory on this machine.
-    let prepared = {
-        let dir = dir.to_path_buf();
-        tokio::task::spawn_blocking(move || {
-            crate::env::prepare_session_dir(&dir, session, worker_uids())
-        })
-        .await
-    };
-    let (root, identity) = match prepared {
-        Ok(Ok(p)) => p,
-        Ok(Err(e)) => {
+    let environment = match sessions.environment(session).await {
+        Ok(e) => e,
+        Err(e) => {
             return ToolOperationResult {
                 operation_id: op.operation_id,
                 ok: false,
@@ -616,28 +670,6 @@ async fn serve_op(dir: &std::path::Path, op: ToolOperation) -> ToolOperationResu
                 ..Default::default()
             };
         }
-        Err(e) => {
-            return ToolOperationResult {
-                operation_id: op.operation_id,
-                ok: false,
-                output: format!("io: prepare the session directory: {e}"),
-                error_code: "io".into(),
-                ..Default::default()
-            };
-        }
-    };
-    let environment = match worker_bwrap() {
-        Some(bwrap) => Environment::Sandbox {
-            root,
-            identity,
-            spec: std::sync::Arc::new(crate::env::SandboxSpec {
-                bwrap,
-                etc_dir: dir.join(".etc"),
-                extra_ro: vec![],
-                limit_mode: crate::env::LimitMode::Rlimits,
-            }),
-        },
-        None => Environment::Local { root, identity },
     };
     let input: serde_json::Value =
         serde_json::from_str(&op.input_json).unwrap_or(serde_json::Value::Null);

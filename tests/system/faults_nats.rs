@@ -27,10 +27,28 @@ async fn running_attempts_survive_two_nats_restarts() {
     faults::wait_all_running(&stack, &ids).await;
 
     // Two outages of the broker, each a few seconds, on the same store.
-    for outage in [Duration::from_secs(5), Duration::from_secs(6)] {
+    let failures = |stack: &Stack| -> Vec<usize> {
+        ["host-h1", "host-h2"]
+            .iter()
+            .map(|h| stack.log(h).matches("retrying").count())
+            .collect()
+    };
+    for _ in 0..2 {
+        let before = failures(&stack);
         stack.nats.kill();
-        // The outage itself (a fault's duration, not a synchronization).
-        tokio::time::sleep(outage).await;
+        // The broker stays down until every host has failed to reach it (a lease renewal or an
+        // event that could not be sent): a few seconds, as a real restart would be.
+        kit::wait_for(
+            "every host to notice the broker is gone",
+            Duration::from_secs(30),
+            || {
+                let now = failures(&stack);
+                let all = now.iter().zip(&before).all(|(n, b)| n > b);
+                std::future::ready(all.then_some(()))
+            },
+        )
+        .await
+        .unwrap();
         stack.nats.restart().await.unwrap();
         let api = stack.api.clone();
         kit::wait_for(
@@ -119,15 +137,53 @@ async fn running_attempts_survive_a_database_outage_longer_than_a_lease() {
     let ids = faults::submit(&stack, &agent, 12).await;
     faults::wait_all_running(&stack, &ids).await;
 
-    // The database refuses every connection for twice the lease's TTL.
+    // The database refuses every connection for longer than a lease: until every attempt's lease
+    // has been renewed (through NATS) for more than its whole TTL without the database.
+    let service = stack.nats.service_client("scheduler").await.unwrap();
+    let leases = async_nats::jetstream::new(service)
+        .get_key_value(agentscope_bus::BUCKET_LEASES)
+        .await
+        .unwrap();
+    let mut keys = Vec::new();
+    for id in &ids {
+        let t = stack.task(id).await.unwrap();
+        let a = &t["attempts"][0];
+        keys.push(agentscope_bus::lease_key(
+            a["host_id"].as_str().unwrap(),
+            a["id"].as_str().unwrap(),
+        ));
+    }
+    let all_held = |leases: async_nats::jetstream::kv::Store, keys: Vec<String>| async move {
+        for k in &keys {
+            let e = leases.entry(k).await.ok().flatten()?;
+            if e.operation != async_nats::jetstream::kv::Operation::Put {
+                return None;
+            }
+        }
+        Some(())
+    };
     let name = stack.db.name.clone();
     admin_sql(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS false")).await;
     admin_sql(&format!(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}' AND pid <> pg_backend_pid()"
     ))
     .await;
-    // The outage itself (a fault's duration, not a synchronization).
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    let blocked_at = std::time::Instant::now();
+    kit::wait_for(
+        "the outage to outlast twice the lease TTL with every lease still held",
+        Duration::from_secs(60),
+        || {
+            let (leases, keys) = (leases.clone(), keys.clone());
+            async move {
+                if blocked_at.elapsed() < Duration::from_secs(8) {
+                    return None;
+                }
+                all_held(leases, keys).await
+            }
+        },
+    )
+    .await
+    .unwrap();
     admin_sql(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true")).await;
 
     faults::assert_each_once(&stack, &ids, &effects, 14).await;

@@ -200,6 +200,83 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
             .any(|e| e.contains(&own.to_lowercase())),
         "own workspace nudges are allowed"
     );
+
+    // On its own subject, an event for host A's running attempt (its lease token guessed from the
+    // API is not enough): the recorder refuses it and A's attempt records nothing forged.
+    let (agent, _) = stack
+        .command_agent("victim", "pool", &["sh", "-c", "echo mine; sleep 30"], None)
+        .await
+        .unwrap();
+    let t = stack
+        .api
+        .post(
+            "/v1/tasks",
+            serde_json::json!({"agent_id": agent, "input": "x"}),
+        )
+        .await
+        .unwrap();
+    let task = t["id"].as_str().unwrap().to_string();
+    let victim = stack
+        .wait_attempt(&task, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let victim_id = victim["id"].as_str().unwrap().to_string();
+    let forged = agentscope_schemas::v1::ExecutionEvent {
+        attempt_id: victim_id.clone(),
+        // Past anything recorded: a forged seq the recorder already holds is dropped as a
+        // duplicate, this one must be judged.
+        seq: 10_000,
+        lease_token: victim["lease_token"].as_u64().unwrap_or(1),
+        host_id: me.clone(),
+        at_ms: 0,
+        body: Some(agentscope_schemas::v1::execution_event::Body::Output(
+            agentscope_schemas::v1::Output {
+                stream: "stdout".into(),
+                text: "forged by another host".into(),
+                truncated: false,
+            },
+        )),
+    };
+    let subject = agentscope_bus::subjects::events(&me, &victim_id);
+    async_nats::jetstream::new(nc.clone())
+        .publish(subject.clone(), forged.encode_to_vec().into())
+        .await
+        .expect("its own subject is allowed")
+        .await
+        .expect("the stream takes it");
+    let pg = stack.pg.clone();
+    let reason: String = kit::wait_for(
+        "the forged event to be refused",
+        Duration::from_secs(30),
+        || {
+            let (pg, subject) = (pg.clone(), subject.clone());
+            async move {
+                sqlx::query_scalar("SELECT reason FROM rejected_messages WHERE subject = $1")
+                    .bind(subject)
+                    .fetch_optional(&pg)
+                    .await
+                    .ok()
+                    .flatten()
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(reason.contains("fenced"), "{reason}");
+    let events = stack
+        .events(&format!("/v1/attempts/{victim_id}/events"))
+        .await
+        .unwrap();
+    assert!(
+        !events
+            .iter()
+            .any(|e| e.to_string().contains("forged by another host")),
+        "{events:?}"
+    );
+    stack
+        .cancel_task(&task, Duration::from_secs(30))
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

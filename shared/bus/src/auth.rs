@@ -41,6 +41,12 @@ pub struct AccountKey {
     pair: ring::signature::Ed25519KeyPair,
 }
 
+impl Clone for AccountKey {
+    fn clone(&self) -> AccountKey {
+        AccountKey::from_raw(self.seed)
+    }
+}
+
 impl std::fmt::Debug for AccountKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AccountKey")
@@ -339,6 +345,7 @@ pub fn authorization_response(
 }
 
 /// Credentials for a whole installation: the callout issuer and one password per service.
+#[derive(Clone)]
 pub struct Setup {
     pub issuer: AccountKey,
     pub passwords: Vec<(String, String)>,

@@ -245,10 +245,7 @@ impl Nats {
             let mut nats = Nats {
                 port,
                 store: store.clone(),
-                auth: agentscope_bus::auth::Setup {
-                    issuer: agentscope_bus::auth::AccountKey::from_seed(&auth.issuer.seed())?,
-                    passwords: auth.passwords.clone(),
-                },
+                auth: auth.clone(),
                 proc,
                 dir: dir.to_path_buf(),
             };
