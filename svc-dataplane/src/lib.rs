@@ -78,13 +78,10 @@ impl App {
             .context("start svc-dataplane")?;
         agentscope_store::migrate(&db).await?;
         agentscope_telemetry::install_tls_provider();
-        let nats = agentscope_bus::connect(
-            &config.nats_url,
-            "svc-dataplane",
-            &config.nats_credentials().map_err(anyhow::Error::msg)?,
-            config.nats_allow_open,
-        )
-        .await?;
+        let nats = config
+            .nats
+            .connect(&config.nats_url, "svc-dataplane")
+            .await?;
         let cancel = CancellationToken::new();
         let js = async_nats::jetstream::new(nats.clone());
         let leases = agentscope_bus::Topology::session_leases(

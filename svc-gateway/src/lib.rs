@@ -52,13 +52,7 @@ impl App {
             .await
             .context("start svc-gateway")?;
         agentscope_store::migrate(&db).await?;
-        let nats = agentscope_bus::connect(
-            &config.nats_url,
-            "svc-gateway",
-            &config.nats_credentials().map_err(anyhow::Error::msg)?,
-            config.nats_allow_open,
-        )
-        .await?;
+        let nats = config.nats.connect(&config.nats_url, "svc-gateway").await?;
         let js = async_nats::jetstream::new(nats.clone());
         Topology::tasks(&js).await?;
         let listener = tokio::net::TcpListener::bind(&config.http_addr)

@@ -5,17 +5,9 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize)]
 pub struct Config {
     pub nats_url: String,
-    /// This service's NATS user and password (AGENTSCOPE_NATS_USER, AGENTSCOPE_NATS_PASSWORD or
-    /// AGENTSCOPE_NATS_PASSWORD_FILE).
-    #[serde(default)]
-    pub nats_user: Option<String>,
-    #[serde(default)]
-    pub nats_password: Option<String>,
-    #[serde(default)]
-    pub nats_password_file: Option<String>,
-    /// Accept a NATS server without authentication (a development install only).
-    #[serde(default)]
-    pub nats_allow_open: bool,
+    /// Its NATS user, password and whether an open NATS is accepted.
+    #[serde(flatten)]
+    pub nats: agentscope_bus::ServiceNats,
     /// The auth callout issuer's account seed (`SA...`; AGENTSCOPE_NATS_CALLOUT_SEED or
     /// AGENTSCOPE_NATS_CALLOUT_SEED_FILE): when set, this scheduler lets hosts and workers into
     /// NATS with permissions for their own subjects only.
@@ -47,16 +39,6 @@ pub struct Config {
 }
 
 impl Config {
-    /// The NATS credentials from the settings.
-    pub fn nats_credentials(&self) -> Result<agentscope_bus::Credentials, String> {
-        let password = agentscope_bus::secret_setting(
-            "nats_password",
-            self.nats_password.as_deref(),
-            self.nats_password_file.as_deref(),
-        )?;
-        agentscope_bus::Credentials::service(self.nats_user.as_deref(), password.as_deref())
-    }
-
     pub fn load() -> Result<Self, config::ConfigError> {
         let mut builder = config::Config::builder()
             .set_default("nats_url", "nats://127.0.0.1:4222")?

@@ -81,13 +81,10 @@ impl App {
             .await
             .context("start svc-scheduler")?;
         agentscope_store::migrate(&db).await?;
-        let nats = agentscope_bus::connect(
-            &config.nats_url,
-            "svc-scheduler",
-            &config.nats_credentials().map_err(anyhow::Error::msg)?,
-            config.nats_allow_open,
-        )
-        .await?;
+        let nats = config
+            .nats
+            .connect(&config.nats_url, "svc-scheduler")
+            .await?;
         let js = jetstream::new(nats.clone());
         let events = Topology::events(&js).await?;
         Topology::control(&js).await?;

@@ -172,6 +172,40 @@ impl Credentials {
     }
 }
 
+/// A service's NATS settings, flattened into its configuration: its user and password
+/// (AGENTSCOPE_NATS_USER, AGENTSCOPE_NATS_PASSWORD or AGENTSCOPE_NATS_PASSWORD_FILE), and whether
+/// it accepts a NATS server without authentication (AGENTSCOPE_NATS_ALLOW_OPEN, a development
+/// install only).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct ServiceNats {
+    #[serde(default)]
+    pub nats_user: Option<String>,
+    #[serde(default)]
+    pub nats_password: Option<String>,
+    #[serde(default)]
+    pub nats_password_file: Option<String>,
+    #[serde(default)]
+    pub nats_allow_open: bool,
+}
+
+impl ServiceNats {
+    /// The credentials these settings name.
+    pub fn credentials(&self) -> Result<Credentials, String> {
+        let password = secret_setting(
+            "nats_password",
+            self.nats_password.as_deref(),
+            self.nats_password_file.as_deref(),
+        )?;
+        Credentials::service(self.nats_user.as_deref(), password.as_deref())
+    }
+
+    /// [`connect`] as this service.
+    pub async fn connect(&self, url: &str, name: &str) -> anyhow::Result<async_nats::Client> {
+        let creds = self.credentials().map_err(anyhow::Error::msg)?;
+        Ok(connect(url, name, &creds, self.nats_allow_open).await?)
+    }
+}
+
 /// A secret setting given either inline or as a file to read (`<name>_file`), not both.
 pub fn secret_setting(
     name: &str,
