@@ -200,12 +200,8 @@ impl Identities {
 
 /// Live (not zombie) processes with `uid` as real, effective, saved or filesystem uid.
 pub fn uid_processes(uid: u32) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return vec![];
-    };
     let me = std::process::id() as i32;
-    dir.filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    crate::provider::proc_pids()
         .filter(|pid| *pid != me)
         .filter(|pid| {
             let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {

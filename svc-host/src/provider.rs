@@ -331,13 +331,18 @@ pub async fn read_line_bounded<R: AsyncBufRead + Unpin>(
     )))
 }
 
+/// Every process id in `/proc`.
+pub fn proc_pids() -> impl Iterator<Item = i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+}
+
 /// Ids of live (non-zombie) processes in process group `pgid`, read from /proc.
 pub fn group_members(pgid: i32) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return vec![];
-    };
-    dir.filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    proc_pids()
         .filter(|pid| {
             let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
                 return false;
@@ -357,12 +362,8 @@ pub fn group_members(pgid: i32) -> Vec<i32> {
 /// Live processes whose environment carries `marker` (e.g. `AGENTSCOPE_ATTEMPT_ID=<id>`): a
 /// provider's whole tree, including children that left its process group.
 pub fn marked_processes(marker: &str) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return vec![];
-    };
     let me = std::process::id() as i32;
-    dir.filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    proc_pids()
         .filter(|pid| *pid != me)
         .filter(|pid| {
             let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
