@@ -37,7 +37,7 @@ pub struct EventSink {
     subject: String,
     lease_lost: CancellationToken,
     /// Replaced by `[REDACTED:NAME]` in every event (the task credential, the host's keys).
-    secrets: Vec<(String, String)>,
+    secrets: isolation::Secrets,
 }
 
 impl EventSink {
@@ -45,7 +45,7 @@ impl EventSink {
         ctx: Ctx,
         entry: Entry,
         lease_lost: CancellationToken,
-        secrets: Vec<(String, String)>,
+        secrets: isolation::Secrets,
     ) -> Self {
         let subject = subjects::events(&ctx.host_id.to_string(), &entry.attempt_id);
         Self {

@@ -135,37 +135,67 @@ impl Identities {
     /// A uid no running attempt on this machine holds. Leftover processes of a uid nobody holds
     /// (orphans of a host that died) are killed before it is handed out. Blocking.
     pub fn acquire(&self) -> Result<Lease, Error> {
-        let mut inner = self.inner.lock().expect("identities");
         let len = self.range.len();
-        for i in 0..len {
-            let off = (inner.next.wrapping_add(i)) % len;
-            let uid = self.range.first + off;
-            if inner.held.contains(&uid) {
-                continue;
-            }
-            let path = self.lock_dir.join(uid.to_string());
-            let lock = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .mode(0o600)
-                .open(&path)
-                .map_err(io("open", &path))?;
-            // SAFETY: flock on a descriptor we own.
-            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-                continue;
-            }
-            let left = kill_uid(uid, Duration::from_secs(5));
+        let mut tried = 0;
+        while tried < len {
+            // Pick and lock a candidate under the mutex; look for leftovers outside it, so that
+            // other attempts starting on this host do not wait on that scan.
+            let (uid, mut lock) = {
+                let mut inner = self.inner.lock().expect("identities");
+                let mut found = None;
+                while tried < len && found.is_none() {
+                    let off = inner.next % len;
+                    inner.next = (off + 1) % len;
+                    tried += 1;
+                    let uid = self.range.first + off;
+                    if inner.held.contains(&uid) {
+                        continue;
+                    }
+                    let path = self.lock_dir.join(uid.to_string());
+                    let lock = std::fs::OpenOptions::new()
+                        .create(true)
+                        .truncate(false)
+                        .read(true)
+                        .write(true)
+                        .mode(0o600)
+                        .open(&path)
+                        .map_err(io("open", &path))?;
+                    // SAFETY: flock on a descriptor we own.
+                    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0
+                    {
+                        continue;
+                    }
+                    inner.held.insert(uid);
+                    found = Some((uid, lock));
+                }
+                match found {
+                    Some(f) => f,
+                    None => break,
+                }
+            };
+            // A uid its last holder released cleanly (every process gone, checked) has nothing
+            // left to kill; one whose holder died may have orphans.
+            let clean = read_mark(&mut lock) == CLEAN;
+            let left = if clean {
+                vec![]
+            } else {
+                kill_uid(uid, Duration::from_secs(5))
+            };
             if !left.is_empty() {
                 tracing::error!(
                     uid,
                     ?left,
                     "processes of a free uid survive SIGKILL; uid skipped"
                 );
+                // Keep it held (never handed out) and locked by this process.
+                self.inner
+                    .lock()
+                    .expect("identities")
+                    .quarantined
+                    .push(lock);
                 continue;
             }
-            inner.held.insert(uid);
-            inner.next = (off + 1) % len;
+            write_mark(&mut lock, HELD);
             return Ok(Lease {
                 who: RunAs { uid, gid: uid },
                 lock,
@@ -185,7 +215,9 @@ impl Identities {
         let mut inner = self.inner.lock().expect("identities");
         if left.is_empty() {
             inner.held.remove(&lease.who.uid);
-            drop(lease.lock);
+            let mut lock = lease.lock;
+            write_mark(&mut lock, CLEAN);
+            drop(lock);
         } else {
             tracing::error!(
                 uid = lease.who.uid,
@@ -219,6 +251,26 @@ pub fn uid_processes(uid: u32) -> Vec<i32> {
             live && ours
         })
         .collect()
+}
+
+/// What a uid's lock file says of it: held by a running attempt, or released with every process
+/// gone.
+const HELD: &[u8] = b"held";
+const CLEAN: &[u8] = b"clean";
+
+fn read_mark(lock: &mut std::fs::File) -> Vec<u8> {
+    use std::io::{Read, Seek};
+    let mut buf = Vec::new();
+    let _ = lock.rewind().and_then(|()| lock.read_to_end(&mut buf));
+    buf
+}
+
+fn write_mark(lock: &mut std::fs::File, mark: &[u8]) {
+    use std::io::{Seek, Write};
+    let _ = lock
+        .set_len(0)
+        .and_then(|()| lock.rewind())
+        .and_then(|()| lock.write_all(mark));
 }
 
 /// SIGKILLs every process of `uid` until none is left or `within` passes; the survivors.
@@ -520,9 +572,27 @@ pub fn user_name(who: Option<RunAs>) -> String {
 
 // --------------------------------------------------------------------------- redaction
 
+/// The secrets kept out of one attempt's recorded events, with their matcher built once (an
+/// attempt records many events; building the matcher per event was a fifth of the host's CPU).
+pub struct Secrets {
+    values: Vec<(String, String)>,
+    redactor: agentscope_domain::vault::Redactor,
+}
+
+impl Secrets {
+    pub fn new(values: Vec<(String, String)>) -> Secrets {
+        let redactor = agentscope_domain::vault::Redactor::new(&values);
+        Secrets { values, redactor }
+    }
+}
+
 /// Secrets kept out of recorded events: the attempt's task credential and the host's
 /// credentials (the host token and the model keys passed to providers).
-pub fn secrets_of_attempt(task_token: &str) -> Vec<(String, String)> {
+pub fn secrets_of_attempt(task_token: &str) -> Secrets {
+    Secrets::new(secret_values(task_token))
+}
+
+fn secret_values(task_token: &str) -> Vec<(String, String)> {
     let mut s = vec![("TASK_TOKEN".to_string(), task_token.to_string())];
     for name in [
         "AGENTSCOPE_HOST_TOKEN",
@@ -544,9 +614,9 @@ const MIN_TAIL: usize = 8;
 
 /// `text` with every secret replaced by `[REDACTED:NAME]` (the Vault's redaction), and a tail
 /// that is the beginning of a secret (a line cut inside it) removed too.
-pub fn redact_text(text: &str, secrets: &[(String, String)]) -> String {
-    let mut out = agentscope_domain::vault::redact(text, secrets);
-    for (name, value) in secrets {
+pub fn redact_text(text: &str, secrets: &Secrets) -> String {
+    let mut out = secrets.redactor.redact(text);
+    for (name, value) in &secrets.values {
         let max = value.len().saturating_sub(1).min(out.len());
         for n in (MIN_TAIL..=max).rev() {
             if value.is_char_boundary(n) && out.ends_with(&value[..n]) {
@@ -560,7 +630,7 @@ pub fn redact_text(text: &str, secrets: &[(String, String)]) -> String {
 }
 
 /// Redacts every text field of an event.
-pub fn redact_body(body: &mut Body, secrets: &[(String, String)]) {
+pub fn redact_body(body: &mut Body, secrets: &Secrets) {
     let r = |s: &mut String| {
         if !s.is_empty() {
             *s = redact_text(s, secrets);
@@ -720,7 +790,7 @@ mod tests {
     #[test]
     fn the_task_token_is_redacted_from_every_text_field_and_from_a_cut_tail() {
         let token = "agt_0123456789abcdefghijklmnopqrstuvwxyz";
-        let secrets = vec![("TASK_TOKEN".to_string(), token.to_string())];
+        let secrets = Secrets::new(vec![("TASK_TOKEN".to_string(), token.to_string())]);
         let mut out = Body::Output(Output {
             stream: "stdout".into(),
             text: format!("AGENTSCOPE_TASK_TOKEN={token} and again {token}"),
