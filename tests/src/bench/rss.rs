@@ -17,6 +17,10 @@ pub struct RssArgs {
 /// Starts the stack and one host, lets them idle, and reads each process's VmRSS and threads.
 pub async fn idle(args: &RssArgs) -> Result<Value> {
     let stack = setup::stack("bench-rss", setup::bench_options()).await?;
+    // The host's pool must exist for it to be ready.
+    stack
+        .command_agent("noop", "bench", &["true"], None)
+        .await?;
     let host = stack.host("rss-0", "bench", 32).await?;
     tokio::time::sleep(Duration::from_secs(args.settle_s)).await;
     let mut out = serde_json::Map::new();

@@ -3,7 +3,6 @@
 use crate::cpu::Probe;
 use crate::setup::{self, now_ms};
 use crate::stats::{num, summary};
-use crate::w1::cpu_per;
 use agentscope_system_tests::Api;
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
@@ -95,7 +94,6 @@ pub async fn ingest(args: &IngestArgs) -> Result<Value> {
             "total": num(cpu.values().sum::<f64>() * 1e6 / events as f64),
             "by_process": cpu.iter().map(|(k, v)| (k.clone(), num(v * 1e6 / events as f64))).collect::<serde_json::Map<_, _>>(),
         },
-        "cpu_per_1000_events": cpu_per(&cpu, events as f64 / 1000.0),
     }))
 }
 
