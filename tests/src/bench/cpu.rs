@@ -76,9 +76,14 @@ pub fn threads(pid: u32) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// The key of the benchmark process's own CPU (the client: HTTP calls, SSE parsing, the
+/// in-process model server of W3/W4).
+pub const CLIENT: &str = "client";
+
 /// CPU accounting over one measured window.
 pub struct Probe {
     start: HashMap<u32, (String, f64)>,
+    client: f64,
     pg_first: Arc<Mutex<HashMap<u32, (f64, f64)>>>,
     sampler: tokio::task::JoinHandle<()>,
     stop: Arc<tokio::sync::Notify>,
@@ -137,6 +142,7 @@ impl Probe {
         };
         Probe {
             start,
+            client: proc_cpu(std::process::id()).unwrap_or(0.0),
             pg_first,
             sampler,
             stop,
@@ -144,7 +150,8 @@ impl Probe {
     }
 
     /// Stops counting; CPU seconds per process kind (`nats-server`, `svc-gateway`,
-    /// `svc-scheduler`, `svc-dataplane`, `svc-host`, `postgres`).
+    /// `svc-scheduler`, `svc-dataplane`, `svc-host`, `postgres`), and the benchmark's own as
+    /// [`CLIENT`] (not the stack's).
     pub async fn stop(self) -> HashMap<String, f64> {
         self.stop.notify_one();
         let _ = self.sampler.await;
@@ -161,6 +168,10 @@ impl Probe {
             pg += now - first;
         }
         out.insert("postgres".into(), pg);
+        out.insert(
+            CLIENT.into(),
+            proc_cpu(std::process::id()).unwrap_or(0.0) - self.client,
+        );
         out
     }
 }

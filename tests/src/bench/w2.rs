@@ -91,7 +91,7 @@ pub async fn ingest(args: &IngestArgs) -> Result<Value> {
         "recorder_lag_at_end_ms": num(last_recorded - last_at),
         "transactions_per_event": num(commits as f64 / events as f64),
         "cpu_per_event_us": {
-            "total": num(cpu.values().sum::<f64>() * 1e6 / events as f64),
+            "total": num(crate::w1::stack_cpu(&cpu) * 1e6 / events as f64),
             "by_process": cpu.iter().map(|(k, v)| (k.clone(), num(v * 1e6 / events as f64))).collect::<serde_json::Map<_, _>>(),
         },
     }))
@@ -262,7 +262,7 @@ pub async fn sse(args: &SseArgs) -> Result<Value> {
         "every_follower_got_every_event_once_in_order": complete == args.followers,
         "delivery_after_host_emitted_ms": summary(&after_emit),
         "delivery_after_commit_ms": summary(&after_commit),
-        "cpu_per_delivered_event_us": num(cpu.values().sum::<f64>() * 1e6 / after_commit.len().max(1) as f64),
+        "cpu_per_delivered_event_us": num(crate::w1::stack_cpu(&cpu) * 1e6 / after_commit.len().max(1) as f64),
         "cpu_s": cpu.iter().map(|(k, v)| (k.clone(), num(*v))).collect::<serde_json::Map<_, _>>(),
     }))
 }
