@@ -180,6 +180,16 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
     let stack = managed_stack("bench-w3", &url).await?;
     let pg = setup::bench_pool(&stack).await?;
     let agent = managed_agent(&stack, "looper", json!({"max_iters": n as i32 + 10})).await?;
+    // Warm-up, unmeasured: a session of the same script stopped after 5 iterations.
+    let warm = managed_agent(&stack, "warmup", json!({"max_iters": 5})).await?;
+    let warm_id = start_session(&stack, &warm, "Warm up.").await?;
+    wait_outcome(
+        &pg,
+        uuid::Uuid::parse_str(&warm_id)?,
+        Duration::from_secs(300),
+    )
+    .await?;
+    timings.lock().unwrap().clear();
     let rel0 = relation_bytes(&pg).await?;
     let commits0 = setup::commits(&pg, &stack.db.name).await?;
     let probe = Probe::start(&pg, &stack.db.name).await;

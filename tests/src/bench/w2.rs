@@ -50,6 +50,12 @@ pub async fn ingest(args: &IngestArgs) -> Result<Value> {
     let cpu = probe.stop().await;
     let commits = setup::commits(&pg, &stack.db.name).await? - commits0;
     let task = uuid::Uuid::parse_str(&id)?;
+    let (class, detail): (Option<String>, Option<String>) = sqlx::query_as(
+        "SELECT failure_class, failure_detail FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+    )
+    .bind(task)
+    .fetch_one(&pg)
+    .await?;
     let r = sqlx::query(
         "SELECT count(*) FILTER (WHERE e.kind = 'output') AS lines,
                 count(*) AS events, max(e.seq) AS max_seq, min(a.last_seq) AS last_seq,
@@ -82,6 +88,8 @@ pub async fn ingest(args: &IngestArgs) -> Result<Value> {
     Ok(json!({
         "lines": args.lines,
         "status": status,
+        "failure_class": class,
+        "failure_detail": detail,
         "lines_recorded": got,
         "complete": status == "succeeded" && got as u64 == args.lines && max_seq == Some(events) && last_seq == Some(events),
         "provider_start_to_all_recorded_s": num(durable_s),
