@@ -50,8 +50,10 @@ pub async fn ingest(args: &IngestArgs) -> Result<Value> {
     let cpu = probe.stop().await;
     let commits = setup::commits(&pg, &stack.db.name).await? - commits0;
     let task = uuid::Uuid::parse_str(&id)?;
-    let (class, detail): (Option<String>, Option<String>) = sqlx::query_as(
-        "SELECT failure_class, failure_detail FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+    // The newest attempt's end; a lost attempt is retried, so lines may be recorded more than
+    // once (by several attempts): `attempts` says how many ran.
+    let (class, detail, attempts): (Option<String>, Option<String>, i32) = sqlx::query_as(
+        "SELECT failure_class, failure_detail, number FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
     )
     .bind(task)
     .fetch_one(&pg)
@@ -90,6 +92,7 @@ pub async fn ingest(args: &IngestArgs) -> Result<Value> {
         "status": status,
         "failure_class": class,
         "failure_detail": detail,
+        "attempts": attempts,
         "lines_recorded": got,
         "complete": status == "succeeded" && got as u64 == args.lines && max_seq == Some(events) && last_seq == Some(events),
         "provider_start_to_all_recorded_s": num(durable_s),
