@@ -314,9 +314,7 @@ impl App {
         let attempts = tokio_util::task::TaskTracker::new();
         for (a, entry) in resumed {
             match slots.clone().try_acquire_owned() {
-                Ok(permit) => {
-                    spawn_attempt(&ctx, &attempts, a, permit, Some(entry))
-                }
+                Ok(permit) => spawn_attempt(&ctx, &attempts, a, permit, Some(entry)),
                 Err(_) => {
                     tracing::error!(attempt_id = %a.attempt_id, "no capacity left to resume; its lease will lapse")
                 }

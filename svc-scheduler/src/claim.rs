@@ -242,10 +242,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     keys.push(("host", host_id));
     let counts = lock_counters(&mut tx, &keys).await?;
     let count = |scope: &str, id: Uuid| -> i64 {
-        counts
-            .get(&(scope.to_string(), id))
-            .copied()
-            .unwrap_or(0)
+        counts.get(&(scope.to_string(), id)).copied().unwrap_or(0)
     };
     let mut slots = want.min(capacity - count("host", host_id));
     let mut in_workspace = count("workspace", workspace_id);

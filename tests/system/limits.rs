@@ -184,7 +184,10 @@ async fn limits_hold_with_two_schedulers() {
     }
     let all: Vec<(f64, f64)> = rows.iter().map(|(_, _, s, e)| (*s, *e)).collect();
     let pool_max = max_overlap(&all);
-    assert!(pool_max <= 4, "the pool ran {pool_max} attempts at once (limit 4)");
+    assert!(
+        pool_max <= 4,
+        "the pool ran {pool_max} attempts at once (limit 4)"
+    );
     assert!(pool_max >= 3, "work ran in parallel (max {pool_max})");
     // Nothing is left counted once everything ended.
     let left: Vec<(String, i32)> =
@@ -192,7 +195,10 @@ async fn limits_hold_with_two_schedulers() {
             .fetch_all(&stack.pg)
             .await
             .unwrap();
-    assert!(left.is_empty(), "counters left after every attempt ended: {left:?}");
+    assert!(
+        left.is_empty(),
+        "counters left after every attempt ended: {left:?}"
+    );
     // Both schedulers took part.
     for health in [stack.scheduler_health.clone(), second_health] {
         let answered = claims_answered(&health).await;

@@ -301,9 +301,8 @@ async fn submit(s: &AppState, workspace_id: Uuid, task_id: Uuid) {
         workspace_id: workspace_id.to_string(),
         traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
     };
-    let sent = s
-        .js
-        .publish_with_headers(
+    let sent =
+        s.js.publish_with_headers(
             subjects::TASK_SUBMITTED,
             agentscope_bus::headers(&format!("submit:{task_id}")),
             m.encode_to_vec().into(),
@@ -384,9 +383,7 @@ pub async fn create_task(
                 "agent or issue not found in this workspace",
             ));
         }
-        Err(sqlx::Error::Database(e))
-            if e.is_unique_violation() && b.idempotency_key.is_some() =>
-        {
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() && b.idempotency_key.is_some() => {
             // A concurrent request with the same key won the race.
             let key = b.idempotency_key.as_deref().unwrap_or_default();
             let id = existing_task(&s, auth, key, &hash)
