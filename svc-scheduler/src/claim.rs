@@ -172,6 +172,15 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         .min(capacity - plan.try_get::<i64, _>("host_active")?);
     if want <= 0 || waiting_before == 0 {
         tx.commit().await?;
+        if assignments.is_empty() {
+            let reason = if waiting_before == 0 {
+                "no_work"
+            } else {
+                "host_full"
+            };
+            ctx.metrics
+                .inc("agentscope_claim_empty_total", &[("reason", reason)]);
+        }
         let waiting = waiting_before as u32;
         note_waiting(pool_id, waiting);
         return Ok(ClaimOffer {
@@ -217,6 +226,10 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     if candidates.is_empty() {
         tx.commit().await?;
         note_waiting(pool_id, 0);
+        if assignments.is_empty() {
+            ctx.metrics
+                .inc("agentscope_claim_empty_total", &[("reason", "no_work")]);
+        }
         return Ok(ClaimOffer {
             assignments,
             ..Default::default()
@@ -352,6 +365,10 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     }
     let waiting = (waiting_before - offered.len() as i64).max(0) as u32;
     note_waiting(pool_id, waiting);
+    if offered.is_empty() && assignments.is_empty() {
+        ctx.metrics
+            .inc("agentscope_claim_empty_total", &[("reason", "limits")]);
+    }
     for a in &offered {
         ctx.metrics.inc("agentscope_attempts_claimed_total", &[]);
         tracing::info!(attempt_id = %a.attempt_id, task_id = %a.task_id, %host_id, lease_token = a.lease_token, "attempt claimed");
