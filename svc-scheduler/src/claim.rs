@@ -85,23 +85,26 @@ struct Candidate {
 /// look), whether attempts claimed for it are missing from what it holds (a lost claim reply),
 /// and how many queued attempts it could run now (up to 100).
 const PLAN: &str = r#"
-    SELECT h.pool_id, h.capacity, h.capabilities, p.max_concurrency AS pool_limit,
-           w.max_concurrency AS workspace_limit,
+    WITH h AS (
+        SELECT h.id, h.workspace_id, h.pool_id, h.capacity, h.capabilities,
+               p.max_concurrency AS pool_limit, w.max_concurrency AS workspace_limit,
+               ARRAY(SELECT e->>'name' FROM jsonb_array_elements(h.providers) e
+                     WHERE e->'installed' = 'true'::jsonb AND e->'logged_in' = 'true'::jsonb) AS ready
+        FROM hosts h JOIN workspaces w ON w.id = h.workspace_id LEFT JOIN pools p ON p.id = h.pool_id
+        WHERE h.id = $1 AND h.workspace_id = $2
+    )
+    SELECT h.pool_id, h.capacity, h.capabilities, h.pool_limit, h.workspace_limit, h.ready,
            COALESCE((SELECT c.active FROM attempt_counts c WHERE c.scope = 'host' AND c.id = h.id), 0)::bigint
                AS host_active,
            EXISTS (SELECT 1 FROM attempts a WHERE a.host_id = h.id AND a.status = 'claimed'
                    AND NOT (a.id::text = ANY($3))) AS lost_offers,
-           ARRAY(SELECT e->>'name' FROM jsonb_array_elements(h.providers) e
-                 WHERE e->'installed' = 'true'::jsonb AND e->'logged_in' = 'true'::jsonb) AS ready,
            (SELECT count(*) FROM (
                 SELECT 1 FROM attempts a
                 WHERE a.status = 'queued' AND a.workspace_id = h.workspace_id AND a.pool_id = h.pool_id
                   AND a.not_before <= now() AND a.required_capabilities <@ h.capabilities
-                  AND a.provider IN (SELECT e->>'name' FROM jsonb_array_elements(h.providers) e
-                      WHERE e->'installed' = 'true'::jsonb AND e->'logged_in' = 'true'::jsonb)
+                  AND a.provider = ANY(h.ready)
                 LIMIT 100) q) AS waiting
-    FROM hosts h JOIN workspaces w ON w.id = h.workspace_id LEFT JOIN pools p ON p.id = h.pool_id
-    WHERE h.id = $1 AND h.workspace_id = $2
+    FROM h
 "#;
 
 /// Locks the counters of the given scopes, in the order given (workspace, pool, agents by id,
