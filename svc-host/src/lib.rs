@@ -22,7 +22,7 @@ use agentscope_schemas::v1::{
 use agentscope_telemetry::health::{self, Metrics};
 use anyhow::Context as _;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use provider::Adapter;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -52,6 +52,8 @@ pub struct Ctx {
     state: Arc<Mutex<State>>,
     /// Sends a heartbeat at once (a provider's readiness changed).
     beat: Arc<tokio::sync::Notify>,
+    /// An attempt ended and freed its slot (the claim loop rejoins its pool's queue group).
+    slot_freed: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Default)]
@@ -260,6 +262,7 @@ impl App {
             lease_ttl_ms: Arc::new(AtomicU64::new(15_000)),
             state: Arc::new(Mutex::new(State::default())),
             beat: Arc::new(tokio::sync::Notify::new()),
+            slot_freed: Arc::new(tokio::sync::Notify::new()),
         };
         discover(&ctx).await;
         let cancel = CancellationToken::new();
@@ -311,9 +314,7 @@ impl App {
         let attempts = tokio_util::task::TaskTracker::new();
         for (a, entry) in resumed {
             match slots.clone().try_acquire_owned() {
-                Ok(permit) => {
-                    spawn_attempt(&ctx, &attempts, a, permit, &registered.pool_id, Some(entry))
-                }
+                Ok(permit) => spawn_attempt(&ctx, &attempts, a, permit, Some(entry)),
                 Err(_) => {
                     tracing::error!(attempt_id = %a.attempt_id, "no capacity left to resume; its lease will lapse")
                 }
@@ -544,7 +545,6 @@ fn spawn_attempt(
     attempts: &tokio_util::task::TaskTracker,
     a: agentscope_schemas::v1::AttemptAssignment,
     permit: tokio::sync::OwnedSemaphorePermit,
-    pool_id: &str,
     resume: Option<journal::Entry>,
 ) {
     let stops = attempt::Stops {
@@ -559,7 +559,6 @@ fn spawn_attempt(
         st.decisions.insert(a.attempt_id.clone(), dtx);
     }
     let ctx = ctx.clone();
-    let pool = pool_id.to_string();
     attempts.spawn(async move {
         let id = a.attempt_id.clone();
         attempt::run(ctx.clone(), a, stops, drx, resume).await;
@@ -573,11 +572,9 @@ fn spawn_attempt(
             }
         }
         drop(permit);
-        // A slot is free: ask again now.
-        let _ = ctx
-            .nats
-            .publish(nudge_subject(&ctx, &pool), bytes::Bytes::new())
-            .await;
+        // A slot is free: listen for nudges again. No claim now: the scheduler still counts
+        // this attempt until it records its end, and it nudges the pool when it has.
+        ctx.slot_freed.notify_one();
     });
 }
 
@@ -830,6 +827,13 @@ async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     }
 }
 
+/// The queue group hosts with a free slot listen in for their pool's nudges: NATS hands each
+/// nudge to one member, so one nudge wakes one host that can take work.
+const FREE_HOSTS_QUEUE: &str = "free-hosts";
+
+/// Asks for work: at start, on a nudge (while a slot is free, as a member of the pool's queue
+/// group), every `poll_interval_ms` (the fallback: nothing depends on a nudge arriving), and at
+/// once again after an offer that brought work while more is waiting and a slot is still free.
 async fn claim_loop(
     ctx: Ctx,
     pool_id: String,
@@ -837,78 +841,128 @@ async fn claim_loop(
     attempts: tokio_util::task::TaskTracker,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut nudges = if pool_id.is_empty() {
-        None
-    } else {
-        Some(ctx.nats.subscribe(nudge_subject(&ctx, &pool_id)).await?)
-    };
+    let subject = (!pool_id.is_empty()).then(|| nudge_subject(&ctx, &pool_id));
+    let mut nudges: Option<async_nats::Subscriber> = None;
     let poll = Duration::from_millis(ctx.config.poll_interval_ms);
+    let mut next_poll = tokio::time::Instant::now();
+    let mut claim_now = true;
     loop {
-        let free = slots.available_permits() as u32;
-        let mut got_work = false;
-        if free > 0 {
-            let held_attempts = {
-                let st = ctx.state.lock().expect("host state");
-                st.running
-                    .keys()
-                    .chain(st.reported.iter())
-                    .chain(st.finished.iter())
-                    .cloned()
-                    .collect()
-            };
-            let req = ClaimRequest {
-                host_id: ctx.host_id.to_string(),
-                host_token: ctx.config.host_token.clone(),
-                free_slots: free,
-                held_attempts,
-            };
-            // Well inside the lease TTL, so a lost reply is offered again before its lease lapses.
-            let wait = Duration::from_millis((ctx.lease_ttl_ms() / 3).clamp(500, 5_000));
-            match tokio::time::timeout(
-                wait,
-                ctx.nats.request(
-                    subjects::host_claim(&ctx.host_id.to_string()),
-                    req.encode_to_vec().into(),
-                ),
-            )
-            .await
-            {
-                Ok(Ok(msg)) => match ClaimOffer::decode(msg.payload.as_ref()) {
-                    Ok(offer) if !offer.error_code.is_empty() => {
-                        tracing::warn!(code = %offer.error_code, message = %offer.message, "claim refused");
-                    }
-                    Ok(offer) => {
-                        for a in offer.assignments {
-                            got_work = true;
-                            let permit = slots.clone().try_acquire_owned();
-                            let Ok(permit) = permit else {
-                                tracing::error!(attempt_id = %a.attempt_id, "offered more than free capacity; its lease will lapse");
-                                continue;
-                            };
-                            spawn_attempt(&ctx, &attempts, a, permit, &pool_id, None);
-                        }
-                    }
-                    Err(_) => tracing::warn!("malformed claim offer"),
-                },
-                Ok(Err(e)) => tracing::warn!(error = %e, "claim request"),
-                Err(_) => tracing::warn!("claim request timed out"),
+        if claim_now && slots.available_permits() > 0 {
+            next_poll = tokio::time::Instant::now() + poll;
+            let (got, waiting) = claim_once(&ctx, &slots, &attempts).await;
+            if got > 0 && waiting > 0 && slots.available_permits() > 0 {
+                continue;
             }
         }
-        if got_work && slots.available_permits() > 0 {
-            continue;
+        claim_now = false;
+        // In the queue group exactly while a slot is free.
+        let free = slots.available_permits() > 0;
+        match (&subject, free, nudges.is_some()) {
+            (Some(s), true, false) => {
+                nudges = Some(
+                    ctx.nats
+                        .queue_subscribe(s.clone(), FREE_HOSTS_QUEUE.into())
+                        .await?,
+                );
+            }
+            (Some(s), false, true) => {
+                let mut sub = nudges.take().expect("subscribed");
+                let _ = sub.unsubscribe().await;
+                // A nudge that reached this host after it filled up goes to a host with room.
+                let mut missed = false;
+                while let Some(Some(_)) = sub.next().now_or_never() {
+                    missed = true;
+                }
+                if missed {
+                    let _ = ctx.nats.publish(s.clone(), bytes::Bytes::new()).await;
+                }
+            }
+            _ => {}
         }
         let nudge = async {
             match nudges.as_mut() {
-                Some(n) => {
-                    n.next().await;
-                }
-                None => futures::future::pending::<()>().await,
+                Some(n) => n.next().await.is_some(),
+                None => futures::future::pending::<bool>().await,
             }
         };
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            _ = nudge => {}
-            _ = tokio::time::sleep(poll) => {}
+            open = nudge => {
+                if open {
+                    // Several nudges queued up are one claim.
+                    if let Some(n) = nudges.as_mut() {
+                        while let Some(Some(_)) = n.next().now_or_never() {}
+                    }
+                    claim_now = true;
+                } else {
+                    // The subscription ended (reconnect): subscribe again.
+                    nudges = None;
+                }
+            }
+            _ = ctx.slot_freed.notified() => {}
+            _ = tokio::time::sleep_until(next_poll) => {
+                claim_now = true;
+                next_poll = tokio::time::Instant::now() + poll;
+            }
         }
     }
+}
+
+/// One claim request; starts the attempts offered. Returns how many were started and how many
+/// more the scheduler says are waiting.
+async fn claim_once(
+    ctx: &Ctx,
+    slots: &Arc<Semaphore>,
+    attempts: &tokio_util::task::TaskTracker,
+) -> (usize, u32) {
+    let free = slots.available_permits() as u32;
+    let held_attempts = {
+        let st = ctx.state.lock().expect("host state");
+        st.running
+            .keys()
+            .chain(st.reported.iter())
+            .chain(st.finished.iter())
+            .cloned()
+            .collect()
+    };
+    let req = ClaimRequest {
+        host_id: ctx.host_id.to_string(),
+        host_token: ctx.config.host_token.clone(),
+        free_slots: free,
+        held_attempts,
+    };
+    // Well inside the lease TTL, so a lost reply is offered again before its lease lapses.
+    let wait = Duration::from_millis((ctx.lease_ttl_ms() / 3).clamp(500, 5_000));
+    let mut got = 0;
+    match tokio::time::timeout(
+        wait,
+        ctx.nats.request(
+            subjects::host_claim(&ctx.host_id.to_string()),
+            req.encode_to_vec().into(),
+        ),
+    )
+    .await
+    {
+        Ok(Ok(msg)) => match ClaimOffer::decode(msg.payload.as_ref()) {
+            Ok(offer) if !offer.error_code.is_empty() => {
+                tracing::warn!(code = %offer.error_code, message = %offer.message, "claim refused");
+            }
+            Ok(offer) => {
+                for a in offer.assignments {
+                    let permit = slots.clone().try_acquire_owned();
+                    let Ok(permit) = permit else {
+                        tracing::error!(attempt_id = %a.attempt_id, "offered more than free capacity; its lease will lapse");
+                        continue;
+                    };
+                    got += 1;
+                    spawn_attempt(ctx, attempts, a, permit, None);
+                }
+                return (got, offer.waiting);
+            }
+            Err(_) => tracing::warn!("malformed claim offer"),
+        },
+        Ok(Err(e)) => tracing::warn!(error = %e, "claim request"),
+        Err(_) => tracing::warn!("claim request timed out"),
+    }
+    (got, 0)
 }

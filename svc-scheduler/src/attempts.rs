@@ -46,7 +46,7 @@ pub fn effective_timeout(
 }
 
 async fn resolve(
-    tx: &mut Tx<'_>,
+    db: &sqlx::PgPool,
     task_id: Uuid,
     default_timeout_secs: u64,
 ) -> Result<Option<Resolved>, Error> {
@@ -69,7 +69,7 @@ async fn resolve(
         "#,
     )
     .bind(task_id)
-    .fetch_optional(&mut **tx)
+    .fetch_optional(db)
     .await?;
     let Some(row) = row else { return Ok(None) };
 
@@ -134,17 +134,14 @@ async fn resolve(
 }
 
 /// Creates Attempt 1 of a task if it has none. Idempotent: returns the pool to nudge, if any.
+///
+/// Two statements and no explicit transaction: a read of what the task resolves to, then one
+/// `INSERT ... ON CONFLICT DO NOTHING` (its own transaction) that a redelivered or concurrent
+/// submission cannot duplicate. A cancellation requested between the two is caught by the
+/// cancel message itself (it finds the attempt) or by the sweeper (queued attempts of tasks
+/// whose cancellation was requested).
 pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Option<Uuid>, Error> {
-    let mut tx = ctx.db.begin().await?;
-    let exists: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM attempts WHERE task_id = $1 AND number = 1")
-            .bind(task_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    if exists.is_some() {
-        return Ok(None);
-    }
-    let Some(r) = resolve(&mut tx, task_id, ctx.config.run_timeout_secs).await? else {
+    let Some(r) = resolve(&ctx.db, task_id, ctx.config.run_timeout_secs).await? else {
         return Err(Error::Rejected(format!("unknown task {task_id}")));
     };
     let (status, class): (AttemptStatus, Option<FailureClass>) = if r.cancel_requested {
@@ -174,13 +171,14 @@ pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Opt
     .bind(&r.required_capabilities)
     .bind(&r.spec)
     .bind(class.map(|c| c.as_str()))
-    .execute(&mut *tx)
+    .execute(&ctx.db)
     .await?;
-    tx.commit().await?;
-    if inserted.rows_affected() == 1 {
-        ctx.metrics.inc("agentscope_attempts_created_total", &[]);
-        tracing::info!(%task_id, attempt = 1, "attempt created");
+    if inserted.rows_affected() == 0 {
+        // A redelivery: the attempt exists (and its nudge went out then).
+        return Ok(None);
     }
+    ctx.metrics.inc("agentscope_attempts_created_total", &[]);
+    tracing::info!(%task_id, attempt = 1, "attempt created");
     Ok(r.pool_id.filter(|_| status == AttemptStatus::Queued))
 }
 
@@ -337,6 +335,11 @@ pub(crate) async fn finish(
     .execute(&mut **tx)
     .await?;
     tracing::info!(task_id = %a.task_id, attempt = next, delay_ms, "retry scheduled as a new attempt");
+    if delay_ms == 0
+        && let Some(pool) = a.pool_id
+    {
+        add_waiting(pool, 1);
+    }
     Ok(a.pool_id)
 }
 
@@ -392,6 +395,9 @@ async fn fallback(tx: &mut Tx<'_>, a: &Active) -> Result<Option<Uuid>, Error> {
     .execute(&mut **tx)
     .await?;
     tracing::info!(task_id = %a.task_id, attempt = number, provider = %next, "fresh fallback to another provider, with a context pack");
+    if let Some(pool) = a.pool_id {
+        add_waiting(pool, 1);
+    }
     Ok(a.pool_id)
 }
 
@@ -474,9 +480,54 @@ async fn context_pack(tx: &mut Tx<'_>, task_id: Uuid) -> Result<String, Error> {
     Ok(out)
 }
 
-/// Wakes the hosts of a pool so they ask for work now instead of at their next poll. The
-/// subject names the pool's workspace, so that NATS lets only that workspace's hosts hear it.
+/// This process's view of how many attempts wait in each pool: set by every claim it serves
+/// (the claim counts them), raised when it creates one. A pool it knows nothing about counts as
+/// having work. Other scheduler replicas keep their own view; each one's sweeper re-reads the
+/// database every `sweep_interval_ms`, so a stale view delays a nudge by one sweep at most.
+fn waiting_view() -> &'static std::sync::Mutex<HashMap<Uuid, u32>> {
+    static WAITING: std::sync::OnceLock<std::sync::Mutex<HashMap<Uuid, u32>>> =
+        std::sync::OnceLock::new();
+    WAITING.get_or_init(Default::default)
+}
+
+pub(crate) fn set_waiting(pool_id: Uuid, waiting: u32) {
+    waiting_view()
+        .lock()
+        .expect("waiting view")
+        .insert(pool_id, waiting);
+}
+
+fn add_waiting(pool_id: Uuid, n: u32) {
+    let mut view = waiting_view().lock().expect("waiting view");
+    let w = view.entry(pool_id).or_default();
+    *w = w.saturating_add(n);
+}
+
+/// New work is ready in a pool (an attempt was created, or the sweeper found one ready): wake
+/// one of its hosts.
+pub(crate) async fn nudge_ready(ctx: &Ctx, pool_id: Uuid) {
+    add_waiting(pool_id, 1);
+    publish_nudge(ctx, pool_id).await;
+}
+
+/// Capacity may have freed in a pool (an attempt ended): wake one of its hosts, if work waits
+/// there as far as this process knows.
 pub(crate) async fn nudge(ctx: &Ctx, pool_id: Uuid) {
+    let waiting = waiting_view()
+        .lock()
+        .expect("waiting view")
+        .get(&pool_id)
+        .copied();
+    if waiting == Some(0) {
+        return;
+    }
+    publish_nudge(ctx, pool_id).await;
+}
+
+/// Publishes a pool's nudge. Hosts with a free slot listen in one queue group, so one nudge
+/// wakes one host that can take work (see svc-host's claim loop). The subject names the pool's
+/// workspace, so that NATS lets only that workspace's hosts hear it.
+async fn publish_nudge(ctx: &Ctx, pool_id: Uuid) {
     static WORKSPACES: std::sync::OnceLock<std::sync::Mutex<HashMap<Uuid, Uuid>>> =
         std::sync::OnceLock::new();
     let cache = WORKSPACES.get_or_init(Default::default);
@@ -495,6 +546,7 @@ pub(crate) async fn nudge(ctx: &Ctx, pool_id: Uuid) {
             w
         }
     };
+    ctx.metrics.inc("agentscope_nudges_total", &[]);
     let _ = ctx
         .nats
         .publish(

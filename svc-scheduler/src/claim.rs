@@ -1,5 +1,11 @@
 //! Claims: a host asks for work; the scheduler leases it eligible queued Attempts within every
 //! concurrency limit (host capacity, per agent, per pool, per workspace), atomically.
+//!
+//! No workspace-wide lock: candidates are taken with `FOR UPDATE SKIP LOCKED`, and each limit
+//! is a row of `attempt_counts` (kept by a trigger on `attempts`, in the same transaction as
+//! every status change, whoever makes it) that the claim locks and reads before it decides.
+//! One claim takes as many attempts as the host has free slots, and its reply says how many
+//! more are waiting.
 
 use crate::{Ctx, Error};
 use agentscope_bus::{SCHEDULER_QUEUE, lease_key, subjects};
@@ -21,7 +27,8 @@ pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result
         .queue_subscribe(subjects::HOST_CLAIM_ALL, SCHEDULER_QUEUE.into())
         .await
         .map_err(Error::bus)?;
-    // Claims run concurrently; those of one workspace serialize on its advisory lock.
+    // Claims run concurrently; they meet only on the counter rows of the limits they check
+    // (held from the check to the commit) and skip each other's candidates.
     sub.take_until(cancel.cancelled_owned())
         .for_each_concurrent(16, |msg| {
             let ctx = ctx.clone();
@@ -41,6 +48,15 @@ pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result
                     }),
                     Err(_) => refused("malformed", "ClaimRequest payload does not decode"),
                 };
+                let result = if !offer.error_code.is_empty() {
+                    "refused"
+                } else if offer.assignments.is_empty() {
+                    "empty"
+                } else {
+                    "offered"
+                };
+                ctx.metrics
+                    .inc("agentscope_claim_requests_total", &[("result", result)]);
                 let _ = ctx.nats.publish(reply, offer.encode_to_vec().into()).await;
             }
         })
@@ -50,9 +66,9 @@ pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result
 
 fn refused(code: &str, message: &str) -> ClaimOffer {
     ClaimOffer {
-        assignments: vec![],
         error_code: code.into(),
         message: message.into(),
+        ..Default::default()
     }
 }
 
@@ -63,6 +79,58 @@ struct Candidate {
     agent_id: Uuid,
     spec: serde_json::Value,
     agent_limit: Option<i32>,
+}
+
+/// The host's row, its pool's and workspace's limits, its active count (unlocked: a first
+/// look), whether attempts claimed for it are missing from what it holds (a lost claim reply),
+/// and how many queued attempts it could run now (up to 100).
+const PLAN: &str = r#"
+    WITH h AS (
+        SELECT h.id, h.workspace_id, h.pool_id, h.capacity, h.capabilities,
+               p.max_concurrency AS pool_limit, w.max_concurrency AS workspace_limit,
+               ARRAY(SELECT e->>'name' FROM jsonb_array_elements(h.providers) e
+                     WHERE e->'installed' = 'true'::jsonb AND e->'logged_in' = 'true'::jsonb) AS ready
+        FROM hosts h JOIN workspaces w ON w.id = h.workspace_id LEFT JOIN pools p ON p.id = h.pool_id
+        WHERE h.id = $1 AND h.workspace_id = $2
+    )
+    SELECT h.pool_id, h.capacity, h.capabilities, h.pool_limit, h.workspace_limit, h.ready,
+           COALESCE((SELECT c.active FROM attempt_counts c WHERE c.scope = 'host' AND c.id = h.id), 0)::bigint
+               AS host_active,
+           EXISTS (SELECT 1 FROM attempts a WHERE a.host_id = h.id AND a.status = 'claimed'
+                   AND NOT (a.id::text = ANY($3))) AS lost_offers,
+           (SELECT count(*) FROM (
+                SELECT 1 FROM attempts a
+                WHERE a.status = 'queued' AND a.workspace_id = h.workspace_id AND a.pool_id = h.pool_id
+                  AND a.not_before <= now() AND a.required_capabilities <@ h.capabilities
+                  AND a.provider = ANY(h.ready)
+                LIMIT 100) q) AS waiting
+    FROM h
+"#;
+
+/// Locks the counters of the given scopes, in the order given (workspace, pool, agents by id,
+/// host: the order the attempts trigger uses), creating missing ones at zero, and returns their
+/// values. The row locks make the check-then-claim exact across concurrent claims and
+/// schedulers: whoever changes one of these counters waits for this transaction.
+async fn lock_counters(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    keys: &[(&'static str, Uuid)],
+) -> Result<HashMap<(String, Uuid), i64>, Error> {
+    let scopes: Vec<&str> = keys.iter().map(|k| k.0).collect();
+    let ids: Vec<Uuid> = keys.iter().map(|k| k.1).collect();
+    let rows: Vec<(String, Uuid, i32)> = sqlx::query_as(
+        "INSERT INTO attempt_counts (scope, id, active)
+         SELECT s, i, 0 FROM unnest($1::text[], $2::uuid[]) WITH ORDINALITY AS k(s, i, n) ORDER BY n
+         ON CONFLICT (scope, id) DO UPDATE SET active = attempt_counts.active
+         RETURNING scope, id, active",
+    )
+    .bind(&scopes)
+    .bind(&ids)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(s, i, n)| ((s, i), n as i64))
+        .collect())
 }
 
 async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
@@ -76,57 +144,57 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         return Ok(ClaimOffer::default());
     }
     let mut tx = ctx.db.begin().await?;
-    let host = sqlx::query(
-        "SELECT pool_id, capacity, capabilities, providers FROM hosts WHERE id = $1 AND workspace_id = $2",
-    )
-    .bind(host_id)
-    .bind(workspace_id)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(host) = host else {
+    let Some(plan) = sqlx::query(PLAN)
+        .bind(host_id)
+        .bind(workspace_id)
+        .bind(&req.held_attempts)
+        .fetch_optional(&mut *tx)
+        .await?
+    else {
         return Ok(refused("not_registered", "register before claiming"));
     };
-    let Some(pool_id) = host.try_get::<Option<Uuid>, _>("pool_id")? else {
+    let Some(pool_id) = plan.try_get::<Option<Uuid>, _>("pool_id")? else {
         return Ok(ClaimOffer::default());
     };
-    let capacity: i32 = host.try_get("capacity")?;
-    let capabilities: Vec<String> = host.try_get("capabilities")?;
-    let providers: serde_json::Value = host.try_get("providers")?;
-    let ready: Vec<String> = providers
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|p| p["installed"] == true && p["logged_in"] == true)
-        .filter_map(|p| p["name"].as_str().map(str::to_string))
-        .collect();
-
-    // Claims in one workspace are serialized so that concurrent schedulers cannot both take
-    // the last slot of a limit.
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
-        .bind(format!("claim:{workspace_id}"))
-        .execute(&mut *tx)
-        .await?;
+    let capacity = plan.try_get::<i32, _>("capacity")? as i64;
+    let capabilities: Vec<String> = plan.try_get("capabilities")?;
+    let ready: Vec<String> = plan.try_get("ready")?;
+    let pool_limit: Option<i32> = plan.try_get("pool_limit")?;
+    let workspace_limit: Option<i32> = plan.try_get("workspace_limit")?;
+    let waiting_before = plan.try_get::<i64, _>("waiting")?;
+    let lost_offers: bool = plan.try_get("lost_offers")?;
 
     // Attempts leased to this host whose claim reply never arrived: offer them again, under
     // the same lease, instead of letting the lease lapse into a retry.
-    let mut assignments = reoffer(ctx, &mut tx, host_id, workspace_id, &req.held_attempts).await?;
-
-    let host_active: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM attempts WHERE host_id = $1 AND status IN ('claimed','running')",
-    )
-    .bind(host_id)
-    .fetch_one(&mut *tx)
-    .await?;
-    let mut slots =
-        (capacity as i64 - host_active).min(req.free_slots as i64 - assignments.len() as i64);
-    if slots <= 0 {
+    let mut assignments = if lost_offers {
+        reoffer(ctx, &mut tx, host_id, workspace_id, &req.held_attempts).await?
+    } else {
+        Vec::new()
+    };
+    let want = (req.free_slots as i64 - assignments.len() as i64)
+        .min(capacity - plan.try_get::<i64, _>("host_active")?);
+    if want <= 0 || waiting_before == 0 {
         tx.commit().await?;
+        if assignments.is_empty() {
+            let reason = if waiting_before == 0 {
+                "no_work"
+            } else {
+                "host_full"
+            };
+            ctx.metrics
+                .inc("agentscope_claim_empty_total", &[("reason", reason)]);
+        }
+        let waiting = waiting_before as u32;
+        note_waiting(pool_id, waiting);
         return Ok(ClaimOffer {
             assignments,
+            waiting,
             ..Default::default()
         });
     }
 
+    // Candidates, locked: concurrent claims skip them and take the next ones. A few more than
+    // wanted, for those an agent limit turns down.
     let rows = sqlx::query(
         r#"
         SELECT a.id, a.task_id, a.number, a.agent_id, a.spec, b.max_concurrency AS agent_limit
@@ -134,7 +202,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         WHERE a.status = 'queued' AND a.workspace_id = $1 AND a.pool_id = $2
           AND a.not_before <= now() AND a.required_capabilities <@ $3 AND a.provider = ANY($4)
         ORDER BY a.not_before, a.created_at
-        LIMIT 64
+        LIMIT $5
         FOR UPDATE OF a SKIP LOCKED
         "#,
     )
@@ -142,15 +210,9 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     .bind(pool_id)
     .bind(&capabilities)
     .bind(&ready)
+    .bind((want + 8).min(64))
     .fetch_all(&mut *tx)
     .await?;
-    if rows.is_empty() {
-        tx.commit().await?;
-        return Ok(ClaimOffer {
-            assignments,
-            ..Default::default()
-        });
-    }
     let candidates = rows
         .iter()
         .map(|r| {
@@ -164,36 +226,55 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
             })
         })
         .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    if candidates.is_empty() {
+        tx.commit().await?;
+        note_waiting(pool_id, 0);
+        if assignments.is_empty() {
+            ctx.metrics
+                .inc("agentscope_claim_empty_total", &[("reason", "no_work")]);
+        }
+        return Ok(ClaimOffer {
+            assignments,
+            ..Default::default()
+        });
+    }
 
-    let (pool_limit, workspace_limit): (Option<i32>, Option<i32>) = sqlx::query_as(
-        "SELECT p.max_concurrency, w.max_concurrency FROM pools p JOIN workspaces w ON w.id = p.workspace_id WHERE p.id = $1",
-    )
-    .bind(pool_id)
-    .fetch_one(&mut *tx)
-    .await?;
-    let mut per_agent: HashMap<Uuid, i64> = sqlx::query_as::<_, (Uuid, i64)>(
-        "SELECT agent_id, count(*) FROM attempts WHERE workspace_id = $1 AND status IN ('claimed','running') GROUP BY agent_id",
-    )
-    .bind(workspace_id)
-    .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .collect();
-    let mut in_pool: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM attempts WHERE pool_id = $1 AND status IN ('claimed','running')",
-    )
-    .bind(pool_id)
-    .fetch_one(&mut *tx)
-    .await?;
-    let mut in_workspace: i64 = per_agent.values().sum();
+    // The counters of every limit that applies, locked in the trigger's order.
+    let mut keys: Vec<(&'static str, Uuid)> = Vec::new();
+    if workspace_limit.is_some() {
+        keys.push(("workspace", workspace_id));
+    }
+    if pool_limit.is_some() {
+        keys.push(("pool", pool_id));
+    }
+    let mut limited_agents: Vec<Uuid> = candidates
+        .iter()
+        .filter(|c| c.agent_limit.is_some())
+        .map(|c| c.agent_id)
+        .collect();
+    limited_agents.sort();
+    limited_agents.dedup();
+    keys.extend(limited_agents.iter().map(|a| ("agent", *a)));
+    keys.push(("host", host_id));
+    let counts = lock_counters(&mut tx, &keys).await?;
+    let count = |scope: &str, id: Uuid| -> i64 {
+        counts.get(&(scope.to_string(), id)).copied().unwrap_or(0)
+    };
+    let mut slots = want.min(capacity - count("host", host_id));
+    let mut in_workspace = count("workspace", workspace_id);
+    let mut in_pool = count("pool", pool_id);
+    let mut per_agent: HashMap<Uuid, i64> = limited_agents
+        .iter()
+        .map(|a| (*a, count("agent", *a)))
+        .collect();
 
+    let over = |limit: Option<i32>, n: i64| limit.is_some_and(|l| n >= l as i64);
     let mut taken = Vec::new();
     for c in candidates {
-        if slots == 0 {
+        if slots <= 0 {
             break;
         }
         let agent_n = per_agent.get(&c.agent_id).copied().unwrap_or(0);
-        let over = |limit: Option<i32>, n: i64| limit.is_some_and(|l| n >= l as i64);
         if over(c.agent_limit, agent_n)
             || over(pool_limit, in_pool)
             || over(workspace_limit, in_workspace)
@@ -207,19 +288,30 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         taken.push(c);
     }
 
-    // Lease first, then record: a lease whose row never commits just expires.
-    let mut created_keys = Vec::new();
-    for c in &taken {
-        let key = lease_key(&host_id.to_string(), &c.id.to_string());
+    // Lease first, then record: a lease whose row never commits just expires. The leases of
+    // one claim are created concurrently (one round trip, not one per attempt).
+    let host = host_id.to_string();
+    let leases = futures::future::join_all(taken.iter().map(|c| {
+        let key = lease_key(&host, &c.id.to_string());
         let now = agentscope_bus::now_ms();
         let record = LeaseRecord {
             attempt_id: c.id.to_string(),
-            host_id: host_id.to_string(),
+            host_id: host.clone(),
             token: 0,
             acquired_at_ms: now,
             renewed_at_ms: now,
         };
-        let revision = match ctx.leases.create(&key, record.encode_to_vec().into()).await {
+        async move {
+            let res = ctx.leases.create(&key, record.encode_to_vec().into()).await;
+            (key, res)
+        }
+    }))
+    .await;
+    let mut created_keys = Vec::new();
+    let (mut ids, mut revisions, mut hashes) = (Vec::new(), Vec::new(), Vec::new());
+    let mut offered = Vec::new();
+    for (c, (key, res)) in taken.iter().zip(leases) {
+        let revision = match res {
             Ok(r) => r,
             Err(e) => {
                 // After a scheduler restart, many leases of the old one still exist: one line
@@ -232,17 +324,10 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         };
         created_keys.push(key.clone());
         let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
-        sqlx::query(
-            "UPDATE attempts SET status = 'claimed', host_id = $2, lease_token = $3, claimed_at = clock_timestamp(),
-                task_token_hash = $4 WHERE id = $1 AND status = 'queued'",
-        )
-        .bind(c.id)
-        .bind(host_id)
-        .bind(revision as i64)
-        .bind(agentscope_domain::hash_token(&task_token))
-        .execute(&mut *tx)
-        .await?;
-        assignments.push(AttemptAssignment {
+        ids.push(c.id);
+        revisions.push(revision as i64);
+        hashes.push(agentscope_domain::hash_token(&task_token));
+        offered.push(AttemptAssignment {
             attempt_id: c.id.to_string(),
             task_id: c.task_id.to_string(),
             workspace_id: workspace_id.to_string(),
@@ -255,20 +340,52 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
             task_token,
         });
     }
-    if let Err(e) = tx.commit().await {
+    let recorded = async {
+        if !ids.is_empty() {
+            // One statement for the whole batch; the trigger on `attempts` moves the counters
+            // locked above.
+            sqlx::query(
+                "UPDATE attempts a SET status = 'claimed', host_id = $2, lease_token = x.token,
+                     claimed_at = clock_timestamp(), task_token_hash = x.hash
+                 FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS x(id, token, hash)
+                 WHERE a.id = x.id AND a.status = 'queued'",
+            )
+            .bind(&ids)
+            .bind(host_id)
+            .bind(&revisions)
+            .bind(&hashes)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await
+    }
+    .await;
+    if let Err(e) = recorded {
         for key in created_keys {
             let _ = ctx.leases.purge(&key).await;
         }
         return Err(e.into());
     }
-    for a in &assignments {
+    let waiting = (waiting_before - offered.len() as i64).max(0) as u32;
+    note_waiting(pool_id, waiting);
+    if offered.is_empty() && assignments.is_empty() {
+        ctx.metrics
+            .inc("agentscope_claim_empty_total", &[("reason", "limits")]);
+    }
+    for a in &offered {
         ctx.metrics.inc("agentscope_attempts_claimed_total", &[]);
         tracing::info!(attempt_id = %a.attempt_id, task_id = %a.task_id, %host_id, lease_token = a.lease_token, "attempt claimed");
     }
+    assignments.extend(offered);
     Ok(ClaimOffer {
         assignments,
+        waiting,
         ..Default::default()
     })
+}
+
+fn note_waiting(pool_id: Uuid, waiting: u32) {
+    crate::attempts::set_waiting(pool_id, waiting);
 }
 
 async fn reoffer(

@@ -6,22 +6,50 @@ use agentscope_schemas::Message;
 use agentscope_schemas::v1::{HostHeartbeat, HostRegistered, HostRegistration};
 use futures::StreamExt;
 use serde_json::json;
+use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// The workspace a host token belongs to, if the token is valid.
+/// How long a verified host token is trusted without asking the database again: a revoked
+/// token stops working for claims within this time (new connections are refused at once by the
+/// auth callout, which does not use this cache).
+const TOKEN_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The workspace a host token belongs to, if the token is valid. Valid answers are cached per
+/// token hash for [`TOKEN_CACHE_TTL`]; refusals are not cached.
 pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<Uuid>, Error> {
+    type Cache = std::sync::Mutex<HashMap<String, (Uuid, std::time::Instant)>>;
+    static CACHE: std::sync::OnceLock<Cache> = std::sync::OnceLock::new();
     if !token.starts_with("agh_") {
         return Ok(None);
     }
     let hash = agentscope_domain::hash_token(token);
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some((ws, at)) = cache.lock().expect("token cache").get(&hash).copied()
+        && at.elapsed() < TOKEN_CACHE_TTL
+    {
+        return Ok(Some(ws));
+    }
     let ws: Option<(Uuid,)> = sqlx::query_as(
         "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'host' AND revoked_at IS NULL",
     )
-    .bind(hash)
+    .bind(&hash)
     .fetch_optional(&ctx.db)
     .await?;
-    Ok(ws.map(|w| w.0))
+    let mut cache = cache.lock().expect("token cache");
+    match ws {
+        Some((w,)) => {
+            if cache.len() > 10_000 {
+                cache.retain(|_, (_, at)| at.elapsed() < TOKEN_CACHE_TTL);
+            }
+            cache.insert(hash, (w, std::time::Instant::now()));
+            Ok(Some(w))
+        }
+        None => {
+            cache.remove(&hash);
+            Ok(None)
+        }
+    }
 }
 
 pub(crate) async fn serve_register(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {

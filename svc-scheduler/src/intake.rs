@@ -88,7 +88,7 @@ async fn handle(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), Error> {
             let task_id = parse_id(&m.task_id)?;
             tracing::Span::current().record("task_id", m.task_id.as_str());
             if let Some(pool) = attempts::ensure_first_attempt(ctx, task_id).await? {
-                attempts::nudge(ctx, pool).await;
+                attempts::nudge_ready(ctx, pool).await;
             }
             Ok(())
         }

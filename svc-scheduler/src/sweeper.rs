@@ -98,7 +98,7 @@ async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
 
     // 4. Attempts created before their agent had a binding, and pools with ready work.
     for pool in attempts::rebind_unbound(ctx).await? {
-        attempts::nudge(ctx, pool).await;
+        attempts::nudge_ready(ctx, pool).await;
     }
     let ready: Vec<(Uuid,)> = sqlx::query_as(
         "SELECT DISTINCT pool_id FROM attempts WHERE status = 'queued' AND pool_id IS NOT NULL AND not_before <= now()",
@@ -106,7 +106,7 @@ async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
     .fetch_all(&ctx.db)
     .await?;
     for (pool,) in ready {
-        attempts::nudge(ctx, pool).await;
+        attempts::nudge_ready(ctx, pool).await;
     }
     Ok(())
 }

@@ -282,6 +282,25 @@ impl Stack {
         Ok(p)
     }
 
+    /// Another svc-scheduler replica named `name`, with the stack's scheduler settings; ready.
+    /// Returns it and the base URL of its health listener (`/metrics`).
+    pub async fn spawn_scheduler(&self, name: &str) -> Result<(Proc, String)> {
+        let env = self.scheduler_env.clone();
+        let (p, port) = kit::spawn_on_free_port(
+            &format!("scheduler-{name}"),
+            &bin("svc-scheduler")?,
+            |port| {
+                let mut e = env.clone();
+                e.push(("AGENTSCOPE_HEALTH_ADDR".into(), format!("127.0.0.1:{port}")));
+                e
+            },
+            "/readyz",
+            &self.dir.path,
+        )
+        .await?;
+        Ok((p, format!("http://127.0.0.1:{port}")))
+    }
+
     /// Stops the scheduler (SIGKILL when `crash`, else SIGTERM) and starts a new one.
     pub async fn restart_scheduler(&mut self, crash: bool) -> Result<()> {
         if crash {

@@ -190,6 +190,11 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
     // The pool's nudges of its own workspace are allowed.
     let own = agentscope_bus::subjects::pool_work(&workspace, &pool_id);
     let _own_nudges = nc.subscribe(own.clone()).await.unwrap();
+    // Also in the queue group hosts with a free slot listen in (one nudge wakes one host).
+    let _own_queue = nc
+        .queue_subscribe(own.clone(), "free-hosts".into())
+        .await
+        .unwrap();
     nc.publish(own.clone(), "".into()).await.unwrap();
     nc.flush().await.unwrap();
     assert!(
@@ -347,6 +352,14 @@ async fn wrong_or_foreign_credentials_do_not_connect() {
         .unwrap();
     let nudges_a = agentscope_bus::subjects::pool_work(&stack.workspace_id, &pool_a);
     let _s = nc.subscribe(nudges_a.clone()).await.unwrap();
+    nc.flush().await.unwrap();
+    refused(&errors, &nudges_a).await;
+    // Nor take them from A's hosts through their queue group.
+    errors.lock().unwrap().clear();
+    let _q = nc
+        .queue_subscribe(nudges_a.clone(), "free-hosts".into())
+        .await
+        .unwrap();
     nc.flush().await.unwrap();
     refused(&errors, &nudges_a).await;
 }

@@ -90,3 +90,121 @@ async fn concurrency_limits_hold_across_forty_tasks() {
         per_host.keys()
     );
 }
+
+/// The claims a scheduler answered, by result, from its `/metrics`.
+async fn claims_answered(health: &str) -> HashMap<String, u64> {
+    let text = kit::http_client()
+        .get(format!("{health}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("agentscope_claim_requests_total{result=\""))
+        .filter_map(|l| {
+            let (result, rest) = l.split_once('"')?;
+            let n = rest.trim_start_matches('}').trim().parse().ok()?;
+            Some((result.to_string(), n))
+        })
+        .collect()
+}
+
+/// Two schedulers answer the claims of three hosts (capacity 3) for two agents (limit 3 each)
+/// in a pool limited to 4: the limits are counters both schedulers check under row locks, so
+/// none is exceeded, while work still runs in parallel and both schedulers serve claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_hold_with_two_schedulers() {
+    let stack = Stack::start("limits-two", StackOptions::default())
+        .await
+        .unwrap();
+    let (_second, second_health) = stack.spawn_scheduler("second").await.unwrap();
+    let pool = stack
+        .api
+        .post("/v1/pools", json!({"name": "capped", "max_concurrency": 4}))
+        .await
+        .unwrap();
+    let pool_id = pool["id"].as_str().unwrap().to_string();
+    let mut agents = Vec::new();
+    for name in ["a1", "a2"] {
+        let (agent, p) = stack
+            .command_agent(name, "capped", &["sh", "-c", "sleep 0.2"], Some(3))
+            .await
+            .unwrap();
+        assert_eq!(p, pool_id);
+        agents.push(agent);
+    }
+    let mut hosts = Vec::new();
+    for name in ["h1", "h2", "h3"] {
+        hosts.push(stack.host(name, "capped", 3).await.unwrap());
+    }
+    let mut ids = Vec::new();
+    for i in 0..48 {
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agents[i % 2], "input": format!("task {i}")}),
+            )
+            .await
+            .unwrap();
+        ids.push(t["id"].as_str().unwrap().to_string());
+    }
+    for id in &ids {
+        stack
+            .wait_task(id, "succeeded", Duration::from_secs(180))
+            .await
+            .unwrap();
+    }
+    let rows: Vec<(String, String, f64, f64)> = sqlx::query_as(
+        "SELECT host_id::text, agent_id::text, EXTRACT(EPOCH FROM claimed_at)::float8,
+                EXTRACT(EPOCH FROM finished_at)::float8
+         FROM attempts WHERE workspace_id = $1::uuid",
+    )
+    .bind(&stack.workspace_id)
+    .fetch_all(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 48, "one attempt per task");
+    let mut per_host: HashMap<&str, Vec<(f64, f64)>> = HashMap::new();
+    let mut per_agent: HashMap<&str, Vec<(f64, f64)>> = HashMap::new();
+    for (h, a, s, e) in &rows {
+        assert!(e > s);
+        per_host.entry(h).or_default().push((*s, *e));
+        per_agent.entry(a).or_default().push((*s, *e));
+    }
+    for (h, iv) in &per_host {
+        let m = max_overlap(iv);
+        assert!(m <= 3, "host {h} ran {m} attempts at once (capacity 3)");
+    }
+    for (a, iv) in &per_agent {
+        let m = max_overlap(iv);
+        assert!(m <= 3, "agent {a} ran {m} attempts at once (limit 3)");
+    }
+    let all: Vec<(f64, f64)> = rows.iter().map(|(_, _, s, e)| (*s, *e)).collect();
+    let pool_max = max_overlap(&all);
+    assert!(
+        pool_max <= 4,
+        "the pool ran {pool_max} attempts at once (limit 4)"
+    );
+    assert!(pool_max >= 3, "work ran in parallel (max {pool_max})");
+    // Nothing is left counted once everything ended.
+    let left: Vec<(String, i32)> =
+        sqlx::query_as("SELECT scope, active FROM attempt_counts WHERE active <> 0")
+            .fetch_all(&stack.pg)
+            .await
+            .unwrap();
+    assert!(
+        left.is_empty(),
+        "counters left after every attempt ended: {left:?}"
+    );
+    // Both schedulers took part.
+    for health in [stack.scheduler_health.clone(), second_health] {
+        let answered = claims_answered(&health).await;
+        assert!(
+            answered.get("offered").copied().unwrap_or(0) > 0,
+            "scheduler {health} offered work: {answered:?}"
+        );
+    }
+}

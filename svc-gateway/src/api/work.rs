@@ -301,23 +301,31 @@ async fn submit(s: &AppState, workspace_id: Uuid, task_id: Uuid) {
         workspace_id: workspace_id.to_string(),
         traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
     };
-    let res = async {
+    let sent =
         s.js.publish_with_headers(
             subjects::TASK_SUBMITTED,
             agentscope_bus::headers(&format!("submit:{task_id}")),
             m.encode_to_vec().into(),
         )
-        .await?
-        .await
-        .map_err(async_nats::Error::from)
-    }
-    .await;
-    match res {
-        Ok(_) => s.metrics.inc("agentscope_tasks_submitted_total", &[]),
-        Err(e) => {
-            tracing::warn!(error = %e, %task_id, "publish task submission; the scheduler's sweep will pick it up")
+        .await;
+    // The stream's acknowledgement is awaited off the request's path: the message is on its
+    // way, and if it is lost the scheduler's sweep finds the task anyway.
+    let metrics = s.metrics.clone();
+    let res = match sent {
+        Ok(ack) => {
+            tokio::spawn(async move {
+                match ack.await {
+                    Ok(_) => metrics.inc("agentscope_tasks_submitted_total", &[]),
+                    Err(e) => {
+                        tracing::warn!(error = %e, %task_id, "publish task submission; the scheduler's sweep will pick it up")
+                    }
+                }
+            });
+            return;
         }
-    }
+        Err(e) => e,
+    };
+    tracing::warn!(error = %res, %task_id, "publish task submission; the scheduler's sweep will pick it up");
 }
 
 pub async fn create_task(
@@ -345,54 +353,65 @@ pub async fn create_task(
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
     }
-    let refs_ok: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM agents WHERE id = $1 AND workspace_id = $3)
-            AND ($2::uuid IS NULL OR EXISTS (SELECT 1 FROM issues WHERE id = $2 AND workspace_id = $3))",
+    // One statement, its own transaction: the references are checked by the insert itself.
+    let id = Uuid::now_v7();
+    let created = sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
+        "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key, request_hash)
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10
+         WHERE EXISTS (SELECT 1 FROM agents WHERE id = $4 AND workspace_id = $2)
+           AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM issues WHERE id = $3 AND workspace_id = $2))
+         RETURNING created_at",
     )
-    .bind(b.agent_id)
-    .bind(b.issue_id)
+    .bind(id)
     .bind(auth.workspace_id)
-    .fetch_one(&s.db)
-    .await?;
-    if !refs_ok {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_reference",
-            "agent or issue not found in this workspace",
-        ));
-    }
-    let mut tx = s.db.begin().await?;
-    let id = match insert_task(
-        &mut tx,
-        auth.workspace_id,
-        b.agent_id,
-        b.issue_id,
-        &b.repository,
-        &b.branch,
-        &b.input,
-        b.timeout_secs,
-        b.idempotency_key.as_deref(),
-        Some(&hash),
-    )
-    .await
-    {
-        Ok(id) => id,
-        Err(ApiError::Db(sqlx::Error::Database(e)))
-            if e.is_unique_violation() && b.idempotency_key.is_some() =>
-        {
+    .bind(b.issue_id)
+    .bind(b.agent_id)
+    .bind(&b.repository)
+    .bind(&b.branch)
+    .bind(&b.input)
+    .bind(b.timeout_secs)
+    .bind(b.idempotency_key.as_deref())
+    .bind(&hash)
+    .fetch_optional(&s.db)
+    .await;
+    let created_at = match created {
+        Ok(Some(at)) => at,
+        Ok(None) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_reference",
+                "agent or issue not found in this workspace",
+            ));
+        }
+        Err(sqlx::Error::Database(e)) if e.is_unique_violation() && b.idempotency_key.is_some() => {
             // A concurrent request with the same key won the race.
-            drop(tx);
             let key = b.idempotency_key.as_deref().unwrap_or_default();
             let id = existing_task(&s, auth, key, &hash)
                 .await?
                 .ok_or_else(|| ApiError::Db(sqlx::Error::RowNotFound))?;
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
-        Err(e) => return Err(e),
+        Err(e) => return Err(e.into()),
     };
-    tx.commit().await?;
     submit(&s, auth.workspace_id, id).await;
-    Ok((StatusCode::CREATED, Json(task_json(&s, auth, id).await?)))
+    // What was just stored; its first attempt is the scheduler's to create (GET shows it).
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "id": id,
+            "status": task_status(None),
+            "issue_id": b.issue_id,
+            "agent_id": b.agent_id,
+            "repository": b.repository,
+            "branch": b.branch,
+            "input": b.input,
+            "timeout_secs": b.timeout_secs,
+            "idempotency_key": b.idempotency_key,
+            "cancel_requested_at": Option::<chrono::DateTime<chrono::Utc>>::None,
+            "created_at": created_at,
+            "attempts": [],
+        })),
+    ))
 }
 
 /// The task an earlier submission with `key` created, if the request was the same; another
