@@ -958,6 +958,67 @@ mod tests {
     }
 
     #[test]
+    fn the_sentinel_reads_back_the_command_line_the_host_writes() {
+        let who = RunAs {
+            uid: 1_900_000_007,
+            gid: 1_900_000_008,
+        };
+        let argv = vec!["sh".to_string(), "-c".to_string(), "echo -- hi".to_string()];
+        let args = sentinel_args(42, Some(who), Path::new("/bin/sh"), &argv);
+        let a = parse_sentinel_args(&args).unwrap();
+        assert_eq!((a.host, a.who), (42, Some(who)));
+        assert_eq!(a.program.to_str().unwrap(), "/bin/sh");
+        let back: Vec<&str> = a.argv.iter().map(|c| c.to_str().unwrap()).collect();
+        assert_eq!(back, ["sh", "-c", "echo -- hi"]);
+        let a =
+            parse_sentinel_args(&sentinel_args(7, None, Path::new("/x"), &["x".into()])).unwrap();
+        assert_eq!(a.who, None);
+        for bad in [
+            vec!["x", "-", "--", "/bin/true", "true"],
+            vec!["1", "1900000000", "--", "/bin/true", "true"],
+            vec!["1", "-", "/bin/true", "true"],
+            vec!["1", "-", "--", "/bin/true"],
+        ] {
+            let bad: Vec<std::ffi::OsString> = bad.into_iter().map(Into::into).collect();
+            assert!(parse_sentinel_args(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn programs_are_resolved_like_execvp() {
+        let dir = std::env::temp_dir().join(format!("agentscope-path-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(dir.join("bin")).unwrap();
+        let tool = dir.join("bin/tool");
+        std::fs::write(&tool, "#!/bin/sh\n").unwrap();
+        std::fs::write(dir.join("bin/plain"), "data").unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path =
+            std::env::join_paths(["/nonexistent", dir.join("bin").to_str().unwrap()]).unwrap();
+        assert_eq!(
+            resolve_program("tool", &path, Path::new("/")),
+            Some(tool.clone())
+        );
+        assert_eq!(
+            resolve_program("plain", &path, Path::new("/")),
+            None,
+            "not executable"
+        );
+        assert_eq!(resolve_program("missing", &path, Path::new("/")), None);
+        assert_eq!(resolve_program("", &path, Path::new("/")), None);
+        // A name with a slash is not searched, and is relative to the working directory.
+        assert_eq!(
+            resolve_program("bin/tool", &path, &dir),
+            Some(dir.join("bin/tool"))
+        );
+        assert_eq!(resolve_program("./tool", &path, Path::new("/")), None);
+        assert_eq!(
+            resolve_program(tool.to_str().unwrap(), "".as_ref(), Path::new("/")),
+            Some(tool)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn only_the_allow_list_reaches_a_provider() {
         let env = vec![
             ("HOME".to_string(), "/t/home".to_string()),
