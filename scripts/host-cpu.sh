@@ -12,13 +12,13 @@ HIGH=${2:-320}
 CAPACITY=${3:-8}
 TCK=$(getconf CLK_TCK)
 
-host_ticks() { # tasks -> the host's CPU ticks at its end
+host_ticks() { # tasks -> the host's user and system CPU ticks at its end
     local tasks=$1 last="" bench
     "$BIN/agentscope-bench" --tasks "$tasks" --hosts 1 --capacity "$CAPACITY" >&2 &
     bench=$!
     while kill -0 "$bench" 2>/dev/null; do
         for p in $(pgrep -P "$bench" -x svc-host || true); do
-            t=$(awk '{print $14+$15+$16+$17}' "/proc/$p/stat" 2>/dev/null || true)
+            t=$(awk '{print $14+$16, $15+$17}' "/proc/$p/stat" 2>/dev/null || true)
             [ -n "$t" ] && last=$t
         done
         sleep 0.05
@@ -30,5 +30,9 @@ host_ticks() { # tasks -> the host's CPU ticks at its end
 low=$(host_ticks "$LOW")
 high=$(host_ticks "$HIGH")
 awk -v l="$low" -v h="$high" -v n=$((HIGH - LOW)) -v tck="$TCK" 'BEGIN {
-    printf "host CPU: %d tasks %.2f s, %d tasks %.2f s; per attempt %.3f ms\n",
-        '"$LOW"', l / tck, '"$HIGH"', h / tck, (h - l) / tck * 1000 / n }'
+    split(l, a, " "); split(h, b, " ");
+    printf "host CPU (user+system): %d tasks %.2f+%.2f s, %d tasks %.2f+%.2f s\n",
+        '"$LOW"', a[1] / tck, a[2] / tck, '"$HIGH"', b[1] / tck, b[2] / tck;
+    printf "per attempt: %.3f ms (user %.3f ms, system %.3f ms)\n",
+        (b[1] + b[2] - a[1] - a[2]) / tck * 1000 / n, (b[1] - a[1]) / tck * 1000 / n,
+        (b[2] - a[2]) / tck * 1000 / n }'

@@ -140,7 +140,7 @@ impl Identities {
         while tried < len {
             // Pick and lock a candidate under the mutex; look for leftovers outside it, so that
             // other attempts starting on this host do not wait on that scan.
-            let (uid, mut lock) = {
+            let (uid, lock) = {
                 let mut inner = self.inner.lock().expect("identities");
                 let mut found = None;
                 while tried < len && found.is_none() {
@@ -174,8 +174,10 @@ impl Identities {
                 }
             };
             // A uid its last holder released cleanly (every process gone, checked) has nothing
-            // left to kill; one whose holder died may have orphans.
-            let clean = read_mark(&mut lock) == CLEAN;
+            // left to kill, nor has one nobody ever held (an empty lock file: the mark is
+            // written before a uid is handed out); one whose holder died may have orphans.
+            let mark = read_mark(&lock);
+            let clean = mark.is_empty() || mark == CLEAN;
             let left = if clean {
                 vec![]
             } else {
@@ -195,7 +197,11 @@ impl Identities {
                     .push(lock);
                 continue;
             }
-            write_mark(&mut lock, HELD);
+            if let Err(e) = write_mark(&lock, HELD) {
+                let path = self.lock_dir.join(uid.to_string());
+                self.inner.lock().expect("identities").held.remove(&uid);
+                return Err(io("mark", &path)(e));
+            }
             return Ok(Lease {
                 who: RunAs { uid, gid: uid },
                 lock,
@@ -221,9 +227,8 @@ impl Identities {
         let mut inner = self.inner.lock().expect("identities");
         if left.survivors.is_empty() {
             inner.held.remove(&lease.who.uid);
-            let mut lock = lease.lock;
-            write_mark(&mut lock, CLEAN);
-            drop(lock);
+            let _ = write_mark(&lease.lock, CLEAN);
+            drop(lease.lock);
         } else {
             tracing::error!(
                 uid = lease.who.uid,
@@ -271,19 +276,17 @@ pub fn uid_processes(uid: u32) -> Vec<i32> {
 const HELD: &[u8] = b"held";
 const CLEAN: &[u8] = b"clean";
 
-fn read_mark(lock: &mut std::fs::File) -> Vec<u8> {
-    use std::io::{Read, Seek};
-    let mut buf = Vec::new();
-    let _ = lock.rewind().and_then(|()| lock.read_to_end(&mut buf));
-    buf
+fn read_mark(lock: &File) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 16];
+    let n = lock.read_at(&mut buf, 0).unwrap_or(0);
+    buf[..n].to_vec()
 }
 
-fn write_mark(lock: &mut std::fs::File, mark: &[u8]) {
-    use std::io::{Seek, Write};
-    let _ = lock
-        .set_len(0)
-        .and_then(|()| lock.rewind())
-        .and_then(|()| lock.write_all(mark));
+fn write_mark(lock: &File, mark: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    lock.write_all_at(mark, 0)?;
+    lock.set_len(mark.len() as u64)
 }
 
 /// SIGKILLs every process of `uid` until none is left or `within` passes.
