@@ -3,7 +3,7 @@
 
 use crate::Ctx;
 use crate::isolation;
-use crate::journal::{self, Entry};
+use crate::journal::Entry;
 use crate::provider::{self, RunAs, TaskDir};
 use agentscope_bus::subjects;
 use agentscope_domain::FailureClass;
@@ -400,6 +400,8 @@ pub async fn run(
                     })
                 }),
         };
+        // Whether the provider's whole tree is known to be gone (its sentinel ended by itself).
+        let mut gone = false;
         let outcome = match &lease {
             Ok(l) => {
                 execute(
@@ -411,6 +413,7 @@ pub async fn run(
                     resuming.as_deref(),
                     false,
                     l.as_ref().map(|l| l.who),
+                    &mut gone,
                 )
                 .await
             }
@@ -419,29 +422,32 @@ pub async fn run(
         if let (Ok(Some(lease)), Some(ids)) = (lease, ctx.identities.clone()) {
             let uid = lease.who.uid;
             let root = ctx.tasks_dir.join(&a.attempt_id);
-            let left = tokio::task::spawn_blocking(move || {
-                // Whatever escaped the process group and the marker dies with the uid; then the
-                // directory goes back to the host, so that the uid's next holder cannot reach it.
-                let left = isolation::uid_processes(uid);
-                let survivors = ids.release(lease);
-                if root.is_dir()
-                    && let Err(e) = isolation::chown_tree(&root, RunAs { uid: 0, gid: 0 })
+            let release = move || {
+                // Unless the sentinel saw the whole tree end, whatever escaped it dies with the
+                // uid (a /proc scan). Then the directory goes back to the host: its root (0700)
+                // is enough to keep the uid's next holder out of everything below it.
+                let left = ids.release(lease, gone);
+                if let Err(e) = isolation::take_back(&root)
+                    && e.kind() != std::io::ErrorKind::NotFound
                 {
                     tracing::error!(error = %e, "take the task directory back");
                 }
-                (left.len(), survivors)
-            })
-            .await;
-            match left {
-                Ok((n, survivors)) if n > 0 || !survivors.is_empty() => {
-                    tracing::warn!(
-                        uid,
-                        killed = n,
-                        survivors = survivors.len(),
-                        "processes of the attempt outlived its provider and were killed"
-                    )
-                }
-                _ => {}
+                left
+            };
+            let left = if gone {
+                release()
+            } else {
+                tokio::task::spawn_blocking(release)
+                    .await
+                    .unwrap_or_default()
+            };
+            if left.killed > 0 || !left.survivors.is_empty() {
+                tracing::warn!(
+                    uid,
+                    killed = left.killed,
+                    survivors = left.survivors.len(),
+                    "processes of the attempt outlived its provider and were killed"
+                )
             }
         }
         if let (Some(FailureClass::ProviderLogin), Some(spec)) = (outcome.1, a.spec.as_ref()) {
@@ -480,7 +486,10 @@ async fn execute(
     resume: Option<&str>,
     fresh_only: bool,
     who: Option<RunAs>,
+    gone: &mut bool,
 ) -> Outcome {
+    // Nothing of this launch runs until its sentinel does.
+    *gone = true;
     let spec = a.spec.clone().unwrap_or_default();
     let Some(adapter) = ctx.adapter(&spec.provider) else {
         return failed(
@@ -627,7 +636,10 @@ async fn execute(
             );
         }
     }
-    {
+    // Exactly what `prepare` made, nothing added: its entries are known, no walk is needed.
+    let plain =
+        resume.is_none() && dir.repo.is_none() && reuse.is_none() && launch.files.is_empty();
+    if !plain {
         use std::os::unix::fs::PermissionsExt;
         if let Err(e) = std::fs::set_permissions(&dir.root, std::fs::Permissions::from_mode(0o700))
         {
@@ -640,20 +652,30 @@ async fn execute(
     // The whole directory is the attempt's: also an earlier attempt's copied HOME, or the
     // directory a restarted host resumes in.
     if let Some(who) = who {
-        let root = dir.root.clone();
-        let owned = tokio::task::spawn_blocking(move || isolation::chown_tree(&root, who)).await;
-        if let Ok(Err(e)) | Err(e) = owned.map_err(std::io::Error::other) {
+        let owned = if plain {
+            let mut entries: Vec<std::path::PathBuf> =
+                INPUT_FILES.iter().map(|f| dir.input_dir.join(f)).collect();
+            entries.extend([
+                dir.input_dir.clone(),
+                dir.home.clone(),
+                dir.tmp.clone(),
+                dir.root.clone(),
+            ]);
+            entries
+                .iter()
+                .try_for_each(|p| std::os::unix::fs::lchown(p, Some(who.uid), Some(who.gid)))
+        } else {
+            let root = dir.root.clone();
+            tokio::task::spawn_blocking(move || isolation::chown_tree(&root, who))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+        };
+        if let Err(e) = owned {
             return failed(
                 FailureClass::TaskDir,
                 format!("give the task directory to uid {}: {e}", who.uid),
             );
         }
-    }
-    let mut cmd = tokio::process::Command::new(&launch.argv[0]);
-    // The provider's tree dies with the host; then privileges are dropped.
-    // SAFETY: contain makes only async-signal-safe system calls, no allocation.
-    unsafe {
-        cmd.pre_exec(move || isolation::contain(who));
     }
     let user = isolation::user_name(who);
     let mut env = launch.env.clone();
@@ -686,34 +708,49 @@ async fn execute(
             "variables outside the allow-list not passed to the provider"
         );
     }
-    cmd.args(&launch.argv[1..])
-        .current_dir(&launch.cwd)
-        .env_clear()
-        .envs(env)
-        .stdin(if launch.stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true);
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
+    let Some(program) = isolation::resolve_program(&launch.argv[0], path.as_ref(), &launch.cwd)
+    else {
+        return failed(
+            FailureClass::ToolDependency,
+            format!("`{}` was not found on this host", launch.argv[0]),
+        );
+    };
+    // The sentinel (spawned without copying the host's memory) starts the provider under the
+    // attempt's uid, keeps its whole tree below it, and ends it with the host.
+    let mut cmd = tokio::process::Command::new(isolation::sentinel_path());
+    cmd.args(isolation::sentinel_args(
+        std::process::id(),
+        who,
+        &program,
+        &launch.argv,
+    ))
+    .current_dir(&launch.cwd)
+    .env_clear()
+    .envs(env)
+    .stdin(if launch.stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .process_group(0)
+    .kill_on_drop(true);
     let mut child = match cmd.spawn() {
         Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return failed(
-                FailureClass::ToolDependency,
-                format!("`{}` was not found on this host", launch.argv[0]),
-            );
-        }
         Err(e) => {
             return failed(
-                FailureClass::ProviderCrash,
-                format!("start `{}`: {e}", launch.argv[0]),
+                FailureClass::Internal,
+                format!("start {}: {e}", isolation::sentinel_path().display()),
             );
         }
     };
+    *gone = false;
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
     // Providers driven over stdin keep it open (approvals); others get their input and EOF.
     let mut stdin = child.stdin.take();
@@ -818,14 +855,12 @@ async fn execute(
         tokio::select! {
             biased;
             _ = stops.lease_lost.cancelled(), if stop.is_none() => {
-                let mut left = provider::kill_group(pgid).await;
-                left.extend(provider::kill_marked(&marker).await);
+                let left = provider::stop_tree(pgid, None, &marker).await;
                 stop = Some(failed(FailureClass::LeaseLost, format!("lease lost; provider killed ({} left)", left.len())));
             }
             _ = stops.cancel.cancelled(), if stop.is_none() => {
                 sink.diag("info", "cancelling", format!("SIGTERM to process group {pgid}, SIGKILL after {} ms", grace.as_millis())).await;
-                let mut left = provider::terminate_group(pgid, grace).await;
-                left.extend(provider::kill_marked(&marker).await);
+                let left = provider::stop_tree(pgid, Some(grace), &marker).await;
                 stop = Some(if left.is_empty() {
                     (AttemptState::Cancelled, Some(FailureClass::Cancelled), "cancelled; the provider's process tree is gone".into(), None)
                 } else {
@@ -834,13 +869,11 @@ async fn execute(
             }
             _ = stops.shutdown.cancelled(), if stop.is_none() => {
                 sink.diag("warn", "host_shutdown", "the host is shutting down; stopping the provider").await;
-                let mut left = provider::terminate_group(pgid, grace).await;
-                left.extend(provider::kill_marked(&marker).await);
+                let left = provider::stop_tree(pgid, Some(grace), &marker).await;
                 stop = Some(failed(FailureClass::HostRestart, format!("the host shut down during the attempt ({} processes left)", left.len())));
             }
             _ = &mut deadline, if stop.is_none() => {
-                let mut left = provider::terminate_group(pgid, grace).await;
-                left.extend(provider::kill_marked(&marker).await);
+                let left = provider::stop_tree(pgid, Some(grace), &marker).await;
                 stop = Some(failed(FailureClass::Timeout, format!("timed out after {} s: {limit} ({} processes left)", timeout.as_secs(), left.len())));
             }
             line = rx.recv(), if output_open => match line {
@@ -867,8 +900,7 @@ async fn execute(
                         if let Some((errors, secs)) = watch.connection_error(limit.0, limit.1) {
                             let detail = format!("the provider could not connect to its model endpoint {}: {errors} connection errors in a row over {secs} s, no response", adapter.model_endpoint());
                             sink.diag("error", FailureClass::ModelUnreachable.as_str(), detail.clone()).await;
-                            let mut left = provider::terminate_group(pgid, grace).await;
-                            left.extend(provider::kill_marked(&marker).await);
+                            let left = provider::stop_tree(pgid, Some(grace), &marker).await;
                             stop = Some(failed(FailureClass::ModelUnreachable, format!("{detail} ({} processes left)", left.len())));
                         }
                         continue;
@@ -879,8 +911,7 @@ async fn execute(
                             sink.emit(scope_ids(body, scope.as_deref())).await;
                         }
                         sink.diag("error", class.as_str(), detail.clone()).await;
-                        let mut left = provider::terminate_group(pgid, grace).await;
-                        left.extend(provider::kill_marked(&marker).await);
+                        let left = provider::stop_tree(pgid, Some(grace), &marker).await;
                         stop = Some(failed(class, format!("{detail} ({} processes left)", left.len())));
                         continue;
                     }
@@ -908,7 +939,11 @@ async fn execute(
                     }
                     sink.emit(Body::Output(agentscope_schemas::v1::Output { stream: stream.into(), text, truncated })).await;
                 }
-                None => output_open = false,
+                None => {
+                    output_open = false;
+                    // The output is read: once the provider is gone, its sentinel ends the rest.
+                    isolation::end_rest(pgid);
+                }
             },
             d = decisions.recv(), if !pending.is_empty() => {
                 let Some(d) = d else { continue };
@@ -934,20 +969,20 @@ async fn execute(
     if let Some(outcome) = stop {
         return outcome;
     }
+    // The sentinel exits by itself only once nothing of the provider's tree is left (no scan
+    // needed); one that ended by a signal may have been killed before it could end the rest.
+    *gone = status.as_ref().is_ok_and(|s| s.code().is_some());
+    if !*gone {
+        provider::stop_tree(pgid, None, &marker).await;
+    }
     let turn_failed = launch.result_decides && !matches!(result_error, Some(None));
     if rejected && !fresh_only && (turn_failed || !status.as_ref().is_ok_and(|s| s.success())) {
-        provider::kill_marked(&marker).await;
         sink.diag("warn", "resume_rejected", "the provider rejected the session resume; starting a fresh session in this attempt, once").await;
-        return Box::pin(execute(ctx, a, sink, stops, decisions, None, true, who)).await;
+        return Box::pin(execute(
+            ctx, a, sink, stops, decisions, None, true, who, gone,
+        ))
+        .await;
     }
-    // The leader exited; stragglers of its tree must not outlive the attempt.
-    let stragglers = tokio::task::spawn_blocking(move || !provider::group_members(pgid).is_empty())
-        .await
-        .unwrap_or(true);
-    if stragglers {
-        provider::kill_group(pgid).await;
-    }
-    provider::kill_marked(&marker).await;
     match status {
         Ok(s) if s.success() && turn_failed => (
             AttemptState::Failed,
@@ -1097,6 +1132,9 @@ pub fn existing_task_dir(ctx: &Ctx, a: &AttemptAssignment) -> TaskDir {
     }
 }
 
+/// The input material in a task directory's `input/`.
+const INPUT_FILES: [&str; 3] = ["INPUT.md", "ISSUE.md", "INSTRUCTIONS.md"];
+
 /// Creates a fresh directory for the attempt, clones the named repository and branch, and writes
 /// the input material. Never uses the host's own checkout.
 async fn prepare(
@@ -1141,13 +1179,15 @@ async fn prepare(
         Some(dest)
     };
     let issue = format!("# {}\n\n{}\n", spec.issue_title, spec.issue_body);
-    for (name, body) in [
-        ("INPUT.md", spec.input.as_str()),
-        ("ISSUE.md", issue.as_str()),
-        ("INSTRUCTIONS.md", spec.instructions.as_str()),
-    ] {
+    // A fresh directory: plain new files (nobody reads them before the provider starts).
+    for (name, body) in INPUT_FILES.iter().zip([
+        spec.input.as_str(),
+        issue.as_str(),
+        spec.instructions.as_str(),
+    ]) {
         let p = input_dir.join(name);
-        journal::write_atomic(&p, body.as_bytes(), false).map_err(|e| format!("{e}"))?;
+        isolation::write_new_private(&p, body.as_bytes())
+            .map_err(|e| format!("write {}: {e}", p.display()))?;
     }
     Ok(TaskDir {
         root,

@@ -140,7 +140,7 @@ impl Identities {
         while tried < len {
             // Pick and lock a candidate under the mutex; look for leftovers outside it, so that
             // other attempts starting on this host do not wait on that scan.
-            let (uid, mut lock) = {
+            let (uid, lock) = {
                 let mut inner = self.inner.lock().expect("identities");
                 let mut found = None;
                 while tried < len && found.is_none() {
@@ -174,12 +174,14 @@ impl Identities {
                 }
             };
             // A uid its last holder released cleanly (every process gone, checked) has nothing
-            // left to kill; one whose holder died may have orphans.
-            let clean = read_mark(&mut lock) == CLEAN;
+            // left to kill, nor has one nobody ever held (an empty lock file: the mark is
+            // written before a uid is handed out); one whose holder died may have orphans.
+            let mark = read_mark(&lock);
+            let clean = mark.is_empty() || mark == CLEAN;
             let left = if clean {
                 vec![]
             } else {
-                kill_uid(uid, Duration::from_secs(5))
+                kill_uid(uid, Duration::from_secs(5)).survivors
             };
             if !left.is_empty() {
                 tracing::error!(
@@ -195,7 +197,11 @@ impl Identities {
                     .push(lock);
                 continue;
             }
-            write_mark(&mut lock, HELD);
+            if let Err(e) = write_mark(&lock, HELD) {
+                let path = self.lock_dir.join(uid.to_string());
+                self.inner.lock().expect("identities").held.remove(&uid);
+                return Err(io("mark", &path)(e));
+            }
             return Ok(Lease {
                 who: RunAs { uid, gid: uid },
                 lock,
@@ -207,27 +213,39 @@ impl Identities {
         })
     }
 
-    /// Kills whatever still runs under the lease's uid (processes that left the attempt's
-    /// process group and cleared its marker included), then returns the uid to the free set.
-    /// A uid whose processes survive is never handed out again. Blocking.
-    pub fn release(&self, lease: Lease) -> Vec<i32> {
-        let left = kill_uid(lease.who.uid, Duration::from_secs(10));
+    /// Returns the lease's uid to the free set. `gone`: the attempt's sentinel saw every process
+    /// of its tree end (nothing of the uid can be left: its processes cannot leave that tree).
+    /// Otherwise whatever still runs under the uid is killed first (processes that left the
+    /// process group and cleared the marker included), from a /proc scan. A uid whose processes
+    /// survive is never handed out again. Blocking when not `gone`.
+    pub fn release(&self, lease: Lease, gone: bool) -> Left {
+        let left = if gone {
+            Left::default()
+        } else {
+            kill_uid(lease.who.uid, Duration::from_secs(10))
+        };
         let mut inner = self.inner.lock().expect("identities");
-        if left.is_empty() {
+        if left.survivors.is_empty() {
             inner.held.remove(&lease.who.uid);
-            let mut lock = lease.lock;
-            write_mark(&mut lock, CLEAN);
-            drop(lock);
+            let _ = write_mark(&lease.lock, CLEAN);
+            drop(lease.lock);
         } else {
             tracing::error!(
                 uid = lease.who.uid,
-                ?left,
+                survivors = ?left.survivors,
                 "processes of an attempt survive SIGKILL; its uid is retired"
             );
             inner.quarantined.push(lease.lock);
         }
         left
     }
+}
+
+/// What killing a uid's processes found: how many it signalled, and which survived.
+#[derive(Debug, Default)]
+pub struct Left {
+    pub killed: usize,
+    pub survivors: Vec<i32>,
 }
 
 /// Live (not zombie) processes with `uid` as real, effective, saved or filesystem uid.
@@ -258,28 +276,30 @@ pub fn uid_processes(uid: u32) -> Vec<i32> {
 const HELD: &[u8] = b"held";
 const CLEAN: &[u8] = b"clean";
 
-fn read_mark(lock: &mut std::fs::File) -> Vec<u8> {
-    use std::io::{Read, Seek};
-    let mut buf = Vec::new();
-    let _ = lock.rewind().and_then(|()| lock.read_to_end(&mut buf));
-    buf
+fn read_mark(lock: &File) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 16];
+    let n = lock.read_at(&mut buf, 0).unwrap_or(0);
+    buf[..n].to_vec()
 }
 
-fn write_mark(lock: &mut std::fs::File, mark: &[u8]) {
-    use std::io::{Seek, Write};
-    let _ = lock
-        .set_len(0)
-        .and_then(|()| lock.rewind())
-        .and_then(|()| lock.write_all(mark));
+fn write_mark(lock: &File, mark: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    lock.write_all_at(mark, 0)?;
+    lock.set_len(mark.len() as u64)
 }
 
-/// SIGKILLs every process of `uid` until none is left or `within` passes; the survivors.
-pub fn kill_uid(uid: u32, within: Duration) -> Vec<i32> {
+/// SIGKILLs every process of `uid` until none is left or `within` passes.
+pub fn kill_uid(uid: u32, within: Duration) -> Left {
     let deadline = Instant::now() + within;
+    let mut killed = 0;
     loop {
         let left = uid_processes(uid);
         if left.is_empty() || Instant::now() >= deadline {
-            return left;
+            return Left {
+                killed,
+                survivors: left,
+            };
         }
         for pid in &left {
             // SAFETY: plain signal to a process of this uid.
@@ -287,6 +307,7 @@ pub fn kill_uid(uid: u32, within: Duration) -> Vec<i32> {
                 libc::kill(*pid, libc::SIGKILL);
             }
         }
+        killed += left.len();
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -318,114 +339,312 @@ pub fn drop_privileges(who: RunAs) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Runs in the forked child before exec (async-signal-safe calls only, no allocation): makes the
-/// provider's whole process tree die with the host, then drops privileges.
-///
-/// The child forks once more. This process (`C0`, root, in the attempt's process group) stays
-/// behind as a sentinel: `PR_SET_PDEATHSIG` tells it when the host dies, however it dies, and it
-/// then kills every process of the attempt's uid (`kill(-1)` as that uid: the provider, its
-/// descendants, and any that left the process group), or the attempt's process group when
-/// there is no uid of its own. The provider (`C1`) execs, with `PR_SET_PDEATHSIG(SIGKILL)` on
-/// the sentinel. So no provider outlives its host and a retry elsewhere never overlaps it.
-/// Cancellation still signals the process group: the provider handles it, the sentinel ignores
-/// it and ends like the provider (its exit status or signal).
-pub fn contain(who: Option<RunAs>) -> std::io::Result<()> {
-    let err = std::io::Error::last_os_error;
-    // SAFETY: plain system calls on the calling (forked, single-threaded) child process.
-    unsafe {
-        let host = libc::getppid();
-        let mut watched: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut watched);
-        libc::sigaddset(&mut watched, libc::SIGUSR2);
-        libc::sigaddset(&mut watched, libc::SIGCHLD);
-        if libc::sigprocmask(libc::SIG_BLOCK, &watched, std::ptr::null_mut()) != 0 {
-            return Err(err());
-        }
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGUSR2, 0, 0, 0) != 0 {
-            return Err(err());
-        }
-        if libc::getppid() != host {
-            libc::_exit(137);
-        }
-        let provider = libc::fork();
-        if provider < 0 {
-            return Err(err());
-        }
-        if provider > 0 {
-            sentinel(provider, who, &watched);
-        }
-        // C1, the provider: a clean signal mask, then its identity, then death with the sentinel
-        // (set after the credential change, which clears it).
-        let sentinel_pid = libc::getppid();
-        let mut none: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut none);
-        if libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut()) != 0 {
-            return Err(err());
-        }
-        if let Some(who) = who {
-            drop_privileges(who)?;
-        }
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-            return Err(err());
-        }
-        if libc::getppid() != sentinel_pid {
-            libc::_exit(137);
-        }
-    }
-    Ok(())
+// --------------------------------------------------------------------------- sentinel
+
+/// The sentinel's program name; the host finds it next to its own executable.
+pub const SENTINEL: &str = "agentscope-sentinel";
+
+/// Exit status of the sentinel when its provider could not be executed (as a shell says it).
+pub const EXEC_NOT_FOUND: i32 = 127;
+pub const EXEC_FAILED: i32 = 126;
+
+/// `agentscope-sentinel` next to the running svc-host.
+pub fn sentinel_path() -> &'static Path {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(|d| d.join(SENTINEL)))
+            .unwrap_or_else(|| PathBuf::from(SENTINEL))
+    })
 }
 
-/// The sentinel's loop (see [`contain`]); never returns.
-unsafe fn sentinel(provider: libc::pid_t, who: Option<RunAs>, watched: &libc::sigset_t) -> ! {
-    // SAFETY: async-signal-safe system calls only.
+/// The sentinel's command line for one provider: `HOST_PID UID:GID|- -- PROGRAM ARGV0 ARGS...`
+/// (PROGRAM is the path to execute, resolved by the host; ARGV0 and ARGS its argv).
+pub fn sentinel_args(
+    host_pid: u32,
+    who: Option<RunAs>,
+    program: &Path,
+    argv: &[String],
+) -> Vec<std::ffi::OsString> {
+    let mut v: Vec<std::ffi::OsString> = vec![
+        host_pid.to_string().into(),
+        match who {
+            Some(w) => format!("{}:{}", w.uid, w.gid).into(),
+            None => "-".into(),
+        },
+        "--".into(),
+        program.as_os_str().to_os_string(),
+    ];
+    v.extend(argv.iter().map(Into::into));
+    v
+}
+
+struct SentinelArgs {
+    host: libc::pid_t,
+    who: Option<RunAs>,
+    program: std::ffi::CString,
+    argv: Vec<std::ffi::CString>,
+}
+
+fn parse_sentinel_args(args: &[std::ffi::OsString]) -> Result<SentinelArgs, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let s = |i: usize| args.get(i).and_then(|a| a.to_str()).unwrap_or("");
+    let host = s(0)
+        .parse::<libc::pid_t>()
+        .map_err(|_| format!("bad host pid `{}`", s(0)))?;
+    let who = match s(1) {
+        "-" => None,
+        w => {
+            let (u, g) = w.split_once(':').ok_or("bad uid:gid")?;
+            Some(RunAs {
+                uid: u.parse().map_err(|_| "bad uid")?,
+                gid: g.parse().map_err(|_| "bad gid")?,
+            })
+        }
+    };
+    if s(2) != "--" || args.len() < 5 {
+        return Err(
+            "usage: agentscope-sentinel HOST_PID UID:GID|- -- PROGRAM ARGV0 [ARGS...]".into(),
+        );
+    }
+    let c = |a: &std::ffi::OsString| {
+        std::ffi::CString::new(a.as_bytes()).map_err(|_| "NUL in an argument".to_string())
+    };
+    Ok(SentinelArgs {
+        host,
+        who,
+        program: c(&args[3])?,
+        argv: args[4..].iter().map(c).collect::<Result<_, _>>()?,
+    })
+}
+
+/// `agentscope-sentinel`: started by the host (posix_spawn, no copy of the host's memory) in the
+/// provider's new process group, with the provider's environment, directory and pipes. It forks
+/// the provider, which drops privileges and executes; the sentinel stays behind as a child
+/// subreaper, so that every descendant of the provider, also one that left the process group
+/// or daemonized, stays below it:
+/// - when the host dies, however it dies, `PR_SET_PDEATHSIG` wakes it and it kills every process
+///   of the attempt's uid (`kill(-1)` as that uid), or its process group and children without
+///   one; the provider dies with it (`PR_SET_PDEATHSIG(SIGKILL)`);
+/// - when the provider ends and nothing else of the attempt is left, it exits with the provider's
+///   status; if something is left it waits for the host's `SIGUSR1` ("the output is read, end
+///   the rest"; sent early when the host stops the attempt), kills it all and reaps it.
+///   So its exit means that no process of the attempt is left, without any /proc scan.
+///
+/// Cancellation still signals the process group: the provider handles it, the sentinel ignores
+/// it.
+pub fn sentinel_main() -> ! {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let a = match parse_sentinel_args(&args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{SENTINEL}: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut argv: Vec<*const libc::c_char> = a.argv.iter().map(|c| c.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut message =
+        format!("{SENTINEL}: cannot run `{}`: ", a.program.to_string_lossy()).into_bytes();
+    message.truncate(300);
+    // SAFETY: a single-threaded process making plain system calls; after fork the child only
+    // makes async-signal-safe calls before exec.
     unsafe {
+        let mut watched: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut watched);
+        for sig in [libc::SIGUSR1, libc::SIGUSR2, libc::SIGCHLD] {
+            libc::sigaddset(&mut watched, sig);
+        }
+        libc::sigprocmask(libc::SIG_BLOCK, &watched, std::ptr::null_mut());
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGUSR2, 0, 0, 0) != 0
+            || libc::getppid() != a.host
+            || libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0
+        {
+            libc::_exit(137);
+        }
+        let me = libc::getpid();
+        let provider = libc::fork();
+        if provider < 0 {
+            libc::_exit(EXEC_FAILED);
+        }
+        if provider == 0 {
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            if let Some(who) = a.who
+                && drop_privileges(who).is_err()
+            {
+                libc::_exit(EXEC_FAILED);
+            }
+            // Set after the credential change, which clears it.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
+                || libc::getppid() != me
+            {
+                libc::_exit(137);
+            }
+            libc::execv(a.program.as_ptr(), argv.as_ptr());
+            let errno = *libc::__errno_location();
+            let text = std::ffi::CStr::from_ptr(libc::strerror(errno)).to_bytes();
+            libc::write(2, message.as_ptr().cast(), message.len());
+            libc::write(2, text.as_ptr().cast(), text.len());
+            libc::write(2, b"\n".as_ptr().cast(), 1);
+            libc::_exit(if errno == libc::ENOENT {
+                EXEC_NOT_FOUND
+            } else {
+                EXEC_FAILED
+            });
+        }
         // Cancellation signals the whole group: the provider handles them, not the sentinel.
         for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
             libc::signal(sig, libc::SIG_IGN);
         }
-        // None of the provider's descriptors is the sentinel's business: its pipes (the end of
-        // output must mean the provider's end) and the spawner's exec-status pipe (which the
-        // host reads until every copy is closed).
+        // The pipes are the provider's: the end of output must mean the provider's end.
         libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32);
+        watch(provider, a.who, &watched)
+    }
+}
+
+/// The sentinel's loop (see [`sentinel_main`]); never returns.
+unsafe fn watch(provider: libc::pid_t, who: Option<RunAs>, watched: &libc::sigset_t) -> ! {
+    // SAFETY: plain system calls of a single-threaded process.
+    unsafe {
+        let mut status: Option<libc::c_int> = None;
+        let mut end = false;
+        let mut uid_killed = false;
         loop {
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            let sig = libc::sigwaitinfo(watched, &mut info);
-            if sig == libc::SIGUSR2 {
-                // The host is gone: end the attempt's every process.
-                match who {
-                    Some(who)
-                        if libc::setresgid(who.gid, who.gid, who.gid) == 0
-                            && libc::setresuid(who.uid, who.uid, who.uid) == 0 =>
-                    {
-                        libc::kill(-1, libc::SIGKILL);
+            // Reap whatever ended: the provider, and orphans of its tree adopted by us.
+            loop {
+                let mut st = 0;
+                let pid = libc::waitpid(-1, &mut st, libc::WNOHANG);
+                if pid > 0 {
+                    if pid == provider {
+                        status = Some(st);
                     }
-                    _ => {
+                    continue;
+                }
+                if pid < 0
+                    && let Some(st) = status
+                {
+                    // No child left: the provider and everything it started are gone.
+                    mirror(st);
+                }
+                break;
+            }
+            if status.is_some() && end {
+                // The provider is gone and the host has read its output: end the rest.
+                match who {
+                    Some(who) if !uid_killed => {
+                        uid_killed = kill_uid_as(who);
+                        if !uid_killed {
+                            kill_children();
+                        }
+                    }
+                    Some(_) => {}
+                    None => kill_children(),
+                }
+            }
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            match libc::sigwaitinfo(watched, &mut info) {
+                libc::SIGUSR2 => {
+                    // The host is gone: end the attempt's every process.
+                    if !who.is_some_and(|w| kill_uid_as(w)) {
+                        kill_children();
                         libc::kill(0, libc::SIGKILL);
                     }
+                    libc::_exit(137);
                 }
-                libc::_exit(137);
+                libc::SIGUSR1 => end = true,
+                _ => {}
             }
-            if sig != libc::SIGCHLD {
-                continue;
-            }
-            let mut status = 0;
-            let pid = libc::waitpid(provider, &mut status, libc::WNOHANG);
-            if pid != provider {
-                continue;
-            }
-            if libc::WIFSIGNALED(status) {
-                let sig = libc::WTERMSIG(status);
-                libc::signal(sig, libc::SIG_DFL);
-                let mut one: libc::sigset_t = std::mem::zeroed();
-                libc::sigemptyset(&mut one);
-                libc::sigaddset(&mut one, sig);
-                libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
-                libc::kill(libc::getpid(), sig);
-                libc::_exit(128 + sig);
-            }
-            libc::_exit(libc::WEXITSTATUS(status));
         }
     }
+}
+
+/// Becomes `who` and SIGKILLs every process of that uid but itself (atomically: no process of
+/// the uid can fork past it). False when the switch failed.
+unsafe fn kill_uid_as(who: RunAs) -> bool {
+    // SAFETY: plain system calls.
+    unsafe {
+        if libc::setresgid(who.gid, who.gid, who.gid) != 0
+            || libc::setresuid(who.uid, who.uid, who.uid) != 0
+        {
+            return false;
+        }
+        libc::kill(-1, libc::SIGKILL);
+        true
+    }
+}
+
+/// SIGKILLs the sentinel's children (the provider's orphans it adopted) and their groups.
+unsafe fn kill_children() {
+    let me = std::process::id();
+    let Ok(list) = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")) else {
+        return;
+    };
+    for pid in list
+        .split_whitespace()
+        .filter_map(|p| p.parse::<libc::pid_t>().ok())
+    {
+        // SAFETY: signals to our own children.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
+/// Ends the sentinel as its provider ended: the same exit status, or the same signal.
+unsafe fn mirror(st: libc::c_int) -> ! {
+    // SAFETY: plain system calls.
+    unsafe {
+        if libc::WIFSIGNALED(st) {
+            let sig = libc::WTERMSIG(st);
+            libc::signal(sig, libc::SIG_DFL);
+            let mut one: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut one);
+            libc::sigaddset(&mut one, sig);
+            libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
+            libc::kill(libc::getpid(), sig);
+            libc::_exit(128 + sig);
+        }
+        libc::_exit(libc::WEXITSTATUS(st));
+    }
+}
+
+/// Asks an attempt's sentinel (the leader of process group `pgid`) to end every process of the
+/// attempt left once its provider is gone.
+pub fn end_rest(sentinel: i32) {
+    if sentinel > 0 {
+        // SAFETY: a plain signal to our own child.
+        unsafe {
+            libc::kill(sentinel, libc::SIGUSR1);
+        }
+    }
+}
+
+/// The program `name` names for a provider whose PATH is `path`, resolved like `execvp`: a
+/// name with a slash is taken as it is (relative to `cwd`), others are searched in PATH. None:
+/// not found (or not executable).
+pub fn resolve_program(name: &str, path: &std::ffi::OsStr, cwd: &Path) -> Option<PathBuf> {
+    let executable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if name.is_empty() {
+        return None;
+    }
+    if name.contains('/') {
+        let p = cwd.join(name);
+        return executable(&p).then_some(p);
+    }
+    std::env::split_paths(path)
+        .map(|d| {
+            if d.as_os_str().is_empty() {
+                cwd.join(name)
+            } else {
+                cwd.join(d).join(name)
+            }
+        })
+        .find(|p| executable(p))
 }
 
 // ------------------------------------------------------------------------- permissions
@@ -462,6 +681,17 @@ pub fn write_private(path: &Path, content: &[u8]) -> std::io::Result<()> {
     f.write_all(content)
 }
 
+/// Creates a new file only its owner may read, with `content` (fails if it exists).
+pub fn write_new_private(path: &Path, content: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(content)
+}
+
 /// Creates `dir` and its missing parents with mode 0700.
 pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
@@ -486,6 +716,15 @@ pub fn chown_tree(root: &Path, who: RunAs) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Gives an ended attempt's task directory back to the host: its root only. The root is 0700,
+/// so nothing below it can be reached by the uid's next holder (every process of the uid is
+/// gone by then, holding no descriptor into it).
+pub fn take_back(root: &Path) -> std::io::Result<()> {
+    // SAFETY: geteuid and getegid have no preconditions.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    std::os::unix::fs::lchown(root, Some(uid), Some(gid))
 }
 
 // ------------------------------------------------------------------------- environment
@@ -581,7 +820,9 @@ pub struct Secrets {
 
 impl Secrets {
     pub fn new(values: Vec<(String, String)>) -> Secrets {
-        let redactor = agentscope_domain::vault::Redactor::new(&values);
+        // One per attempt: a matcher quick to build (the default DFA took a tenth of the host's
+        // CPU per no-op attempt to build).
+        let redactor = agentscope_domain::vault::Redactor::new_quick(&values);
         Secrets { values, redactor }
     }
 }
@@ -719,6 +960,67 @@ mod tests {
         ] {
             assert!(UidRange::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_sentinel_reads_back_the_command_line_the_host_writes() {
+        let who = RunAs {
+            uid: 1_900_000_007,
+            gid: 1_900_000_008,
+        };
+        let argv = vec!["sh".to_string(), "-c".to_string(), "echo -- hi".to_string()];
+        let args = sentinel_args(42, Some(who), Path::new("/bin/sh"), &argv);
+        let a = parse_sentinel_args(&args).unwrap();
+        assert_eq!((a.host, a.who), (42, Some(who)));
+        assert_eq!(a.program.to_str().unwrap(), "/bin/sh");
+        let back: Vec<&str> = a.argv.iter().map(|c| c.to_str().unwrap()).collect();
+        assert_eq!(back, ["sh", "-c", "echo -- hi"]);
+        let a =
+            parse_sentinel_args(&sentinel_args(7, None, Path::new("/x"), &["x".into()])).unwrap();
+        assert_eq!(a.who, None);
+        for bad in [
+            vec!["x", "-", "--", "/bin/true", "true"],
+            vec!["1", "1900000000", "--", "/bin/true", "true"],
+            vec!["1", "-", "/bin/true", "true"],
+            vec!["1", "-", "--", "/bin/true"],
+        ] {
+            let bad: Vec<std::ffi::OsString> = bad.into_iter().map(Into::into).collect();
+            assert!(parse_sentinel_args(&bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn programs_are_resolved_like_execvp() {
+        let dir = std::env::temp_dir().join(format!("agentscope-path-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(dir.join("bin")).unwrap();
+        let tool = dir.join("bin/tool");
+        std::fs::write(&tool, "#!/bin/sh\n").unwrap();
+        std::fs::write(dir.join("bin/plain"), "data").unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path =
+            std::env::join_paths(["/nonexistent", dir.join("bin").to_str().unwrap()]).unwrap();
+        assert_eq!(
+            resolve_program("tool", &path, Path::new("/")),
+            Some(tool.clone())
+        );
+        assert_eq!(
+            resolve_program("plain", &path, Path::new("/")),
+            None,
+            "not executable"
+        );
+        assert_eq!(resolve_program("missing", &path, Path::new("/")), None);
+        assert_eq!(resolve_program("", &path, Path::new("/")), None);
+        // A name with a slash is not searched, and is relative to the working directory.
+        assert_eq!(
+            resolve_program("bin/tool", &path, &dir),
+            Some(dir.join("bin/tool"))
+        );
+        assert_eq!(resolve_program("./tool", &path, Path::new("/")), None);
+        assert_eq!(
+            resolve_program(tool.to_str().unwrap(), "".as_ref(), Path::new("/")),
+            Some(tool)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -870,7 +1172,7 @@ mod tests {
         assert_eq!(uids, [1_900_009_000, 1_900_009_001, 1_900_009_002]);
         assert!(matches!(h2.acquire(), Err(Error::Exhausted { .. })));
         let freed = b.who.uid;
-        assert!(h2.release(b).is_empty());
+        assert!(h2.release(b, false).survivors.is_empty());
         assert_eq!(
             h1.acquire().unwrap().who.uid,
             freed,

@@ -223,6 +223,12 @@ impl App {
             .with_context(|| format!("create {}", tasks_dir.display()))?;
         isolation::secure_state(&state_dir, &tasks_dir).context("secure the state directory")?;
         let identities = identities(&config, host_id)?;
+        let sentinel = isolation::sentinel_path();
+        anyhow::ensure!(
+            sentinel.is_file(),
+            "{} is missing: svc-host starts every provider through it (install it next to svc-host)",
+            sentinel.display()
+        );
         let nats = agentscope_bus::connect(
             &config.nats_url,
             "svc-host",

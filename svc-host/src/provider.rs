@@ -402,6 +402,20 @@ pub async fn kill_marked(marker: &str) -> Vec<i32> {
     }
 }
 
+/// Stops an attempt's provider tree whose sentinel leads process group `pgid`: the sentinel is
+/// told to end whatever is left once the provider is gone; SIGTERM to the group, SIGKILL after
+/// `grace` (at once without one); then whatever still carries the attempt's `marker` (a
+/// sentinel killed by the group's SIGKILL leaves the orphans it adopted behind). The survivors.
+pub async fn stop_tree(pgid: i32, grace: Option<Duration>, marker: &str) -> Vec<i32> {
+    crate::isolation::end_rest(pgid);
+    let mut left = match grace {
+        Some(grace) => terminate_group(pgid, grace).await,
+        None => kill_group(pgid).await,
+    };
+    left.extend(kill_marked(marker).await);
+    left
+}
+
 /// Sends `signal` to every process of group `pgid`.
 pub fn signal_group(pgid: i32, signal: i32) {
     // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.

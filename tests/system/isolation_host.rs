@@ -466,3 +466,67 @@ async fn claude_code_running_a_shell_command_cannot_read_another_tasks_token() {
     );
     assert!(!comments(&stack, &victim_issue).await.contains("pwned"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_ends_with_its_whole_process_tree_and_output() {
+    let stack = Stack::start("iso-tree", StackOptions::default())
+        .await
+        .unwrap();
+    let s = stack.shared.display().to_string();
+    // A background child still printing after the provider exits (it holds the output pipe:
+    // the attempt runs until it is done), and a daemon that left the process group, cleared its
+    // environment, ignores SIGTERM and holds nothing: it must not outlive the attempt.
+    let script = format!(
+        "id -u > {s}/uid; chmod 644 {s}/uid; \
+         (sleep 0.5; echo late-output) & \
+         setsid sh -c 'trap \"\" TERM; exec env -i sleep 300' </dev/null >/dev/null 2>&1 & \
+         echo early-output"
+    );
+    let (agent, _) = stack
+        .command_agent("tree", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
+    let (missing, _) = stack
+        .command_agent("missing", "pool", &["no-such-tool-7f3a"], None)
+        .await
+        .unwrap();
+    let _host = stack.host("h", "pool", 2).await.unwrap();
+    let (_, task) = issue_for(&stack, &agent, "a tree").await;
+    stack
+        .wait_task(&task, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let uid: u32 = std::fs::read_to_string(stack.shared.join("uid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(UIDS.contains(&uid), "{uid}");
+    assert!(
+        processes_of_uid(uid).is_empty(),
+        "a process of the ended attempt survives"
+    );
+    let text = serde_json::to_string(
+        &stack
+            .events(&format!("/v1/tasks/{task}/events"))
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(text.contains("early-output"), "{text}");
+    assert!(
+        text.contains("late-output"),
+        "output after the provider's exit is kept: {text}"
+    );
+
+    // A program the host cannot find is the provider's missing tool, found before anything runs.
+    let (_, task) = issue_for(&stack, &missing, "a missing tool").await;
+    let t = stack
+        .wait_task(&task, "failed", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        t["attempts"][0]["failure_class"], "tool_dependency",
+        "{t:#}"
+    );
+}
