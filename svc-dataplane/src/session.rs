@@ -652,6 +652,12 @@ impl Batch {
     }
 }
 
+/// A call's end, not written yet: its batch, and the transaction holding its memory note.
+struct Ended {
+    batch: Batch,
+    note: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+}
+
 impl Session<'_> {
     /// Writes `b` if this replica still holds the session.
     async fn write(&self, b: Batch) -> Result<(), Stop> {
@@ -707,6 +713,18 @@ impl Session<'_> {
         match row {
             Some(_) => Ok(()),
             None => Err(Stop::Fenced),
+        }
+    }
+
+    /// Writes a call's end (and commits its memory note with it).
+    async fn commit(&self, ended: Ended) -> Result<(), Stop> {
+        match ended.note {
+            Some(mut tx) => {
+                self.write_on(&mut *tx, ended.batch).await?;
+                tx.commit().await?;
+                Ok(())
+            }
+            None => self.write(ended.batch).await,
         }
     }
 
@@ -797,11 +815,19 @@ impl Session<'_> {
         let mut denied = false;
         // The call journaled `started` together with the turn that asked for it.
         let mut started_with_turn: Option<String> = None;
+        // That call's end, written while the next model request is in flight (before anything
+        // else is written, so the journal's order is the conversation's).
+        let mut unwritten: Option<Ended> = None;
         loop {
             for call in std::mem::take(&mut pending) {
+                if let Some(ended) = unwritten.take() {
+                    self.commit(ended).await?;
+                }
                 let (out, was_denied) = if started_with_turn.as_deref() == Some(call.id.as_str()) {
                     started_with_turn = None;
-                    self.run_started(p, input_id, &call).await?
+                    let (out, ended) = self.run_started(p, input_id, &call).await?;
+                    unwritten = Some(ended);
+                    (out, false)
                 } else {
                     self.call(p, input_id, &call).await?
                 };
@@ -813,27 +839,41 @@ impl Session<'_> {
                 });
             }
             if iterations >= p.max_iters {
+                if let Some(ended) = unwritten.take() {
+                    self.commit(ended).await?;
+                }
                 let detail = format!("stopped after {iterations} model turns (max_iters)");
                 let mut b = Batch::of(input_id);
                 b.finish("max_iterations", &detail, iterations);
                 return self.write(b).await;
             }
-            let turn =
-                match model::complete_turn(&self.r.http, &model, &prompt, &conversation).await {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let detail = match &e {
-                            ModelError::Connection(m) | ModelError::Rejected(m) => m.clone(),
-                        };
-                        let mut b = Batch::of(input_id);
-                        b.event(
-                            "diagnostic",
-                            json!({"code": "model_connection", "message": detail}),
-                        );
-                        b.finish("model_connection", &detail, iterations);
-                        return self.write(b).await;
+            // The model already has the result; the turn is written only after it is.
+            let ((), turn) = tokio::try_join!(
+                async {
+                    match unwritten.take() {
+                        Some(ended) => self.commit(ended).await,
+                        None => Ok(()),
                     }
-                };
+                },
+                async {
+                    Ok(model::complete_turn(&self.r.http, &model, &prompt, &conversation).await)
+                }
+            )?;
+            let turn = match turn {
+                Ok(t) => t,
+                Err(e) => {
+                    let detail = match &e {
+                        ModelError::Connection(m) | ModelError::Rejected(m) => m.clone(),
+                    };
+                    let mut b = Batch::of(input_id);
+                    b.event(
+                        "diagnostic",
+                        json!({"code": "model_connection", "message": detail}),
+                    );
+                    b.finish("model_connection", &detail, iterations);
+                    return self.write(b).await;
+                }
+            };
             let mut b = Batch::of(input_id);
             if !turn.text.is_empty() {
                 b.event("assistant_message", json!({"text": turn.text}));
@@ -1042,16 +1082,19 @@ impl Session<'_> {
             json!({"call_id": call.id, "tool": call.name, "input": call.input}),
         );
         self.write(b).await?;
-        self.run_started(p, input_id, call).await
+        let (out, ended) = self.run_started(p, input_id, call).await?;
+        self.commit(ended).await?;
+        Ok((out, false))
     }
 
-    /// Runs a call journaled `started`, then writes its end and result message together.
+    /// Runs a call journaled `started`; returns its output and its end (the journal row's
+    /// `completed`, the result message and event, and a memory note), to be written together.
     async fn run_started(
         &self,
         p: &Pinned,
         input_id: Uuid,
         call: &ToolCallReq,
-    ) -> Result<(ToolOutput, bool), Stop> {
+    ) -> Result<(ToolOutput, Ended), Stop> {
         let limits = self.r.limits();
         // Secrets are opened only now, injected into the shell's environment, and redacted from
         // whatever any tool returns (the model, the events and the journal never hold them).
@@ -1110,14 +1153,7 @@ impl Session<'_> {
             "tool_result",
             json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}),
         );
-        match note {
-            Some(mut tx) => {
-                self.write_on(&mut *tx, b).await?;
-                tx.commit().await?;
-            }
-            None => self.write(b).await?,
-        }
-        Ok((out, false))
+        Ok((out, Ended { batch: b, note }))
     }
 
     /// Waits for the Approval of `call` (asking the scheduler to record it, idempotently), then
