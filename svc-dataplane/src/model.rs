@@ -129,6 +129,9 @@ pub fn unconfigured(cfg: &ModelConfig) -> Option<String> {
 /// Transient failures (connect errors, timeouts, HTTP 408/429/5xx, a stream cut short) are retried with
 /// exponential backoff (retry_base_ms * 2^n, capped at 10 s) up to max_retries; then Connection (or
 /// Rejected for HTTP errors). Non-transient HTTP errors are Rejected at once, with status and body excerpt.
+///
+/// A loop of turns keeps a [`Prompt`] and a [`Conversation`] instead and calls [`complete_turn`]:
+/// nothing of the history is converted again.
 pub async fn complete(
     http: &reqwest::Client,
     cfg: &ModelConfig,
@@ -136,18 +139,28 @@ pub async fn complete(
     history: &[Message],
     tools: &[ToolSpec],
 ) -> Result<Turn, ModelError> {
+    let prompt = Prompt::new(cfg, system, tools);
+    let mut conversation = Conversation::new(cfg.api);
+    for m in history {
+        conversation.push(m);
+    }
+    complete_turn(http, cfg, &prompt, &conversation).await
+}
+
+/// One model turn of `conversation` (see [`complete`] for retries and errors).
+pub async fn complete_turn(
+    http: &reqwest::Client,
+    cfg: &ModelConfig,
+    prompt: &Prompt,
+    conversation: &Conversation,
+) -> Result<Turn, ModelError> {
     if let Some(why) = unconfigured(cfg) {
         return Err(ModelError::Rejected(why));
     }
-    let url = endpoint(cfg);
-    let body = match cfg.api {
-        Api::Anthropic => anthropic_body(cfg, system, history, tools),
-        Api::OpenaiChat => chat_body(cfg, system, history, tools),
-        Api::OpenaiResponses => responses_body(cfg, system, history, tools),
-    };
+    let body = bytes::Bytes::from(prompt.body(conversation));
     let mut attempt: u32 = 0;
     loop {
-        match attempt_once(http, cfg, &url, &body).await {
+        match attempt_once(http, cfg, &prompt.url, &body).await {
             Ok(turn) => return Ok(turn),
             Err(Fail::Fatal(msg)) => return Err(ModelError::Rejected(msg)),
             Err(Fail::Transient { conn, msg }) => {
@@ -173,6 +186,166 @@ pub async fn complete(
                 tokio::time::sleep(Duration::from_millis(delay)).await;
                 attempt += 1;
             }
+        }
+    }
+}
+
+/// What every request of a session's loop carries besides the conversation (model, limits,
+/// system prompt, tools), serialized once.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    api: Api,
+    url: String,
+    /// The request object without its closing brace and without the conversation.
+    head: String,
+    /// Chat Completions: the system message, first in `messages`.
+    lead: String,
+}
+
+impl Prompt {
+    pub fn new(cfg: &ModelConfig, system: &str, tools: &[ToolSpec]) -> Prompt {
+        let head = match cfg.api {
+            Api::Anthropic => anthropic_head(cfg, system, tools),
+            Api::OpenaiChat => chat_head(cfg, tools),
+            Api::OpenaiResponses => responses_head(cfg, system, tools),
+        };
+        let mut head = head.to_string();
+        head.pop(); // the closing brace: the conversation follows
+        let lead = if cfg.api == Api::OpenaiChat && !system.is_empty() {
+            json!({"role": "system", "content": system}).to_string()
+        } else {
+            String::new()
+        };
+        Prompt {
+            api: cfg.api,
+            url: endpoint(cfg),
+            head,
+            lead,
+        }
+    }
+
+    /// The request body: the head, then the conversation's bytes as they are.
+    fn body(&self, conversation: &Conversation) -> Vec<u8> {
+        debug_assert_eq!(self.api, conversation.api);
+        let key = match self.api {
+            Api::OpenaiResponses => "input",
+            Api::Anthropic | Api::OpenaiChat => "messages",
+        };
+        let mut out = String::with_capacity(
+            self.head.len() + self.lead.len() + conversation.len() + key.len() + 8,
+        );
+        out.push_str(&self.head);
+        if out.len() > 1 {
+            out.push(',');
+        }
+        out.push('"');
+        out.push_str(key);
+        out.push_str("\":[");
+        out.push_str(&self.lead);
+        if !self.lead.is_empty() && conversation.len() > 0 {
+            out.push(',');
+        }
+        conversation.write(&mut out);
+        out.push_str("]}");
+        out.into_bytes()
+    }
+}
+
+/// The conversation in one API's wire format, kept incrementally: a message is converted and
+/// serialized once, when it is pushed, and a request copies the bytes (no rebuild of the history
+/// per turn). Anthropic merges consecutive messages of the same role, so its last message stays
+/// open for more blocks until a message of the other role arrives.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    api: Api,
+    /// Serialized wire messages (Responses: items), comma-separated, without brackets.
+    closed: String,
+    /// Anthropic: the last message's role and its serialized blocks, comma-separated.
+    open: Option<(&'static str, String)>,
+}
+
+impl Conversation {
+    pub fn new(api: Api) -> Conversation {
+        Conversation {
+            api,
+            closed: String::new(),
+            open: None,
+        }
+    }
+
+    pub fn push(&mut self, m: &Message) {
+        match self.api {
+            Api::Anthropic => {
+                let (role, blocks) = anthropic_blocks(m);
+                if blocks.is_empty() {
+                    return;
+                }
+                let mut text = String::new();
+                for b in &blocks {
+                    if !text.is_empty() {
+                        text.push(',');
+                    }
+                    text.push_str(&b.to_string());
+                }
+                match &mut self.open {
+                    Some((r, open)) if *r == role => {
+                        open.push(',');
+                        open.push_str(&text);
+                    }
+                    _ => {
+                        self.close();
+                        self.open = Some((role, text));
+                    }
+                }
+            }
+            Api::OpenaiChat => {
+                let v = chat_message(m);
+                self.append(&v.to_string());
+            }
+            Api::OpenaiResponses => {
+                for item in responses_items(m) {
+                    self.append(&item.to_string());
+                }
+            }
+        }
+    }
+
+    fn append(&mut self, item: &str) {
+        if !self.closed.is_empty() {
+            self.closed.push(',');
+        }
+        self.closed.push_str(item);
+    }
+
+    /// Anthropic: the open message becomes final.
+    fn close(&mut self) {
+        if let Some((role, blocks)) = self.open.take() {
+            let mut item = String::with_capacity(blocks.len() + 32);
+            item.push_str("{\"role\":\"");
+            item.push_str(role);
+            item.push_str("\",\"content\":[");
+            item.push_str(&blocks);
+            item.push_str("]}");
+            self.append(&item);
+        }
+    }
+
+    /// Bytes of the serialized conversation (an upper bound of what [`Self::write`] adds).
+    fn len(&self) -> usize {
+        self.closed.len() + self.open.as_ref().map_or(0, |(_, b)| b.len() + 32)
+    }
+
+    fn write(&self, out: &mut String) {
+        out.push_str(&self.closed);
+        if let Some((role, blocks)) = &self.open {
+            if !self.closed.is_empty() {
+                out.push(',');
+            }
+            out.push_str("{\"role\":\"");
+            out.push_str(role);
+            out.push_str("\",\"content\":[");
+            out.push_str(blocks);
+            out.push_str("]}");
         }
     }
 }
@@ -230,9 +403,12 @@ async fn attempt_once(
     http: &reqwest::Client,
     cfg: &ModelConfig,
     url: &str,
-    body: &Value,
+    body: &bytes::Bytes,
 ) -> Result<Turn, Fail> {
-    let mut req = http.post(url).json(body);
+    let mut req = http
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body.clone());
     req = match cfg.api {
         Api::Anthropic => req
             .header("x-api-key", &cfg.api_key)
@@ -497,74 +673,55 @@ async fn read_stream(resp: reqwest::Response, mut acc: impl StreamAcc) -> Result
 // ---------------------------------------------------------------------------------------------
 // Anthropic Messages
 
-fn anthropic_messages(history: &[Message]) -> Vec<Value> {
-    let mut out: Vec<Value> = Vec::new();
-    for m in history {
-        let (role, blocks) = match m {
-            Message::User { text } => {
-                let blocks = if text.is_empty() {
-                    vec![]
-                } else {
-                    vec![json!({"type": "text", "text": text})]
-                };
-                ("user", blocks)
-            }
-            Message::Assistant { text, tool_calls } => {
-                let mut blocks = Vec::new();
-                if !text.is_empty() {
-                    blocks.push(json!({"type": "text", "text": text}));
-                }
-                for c in tool_calls {
-                    blocks.push(json!({
-                        "type": "tool_use",
-                        "id": c.id,
-                        "name": c.name,
-                        "input": if c.input.is_object() { c.input.clone() } else { json!({"_raw": c.input}) },
-                    }));
-                }
-                ("assistant", blocks)
-            }
-            Message::ToolResult {
-                call_id,
-                output,
-                is_error,
-            } => {
-                let mut block = json!({
-                    "type": "tool_result",
-                    "tool_use_id": call_id,
-                    "content": output,
-                });
-                if *is_error {
-                    block["is_error"] = json!(true);
-                }
-                ("user", vec![block])
-            }
-        };
-        if blocks.is_empty() {
-            continue;
+/// One message's role and content blocks (none: the message is left out).
+fn anthropic_blocks(m: &Message) -> (&'static str, Vec<Value>) {
+    match m {
+        Message::User { text } => {
+            let blocks = if text.is_empty() {
+                vec![]
+            } else {
+                vec![json!({"type": "text", "text": text})]
+            };
+            ("user", blocks)
         }
-        if let Some(last) = out.last_mut()
-            && last["role"] == role
-            && let Some(content) = last["content"].as_array_mut()
-        {
-            content.extend(blocks);
-            continue;
+        Message::Assistant { text, tool_calls } => {
+            let mut blocks = Vec::new();
+            if !text.is_empty() {
+                blocks.push(json!({"type": "text", "text": text}));
+            }
+            for c in tool_calls {
+                blocks.push(json!({
+                    "type": "tool_use",
+                    "id": c.id,
+                    "name": c.name,
+                    "input": if c.input.is_object() { c.input.clone() } else { json!({"_raw": c.input}) },
+                }));
+            }
+            ("assistant", blocks)
         }
-        out.push(json!({"role": role, "content": blocks}));
+        Message::ToolResult {
+            call_id,
+            output,
+            is_error,
+        } => {
+            let mut block = json!({
+                "type": "tool_result",
+                "tool_use_id": call_id,
+                "content": output,
+            });
+            if *is_error {
+                block["is_error"] = json!(true);
+            }
+            ("user", vec![block])
+        }
     }
-    out
 }
 
-fn anthropic_body(
-    cfg: &ModelConfig,
-    system: &str,
-    history: &[Message],
-    tools: &[ToolSpec],
-) -> Value {
+/// The request without its messages.
+fn anthropic_head(cfg: &ModelConfig, system: &str, tools: &[ToolSpec]) -> Value {
     let mut body = json!({
         "model": cfg.model,
         "max_tokens": cfg.max_tokens,
-        "messages": anthropic_messages(history),
         "stream": cfg.stream,
     });
     if !system.is_empty() {
@@ -747,44 +904,41 @@ impl StreamAcc for AnthropicAcc {
 // ---------------------------------------------------------------------------------------------
 // OpenAI Chat Completions
 
-fn chat_body(cfg: &ModelConfig, system: &str, history: &[Message], tools: &[ToolSpec]) -> Value {
-    let mut messages = Vec::new();
-    if !system.is_empty() {
-        messages.push(json!({"role": "system", "content": system}));
-    }
-    for m in history {
-        messages.push(match m {
-            Message::User { text } => json!({"role": "user", "content": text}),
-            Message::Assistant { text, tool_calls } => {
-                let mut msg = json!({"role": "assistant"});
-                msg["content"] = if text.is_empty() && !tool_calls.is_empty() {
-                    Value::Null
-                } else {
-                    json!(text)
-                };
-                if !tool_calls.is_empty() {
-                    msg["tool_calls"] = tool_calls
-                        .iter()
-                        .map(|c| {
-                            json!({
-                                "id": c.id,
-                                "type": "function",
-                                "function": {"name": c.name, "arguments": args_string(&c.input)},
-                            })
+fn chat_message(m: &Message) -> Value {
+    match m {
+        Message::User { text } => json!({"role": "user", "content": text}),
+        Message::Assistant { text, tool_calls } => {
+            let mut msg = json!({"role": "assistant"});
+            msg["content"] = if text.is_empty() && !tool_calls.is_empty() {
+                Value::Null
+            } else {
+                json!(text)
+            };
+            if !tool_calls.is_empty() {
+                msg["tool_calls"] = tool_calls
+                    .iter()
+                    .map(|c| {
+                        json!({
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": args_string(&c.input)},
                         })
-                        .collect();
-                }
-                msg
+                    })
+                    .collect();
             }
-            Message::ToolResult {
-                call_id, output, ..
-            } => json!({"role": "tool", "tool_call_id": call_id, "content": output}),
-        });
+            msg
+        }
+        Message::ToolResult {
+            call_id, output, ..
+        } => json!({"role": "tool", "tool_call_id": call_id, "content": output}),
     }
+}
+
+/// The request without its messages (the system message is the first of them).
+fn chat_head(cfg: &ModelConfig, tools: &[ToolSpec]) -> Value {
     let mut body = json!({
         "model": cfg.model,
         "max_completion_tokens": cfg.max_tokens,
-        "messages": messages,
         "stream": cfg.stream,
     });
     if cfg.stream {
@@ -957,42 +1111,39 @@ impl StreamAcc for ChatAcc {
 // ---------------------------------------------------------------------------------------------
 // OpenAI Responses
 
-fn responses_body(
-    cfg: &ModelConfig,
-    system: &str,
-    history: &[Message],
-    tools: &[ToolSpec],
-) -> Value {
-    let mut input = Vec::new();
-    for m in history {
-        match m {
-            Message::User { text } => input.push(json!({"role": "user", "content": text})),
-            Message::Assistant { text, tool_calls } => {
-                if !text.is_empty() {
-                    input.push(json!({"role": "assistant", "content": text}));
-                }
-                for c in tool_calls {
-                    input.push(json!({
-                        "type": "function_call",
-                        "call_id": c.id,
-                        "name": c.name,
-                        "arguments": args_string(&c.input),
-                    }));
-                }
+fn responses_items(m: &Message) -> Vec<Value> {
+    match m {
+        Message::User { text } => vec![json!({"role": "user", "content": text})],
+        Message::Assistant { text, tool_calls } => {
+            let mut items = Vec::new();
+            if !text.is_empty() {
+                items.push(json!({"role": "assistant", "content": text}));
             }
-            Message::ToolResult {
-                call_id, output, ..
-            } => input.push(json!({
-                "type": "function_call_output",
-                "call_id": call_id,
-                "output": output,
-            })),
+            for c in tool_calls {
+                items.push(json!({
+                    "type": "function_call",
+                    "call_id": c.id,
+                    "name": c.name,
+                    "arguments": args_string(&c.input),
+                }));
+            }
+            items
         }
+        Message::ToolResult {
+            call_id, output, ..
+        } => vec![json!({
+            "type": "function_call_output",
+            "call_id": call_id,
+            "output": output,
+        })],
     }
+}
+
+/// The request without its input items.
+fn responses_head(cfg: &ModelConfig, system: &str, tools: &[ToolSpec]) -> Value {
     let mut body = json!({
         "model": cfg.model,
         "max_output_tokens": cfg.max_tokens,
-        "input": input,
         "stream": cfg.stream,
         "store": false,
     });
@@ -1455,6 +1606,279 @@ mod tests {
                     );
                     // The assistant message has only its two tool_use blocks.
                     assert_eq!(msgs[1]["content"].as_array().unwrap().len(), 2);
+                }
+            }
+        }
+    }
+
+    // The whole-history construction the incremental [`Conversation`] replaced: the reference it
+    // must match, request for request.
+    mod reference {
+        use super::super::*;
+
+        fn anthropic_messages(history: &[Message]) -> Vec<Value> {
+            let mut out: Vec<Value> = Vec::new();
+            for m in history {
+                let (role, blocks) = match m {
+                    Message::User { text } => {
+                        let blocks = if text.is_empty() {
+                            vec![]
+                        } else {
+                            vec![json!({"type": "text", "text": text})]
+                        };
+                        ("user", blocks)
+                    }
+                    Message::Assistant { text, tool_calls } => {
+                        let mut blocks = Vec::new();
+                        if !text.is_empty() {
+                            blocks.push(json!({"type": "text", "text": text}));
+                        }
+                        for c in tool_calls {
+                            blocks.push(json!({
+                                "type": "tool_use",
+                                "id": c.id,
+                                "name": c.name,
+                                "input": if c.input.is_object() { c.input.clone() } else { json!({"_raw": c.input}) },
+                            }));
+                        }
+                        ("assistant", blocks)
+                    }
+                    Message::ToolResult {
+                        call_id,
+                        output,
+                        is_error,
+                    } => {
+                        let mut block = json!({
+                            "type": "tool_result",
+                            "tool_use_id": call_id,
+                            "content": output,
+                        });
+                        if *is_error {
+                            block["is_error"] = json!(true);
+                        }
+                        ("user", vec![block])
+                    }
+                };
+                if blocks.is_empty() {
+                    continue;
+                }
+                if let Some(last) = out.last_mut()
+                    && last["role"] == role
+                    && let Some(content) = last["content"].as_array_mut()
+                {
+                    content.extend(blocks);
+                    continue;
+                }
+                out.push(json!({"role": role, "content": blocks}));
+            }
+            out
+        }
+
+        pub(super) fn anthropic_body(
+            cfg: &ModelConfig,
+            system: &str,
+            history: &[Message],
+            tools: &[ToolSpec],
+        ) -> Value {
+            let mut body = json!({
+                "model": cfg.model,
+                "max_tokens": cfg.max_tokens,
+                "messages": anthropic_messages(history),
+                "stream": cfg.stream,
+            });
+            if !system.is_empty() {
+                body["system"] = json!(system);
+            }
+            if !tools.is_empty() {
+                body["tools"] = tools
+                    .iter()
+                    .map(
+                        |t| json!({"name": t.name, "description": t.description, "input_schema": t.schema}),
+                    )
+                    .collect();
+            }
+            body
+        }
+
+        pub(super) fn chat_body(
+            cfg: &ModelConfig,
+            system: &str,
+            history: &[Message],
+            tools: &[ToolSpec],
+        ) -> Value {
+            let mut messages = Vec::new();
+            if !system.is_empty() {
+                messages.push(json!({"role": "system", "content": system}));
+            }
+            for m in history {
+                messages.push(match m {
+                    Message::User { text } => json!({"role": "user", "content": text}),
+                    Message::Assistant { text, tool_calls } => {
+                        let mut msg = json!({"role": "assistant"});
+                        msg["content"] = if text.is_empty() && !tool_calls.is_empty() {
+                            Value::Null
+                        } else {
+                            json!(text)
+                        };
+                        if !tool_calls.is_empty() {
+                            msg["tool_calls"] = tool_calls
+                                .iter()
+                                .map(|c| {
+                                    json!({
+                                        "id": c.id,
+                                        "type": "function",
+                                        "function": {"name": c.name, "arguments": args_string(&c.input)},
+                                    })
+                                })
+                                .collect();
+                        }
+                        msg
+                    }
+                    Message::ToolResult {
+                        call_id, output, ..
+                    } => json!({"role": "tool", "tool_call_id": call_id, "content": output}),
+                });
+            }
+            let mut body = json!({
+                "model": cfg.model,
+                "max_completion_tokens": cfg.max_tokens,
+                "messages": messages,
+                "stream": cfg.stream,
+            });
+            if cfg.stream {
+                body["stream_options"] = json!({"include_usage": true});
+            }
+            if !tools.is_empty() {
+                body["tools"] = tools
+                    .iter()
+                    .map(|t| {
+                        json!({"type": "function", "function": {
+                            "name": t.name, "description": t.description, "parameters": t.schema,
+                        }})
+                    })
+                    .collect();
+            }
+            body
+        }
+
+        pub(super) fn responses_body(
+            cfg: &ModelConfig,
+            system: &str,
+            history: &[Message],
+            tools: &[ToolSpec],
+        ) -> Value {
+            let mut input = Vec::new();
+            for m in history {
+                match m {
+                    Message::User { text } => input.push(json!({"role": "user", "content": text})),
+                    Message::Assistant { text, tool_calls } => {
+                        if !text.is_empty() {
+                            input.push(json!({"role": "assistant", "content": text}));
+                        }
+                        for c in tool_calls {
+                            input.push(json!({
+                                "type": "function_call",
+                                "call_id": c.id,
+                                "name": c.name,
+                                "arguments": args_string(&c.input),
+                            }));
+                        }
+                    }
+                    Message::ToolResult {
+                        call_id, output, ..
+                    } => input.push(json!({
+                        "type": "function_call_output",
+                        "call_id": call_id,
+                        "output": output,
+                    })),
+                }
+            }
+            let mut body = json!({
+                "model": cfg.model,
+                "max_output_tokens": cfg.max_tokens,
+                "input": input,
+                "stream": cfg.stream,
+                "store": false,
+            });
+            if !system.is_empty() {
+                body["instructions"] = json!(system);
+            }
+            if !tools.is_empty() {
+                body["tools"] = tools
+                    .iter()
+                    .map(|t| {
+                        json!({"type": "function", "name": t.name, "description": t.description,
+                            "parameters": t.schema, "strict": false})
+                    })
+                    .collect();
+            }
+            body
+        }
+    }
+
+    fn anthropic_messages(history: &[Message]) -> Vec<Value> {
+        let c = cfg(Api::Anthropic, String::new(), false);
+        let prompt = Prompt::new(&c, "", &[]);
+        let mut conversation = Conversation::new(c.api);
+        for m in history {
+            conversation.push(m);
+        }
+        let body: Value = serde_json::from_slice(&prompt.body(&conversation)).unwrap();
+        body["messages"].as_array().unwrap().clone()
+    }
+
+    fn arb_message() -> impl proptest::strategy::Strategy<Value = Message> {
+        use proptest::prelude::*;
+        let text = prop_oneof![Just(String::new()), "[a-z\"\\\\ é\n]{1,8}"];
+        let input = prop_oneof![
+            Just(json!({})),
+            Just(json!({"path": "a.txt", "n": 1})),
+            Just(json!({"_raw": "{oops"})),
+            Just(json!("a string")),
+        ];
+        let call = ("[a-z0-9_]{1,6}", "[a-z_]{1,6}", input)
+            .prop_map(|(id, name, input)| ToolCallReq { id, name, input });
+        prop_oneof![
+            text.clone().prop_map(|text| Message::User { text }),
+            (text.clone(), proptest::collection::vec(call, 0..3))
+                .prop_map(|(text, tool_calls)| Message::Assistant { text, tool_calls }),
+            ("[a-z0-9_]{1,6}", text, any::<bool>()).prop_map(|(call_id, output, is_error)| {
+                Message::ToolResult {
+                    call_id,
+                    output,
+                    is_error,
+                }
+            }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Every request the incremental conversation sends equals the whole-history rebuild, for
+        /// every prefix of any history, in each API, streaming or not, with or without a system
+        /// prompt and tools.
+        #[test]
+        fn the_incremental_conversation_sends_what_a_rebuild_would(
+            history in proptest::collection::vec(arb_message(), 0..12),
+            system in proptest::prop_oneof![proptest::strategy::Just(String::new()), "[a-z ]{1,10}"],
+            with_tools in proptest::bool::ANY,
+            stream in proptest::bool::ANY,
+        ) {
+            let tools = if with_tools { read_file_tool() } else { vec![] };
+            for api in APIS {
+                let c = cfg(api, "http://h".into(), stream);
+                let prompt = Prompt::new(&c, &system, &tools);
+                let mut conversation = Conversation::new(api);
+                for n in 0..=history.len() {
+                    if n > 0 {
+                        conversation.push(&history[n - 1]);
+                    }
+                    let body: Value = serde_json::from_slice(&prompt.body(&conversation)).unwrap();
+                    let expected = match api {
+                        Api::Anthropic => reference::anthropic_body(&c, &system, &history[..n], &tools),
+                        Api::OpenaiChat => reference::chat_body(&c, &system, &history[..n], &tools),
+                        Api::OpenaiResponses => reference::responses_body(&c, &system, &history[..n], &tools),
+                    };
+                    proptest::prop_assert_eq!(body, expected, "{:?} after {} messages", api, n);
                 }
             }
         }

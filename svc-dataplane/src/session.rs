@@ -67,8 +67,6 @@ impl From<sqlx::Error> for Stop {
     }
 }
 
-type Tx<'a> = sqlx::Transaction<'a, sqlx::Postgres>;
-
 /// What a session runs with, resolved once from its pinned agent version.
 struct Pinned {
     workspace_id: Uuid,
@@ -535,87 +533,211 @@ struct Session<'a> {
     token: i64,
 }
 
+/// The rows of one durable step, written by one statement ([`WRITE`]): one round trip and one
+/// transaction that first checks the replica's fencing token and writes all of them, or nothing.
+#[derive(Default)]
+struct Batch {
+    /// The input the messages and new journal rows belong to.
+    input_id: Option<Uuid>,
+    events: Vec<(&'static str, Value)>,
+    messages: Vec<Value>,
+    /// New tool-call journal rows: call, status, output.
+    journal: Vec<(String, String, Value, &'static str, String, bool)>,
+    /// A call moved from `awaiting_approval` to `started`: nothing is written unless it waited.
+    started: Option<String>,
+    /// The end of a journaled call: call id, status, output, is_error.
+    ended: Option<(String, &'static str, String, bool)>,
+    /// The session's status and detail.
+    status: Option<(String, String)>,
+    /// The input's outcome: status, detail, iterations.
+    outcome: Option<(&'static str, String, i32)>,
+}
+
+/// Applies a [`Batch`] in one statement. `fence` takes the session's row (`FOR UPDATE` by its
+/// update) only if this replica's token still holds it (and, for an approved call, only if the
+/// call still waits), and reserves the events' sequence numbers; every other part reads `fence`,
+/// so a fenced replica writes nothing. Data-modifying CTEs run once, in one snapshot and one
+/// transaction.
+const WRITE: &str = r#"WITH fence AS (
+    UPDATE session_state SET last_seq = last_seq + cardinality($3::text[]),
+        status = COALESCE($13::text, status), detail = COALESCE($14::text, detail), updated_at = now()
+    WHERE session_id = $1 AND lease_token = $2
+      AND ($15::text IS NULL OR EXISTS (SELECT 1 FROM session_tool_calls
+          WHERE session_id = $1 AND call_id = $15::text AND status = 'awaiting_approval'))
+    RETURNING last_seq - cardinality($3::text[]) AS base
+), events AS (
+    INSERT INTO session_events (session_id, seq, kind, payload)
+    SELECT $1, fence.base + e.n, e.kind, e.payload
+    FROM fence, unnest($3::text[], $4::jsonb[]) WITH ORDINALITY AS e(kind, payload, n)
+), messages AS (
+    INSERT INTO session_messages (session_id, seq, input_id, message)
+    SELECT $1, (SELECT COALESCE(max(seq), 0) FROM session_messages WHERE session_id = $1) + m.n, $5::uuid, m.message
+    FROM fence, unnest($6::jsonb[]) WITH ORDINALITY AS m(message, n)
+), journal AS (
+    INSERT INTO session_tool_calls (session_id, call_id, input_id, tool, input, status, output, is_error, finished_at)
+    SELECT $1, j.call_id, $5::uuid, j.tool, j.input, j.status,
+        CASE WHEN j.status IN ('started', 'awaiting_approval') THEN NULL ELSE j.output END, j.is_error,
+        CASE WHEN j.status = 'started' THEN NULL ELSE now() END
+    FROM fence, unnest($7::text[], $8::text[], $9::jsonb[], $10::text[], $11::text[], $12::bool[])
+        AS j(call_id, tool, input, status, output, is_error)
+), started AS (
+    UPDATE session_tool_calls c SET status = 'started' FROM fence
+    WHERE c.session_id = $1 AND c.call_id = $15::text AND c.status = 'awaiting_approval'
+), ended AS (
+    UPDATE session_tool_calls c SET status = $16::text, output = $17::text, is_error = $18::bool, finished_at = now()
+    FROM fence WHERE c.session_id = $1 AND c.call_id = $19::text
+), outcome AS (
+    INSERT INTO session_outcomes (input_id, session_id, status, detail, iterations)
+    SELECT $5::uuid, $1, $20::text, $21::text, $22::int4 FROM fence WHERE $20::text IS NOT NULL
+    ON CONFLICT (input_id) DO NOTHING
+)
+SELECT base FROM fence"#;
+
+impl Batch {
+    fn of(input_id: Uuid) -> Batch {
+        Batch {
+            input_id: Some(input_id),
+            ..Batch::default()
+        }
+    }
+
+    fn event(&mut self, kind: &'static str, payload: Value) {
+        self.events.push((kind, payload));
+    }
+
+    fn message(&mut self, m: &Message) {
+        self.messages
+            .push(serde_json::to_value(m).unwrap_or(Value::Null));
+    }
+
+    fn journal(&mut self, call: &ToolCallReq, status: &'static str, out: Option<&ToolOutput>) {
+        self.journal.push((
+            call.id.clone(),
+            call.name.clone(),
+            call.input.clone(),
+            status,
+            out.map(|o| o.output.clone()).unwrap_or_default(),
+            out.is_some_and(|o| o.is_error),
+        ));
+    }
+
+    fn status(&mut self, status: &str, detail: &str) {
+        self.status = Some((status.to_string(), detail.to_string()));
+    }
+
+    /// The result message of `call`.
+    fn result(&mut self, call: &ToolCallReq, out: &ToolOutput) {
+        self.message(&Message::ToolResult {
+            call_id: call.id.clone(),
+            output: out.output.clone(),
+            is_error: out.is_error,
+        });
+    }
+
+    /// The input's outcome, the session's status and the `outcome` event.
+    fn finish(&mut self, status: &'static str, detail: &str, iterations: u32) {
+        let input_id = self.input_id;
+        // Finishing a turn is an outcome, never the acceptance of the Issue.
+        let shown = if status == "completed" {
+            "completed_awaiting_acceptance"
+        } else {
+            status
+        };
+        self.status(shown, detail);
+        self.outcome = Some((status, detail.to_string(), iterations as i32));
+        self.event(
+            "outcome",
+            json!({"input_id": input_id, "status": status, "detail": detail, "iterations": iterations}),
+        );
+    }
+}
+
+/// A call's end, not written yet: its batch, and the transaction holding its memory note.
+struct Ended {
+    batch: Batch,
+    note: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+}
+
 impl Session<'_> {
-    /// Opens a transaction that holds the session's state row, if this replica still owns it.
-    async fn begin(&self) -> Result<(Tx<'static>, i64), Stop> {
-        let mut tx = self.r.db.begin().await?;
-        let row: Option<(i64,)> = sqlx::query_as(
-            "SELECT last_seq FROM session_state WHERE session_id = $1 AND lease_token = $2 FOR UPDATE",
-        )
-        .bind(self.id)
-        .bind(self.token)
-        .fetch_optional(&mut *tx)
-        .await?;
+    /// Writes `b` if this replica still holds the session.
+    async fn write(&self, b: Batch) -> Result<(), Stop> {
+        self.write_on(&self.r.db, b).await
+    }
+
+    /// [`Self::write`] on a connection (inside a transaction that holds more of the step).
+    async fn write_on<'e>(&self, on: impl sqlx::PgExecutor<'e>, b: Batch) -> Result<(), Stop> {
+        let (kinds, payloads): (Vec<&str>, Vec<Value>) = b.events.into_iter().unzip();
+        let mut j = (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for (call_id, tool, input, status, output, is_error) in b.journal {
+            j.0.push(call_id);
+            j.1.push(tool);
+            j.2.push(input);
+            j.3.push(status);
+            j.4.push(output);
+            j.5.push(is_error);
+        }
+        let (status, detail) = b.status.unzip();
+        let (ended_id, ended_status, ended_output, ended_error) = match b.ended {
+            Some((id, s, o, e)) => (Some(id), Some(s), Some(o), Some(e)),
+            None => (None, None, None, None),
+        };
+        let (outcome, outcome_detail, iterations) = match b.outcome {
+            Some((s, d, n)) => (Some(s), Some(d), Some(n)),
+            None => (None, None, None),
+        };
+        let row: Option<(i64,)> = sqlx::query_as(WRITE)
+            .bind(self.id)
+            .bind(self.token)
+            .bind(kinds)
+            .bind(payloads)
+            .bind(b.input_id)
+            .bind(b.messages)
+            .bind(j.0)
+            .bind(j.1)
+            .bind(j.2)
+            .bind(j.3)
+            .bind(j.4)
+            .bind(j.5)
+            .bind(status)
+            .bind(detail)
+            .bind(b.started)
+            .bind(ended_status)
+            .bind(ended_output)
+            .bind(ended_error)
+            .bind(ended_id)
+            .bind(outcome)
+            .bind(outcome_detail)
+            .bind(iterations)
+            .fetch_optional(on)
+            .await?;
         match row {
-            Some((seq,)) => Ok((tx, seq)),
+            Some(_) => Ok(()),
             None => Err(Stop::Fenced),
         }
     }
 
-    async fn append_events(
-        &self,
-        tx: &mut Tx<'_>,
-        last_seq: &mut i64,
-        events: &[(&str, Value)],
-    ) -> Result<(), sqlx::Error> {
-        for (kind, payload) in events {
-            *last_seq += 1;
-            sqlx::query(
-                "INSERT INTO session_events (session_id, seq, kind, payload) VALUES ($1, $2, $3, $4)",
-            )
-            .bind(self.id)
-            .bind(*last_seq)
-            .bind(kind)
-            .bind(payload)
-            .execute(&mut **tx)
-            .await?;
+    /// Writes a call's end (and commits its memory note with it).
+    async fn commit(&self, ended: Ended) -> Result<(), Stop> {
+        match ended.note {
+            Some(mut tx) => {
+                self.write_on(&mut *tx, ended.batch).await?;
+                tx.commit().await?;
+                Ok(())
+            }
+            None => self.write(ended.batch).await,
         }
-        sqlx::query(
-            "UPDATE session_state SET last_seq = $2, updated_at = now() WHERE session_id = $1",
-        )
-        .bind(self.id)
-        .bind(*last_seq)
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
     }
 
-    async fn event(&self, kind: &str, payload: Value) -> Result<(), Stop> {
-        let (mut tx, mut seq) = self.begin().await?;
-        self.append_events(&mut tx, &mut seq, &[(kind, payload)])
-            .await?;
-        tx.commit().await?;
-        Ok(())
+    async fn event(&self, kind: &'static str, payload: Value) -> Result<(), Stop> {
+        let mut b = Batch::default();
+        b.event(kind, payload);
+        self.write(b).await
     }
 
     async fn set_status(&self, status: &str, detail: &str) -> Result<(), Stop> {
-        let (mut tx, _) = self.begin().await?;
-        sqlx::query("UPDATE session_state SET status = $2, detail = $3, updated_at = now() WHERE session_id = $1")
-            .bind(self.id)
-            .bind(status)
-            .bind(detail)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn append_message(
-        &self,
-        tx: &mut Tx<'_>,
-        input_id: Uuid,
-        m: &Message,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO session_messages (session_id, seq, input_id, message)
-             VALUES ($1, (SELECT COALESCE(max(seq), 0) + 1 FROM session_messages WHERE session_id = $1), $2, $3)",
-        )
-        .bind(self.id)
-        .bind(input_id)
-        .bind(serde_json::to_value(m).unwrap_or(Value::Null))
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
+        let mut b = Batch::default();
+        b.status(status, detail);
+        self.write(b).await
     }
 
     async fn history(&self) -> Result<Vec<(Uuid, Message)>, Stop> {
@@ -631,178 +753,147 @@ impl Session<'_> {
             .collect())
     }
 
-    async fn finish(
-        &self,
-        input_id: Uuid,
-        status: &str,
-        detail: &str,
-        iterations: u32,
-    ) -> Result<(), Stop> {
-        let (mut tx, mut seq) = self.begin().await?;
-        sqlx::query(
-            "INSERT INTO session_outcomes (input_id, session_id, status, detail, iterations) VALUES ($1, $2, $3, $4, $5)
-             ON CONFLICT (input_id) DO NOTHING",
-        )
-        .bind(input_id)
-        .bind(self.id)
-        .bind(status)
-        .bind(detail)
-        .bind(iterations as i32)
-        .execute(&mut *tx)
-        .await?;
-        // Finishing a turn is an outcome, never the acceptance of the Issue.
-        let shown = if status == "completed" {
-            "completed_awaiting_acceptance"
-        } else {
-            status
-        };
-        sqlx::query("UPDATE session_state SET status = $2, detail = $3, updated_at = now() WHERE session_id = $1")
-            .bind(self.id)
-            .bind(shown)
-            .bind(detail)
-            .execute(&mut *tx)
-            .await?;
-        self.append_events(
-            &mut tx,
-            &mut seq,
-            &[(
-                "outcome",
-                json!({"input_id": input_id, "status": status, "detail": detail, "iterations": iterations}),
-            )],
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
     /// A session this replica will not run (its environment is not enabled): the state says so
     /// with a stable code, once, and its inputs stay unanswered until the deployment changes.
     async fn refuse(&self, reason: &str) -> Result<(), Stop> {
         // The status and its diagnostic commit together.
-        let (mut tx, mut seq) = self.begin().await?;
-        sqlx::query("UPDATE session_state SET status = 'environment_not_allowed', detail = $2, updated_at = now() WHERE session_id = $1")
-            .bind(self.id)
-            .bind(reason)
-            .execute(&mut *tx)
-            .await?;
-        self.append_events(
-            &mut tx,
-            &mut seq,
-            &[(
-                "diagnostic",
-                json!({"code": "environment_not_allowed", "message": reason}),
-            )],
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(())
+        let mut b = Batch::default();
+        b.status("environment_not_allowed", reason);
+        b.event(
+            "diagnostic",
+            json!({"code": "environment_not_allowed", "message": reason}),
+        );
+        self.write(b).await
     }
 
     /// One input: model turns and tool calls until the model stops calling tools.
+    ///
+    /// The conversation is loaded once and then kept in the model API's wire format, each new
+    /// message appended ([`model::Conversation`]). A model turn is one write: its message and
+    /// events, and, when the turn's first call can run at once, that call's `started` journal row
+    /// (or, for the last turn, the input's outcome). A tool's result is another write.
     async fn work(&self, p: &Pinned, input_id: Uuid, text: &str) -> Result<(), Stop> {
-        let mut history = self.history().await?;
-        if !history.iter().any(|(i, _)| *i == input_id) {
+        let history = self.history().await?;
+        let model = self.r.model_config(&p.model);
+        let specs = tools::specs(&p.enabled);
+        let prompt = model::Prompt::new(&model, &p.instructions, &specs);
+        let mut conversation = model::Conversation::new(model.api);
+        // Every call id the session has seen: a model that repeats one goes through the journal.
+        let mut known_calls: HashSet<String> = HashSet::new();
+        let mut iterations: u32 = 0;
+        let mut has_input = false;
+        // Tool calls of the last assistant message that have no result yet (a takeover): run
+        // them, or report them interrupted.
+        let mut pending: Vec<ToolCallReq> = vec![];
+        for (i, m) in &history {
+            has_input |= *i == input_id;
+            match m {
+                Message::Assistant { tool_calls, .. } => {
+                    if *i == input_id {
+                        iterations += 1;
+                    }
+                    known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
+                    pending = tool_calls.clone();
+                }
+                Message::ToolResult { call_id, .. } => pending.retain(|c| &c.id != call_id),
+                Message::User { .. } => {}
+            }
+            conversation.push(m);
+        }
+        drop(history);
+        let mut b = Batch::of(input_id);
+        b.status("running", "");
+        if !has_input {
             let m = Message::User {
                 text: text.to_string(),
             };
-            let (mut tx, mut seq) = self.begin().await?;
-            self.append_message(&mut tx, input_id, &m).await?;
-            self.append_events(
-                &mut tx,
-                &mut seq,
-                &[("input", json!({"input_id": input_id, "text": text}))],
-            )
-            .await?;
-            tx.commit().await?;
-            history.push((input_id, m));
+            b.message(&m);
+            b.event("input", json!({"input_id": input_id, "text": text}));
+            conversation.push(&m);
         }
-        self.set_status("running", "").await?;
-        let specs = tools::specs(&p.enabled);
-        let model = self.r.model_config(&p.model);
+        self.write(b).await?;
         let mut denied = false;
+        // The call journaled `started` together with the turn that asked for it.
+        let mut started_with_turn: Option<String> = None;
+        // That call's end, written while the next model request is in flight (before anything
+        // else is written, so the journal's order is the conversation's).
+        let mut unwritten: Option<Ended> = None;
         loop {
-            // Tool calls of the last assistant message that have no result yet (a fresh turn, or
-            // a takeover): run them, or report them interrupted.
-            let last_assistant = history
-                .iter()
-                .rposition(|(_, m)| matches!(m, Message::Assistant { .. }));
-            if let Some(at) = last_assistant
-                && let (_, Message::Assistant { tool_calls, .. }) = &history[at]
-            {
-                let answered: HashSet<&str> = history[at..]
-                    .iter()
-                    .filter_map(|(_, m)| match m {
-                        Message::ToolResult { call_id, .. } => Some(call_id.as_str()),
-                        _ => None,
-                    })
-                    .collect();
-                let calls: Vec<ToolCallReq> = tool_calls
-                    .iter()
-                    .filter(|c| !answered.contains(c.id.as_str()))
-                    .cloned()
-                    .collect();
-                for call in calls {
-                    let out = self.call(p, input_id, &call).await?;
-                    denied |= out.1;
-                    history.push((
-                        input_id,
-                        Message::ToolResult {
-                            call_id: call.id.clone(),
-                            output: out.0.output,
-                            is_error: out.0.is_error,
-                        },
-                    ));
+            for call in std::mem::take(&mut pending) {
+                if let Some(ended) = unwritten.take() {
+                    self.commit(ended).await?;
                 }
-            }
-            let iterations = history
-                .iter()
-                .filter(|(i, m)| *i == input_id && matches!(m, Message::Assistant { .. }))
-                .count() as u32;
-            if iterations >= p.max_iters {
-                let detail = format!("stopped after {iterations} model turns (max_iters)");
-                return self
-                    .finish(input_id, "max_iterations", &detail, iterations)
-                    .await;
-            }
-            let messages: Vec<Message> = history.iter().map(|(_, m)| m.clone()).collect();
-            let turn =
-                match model::complete(&self.r.http, &model, &p.instructions, &messages, &specs)
-                    .await
-                {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let detail = match &e {
-                            ModelError::Connection(m) | ModelError::Rejected(m) => m.clone(),
-                        };
-                        self.event(
-                            "diagnostic",
-                            json!({"code": "model_connection", "message": detail}),
-                        )
-                        .await?;
-                        return self
-                            .finish(input_id, "model_connection", &detail, iterations)
-                            .await;
-                    }
+                let (out, was_denied) = if started_with_turn.as_deref() == Some(call.id.as_str()) {
+                    started_with_turn = None;
+                    let (out, ended) = self.run_started(p, input_id, &call).await?;
+                    unwritten = Some(ended);
+                    (out, false)
+                } else {
+                    self.call(p, input_id, &call).await?
                 };
-            let m = Message::Assistant {
-                text: turn.text.clone(),
-                tool_calls: turn.tool_calls.clone(),
-            };
-            let (mut tx, mut seq) = self.begin().await?;
-            self.append_message(&mut tx, input_id, &m).await?;
-            let mut events: Vec<(&str, Value)> = vec![];
-            if !turn.text.is_empty() {
-                events.push(("assistant_message", json!({"text": turn.text})));
+                denied |= was_denied;
+                conversation.push(&Message::ToolResult {
+                    call_id: call.id,
+                    output: out.output,
+                    is_error: out.is_error,
+                });
             }
-            events.push((
+            if iterations >= p.max_iters {
+                if let Some(ended) = unwritten.take() {
+                    self.commit(ended).await?;
+                }
+                let detail = format!("stopped after {iterations} model turns (max_iters)");
+                let mut b = Batch::of(input_id);
+                b.finish("max_iterations", &detail, iterations);
+                return self.write(b).await;
+            }
+            // The model already has the result; the turn is written only after it is.
+            let ((), turn) = tokio::try_join!(
+                async {
+                    match unwritten.take() {
+                        Some(ended) => self.commit(ended).await,
+                        None => Ok(()),
+                    }
+                },
+                async {
+                    Ok(model::complete_turn(&self.r.http, &model, &prompt, &conversation).await)
+                }
+            )?;
+            let turn = match turn {
+                Ok(t) => t,
+                Err(e) => {
+                    let detail = match &e {
+                        ModelError::Connection(m) | ModelError::Rejected(m) => m.clone(),
+                    };
+                    let mut b = Batch::of(input_id);
+                    b.event(
+                        "diagnostic",
+                        json!({"code": "model_connection", "message": detail}),
+                    );
+                    b.finish("model_connection", &detail, iterations);
+                    return self.write(b).await;
+                }
+            };
+            let mut b = Batch::of(input_id);
+            if !turn.text.is_empty() {
+                b.event("assistant_message", json!({"text": turn.text}));
+            }
+            b.event(
                 "usage",
                 json!({"input_tokens": turn.input_tokens, "output_tokens": turn.output_tokens}),
-            ));
-            self.append_events(&mut tx, &mut seq, &events).await?;
-            tx.commit().await?;
-            let done = turn.tool_calls.is_empty();
-            history.push((input_id, m));
-            if done {
+            );
+            let m = Message::Assistant {
+                text: turn.text,
+                tool_calls: turn.tool_calls,
+            };
+            b.message(&m);
+            // Appended now: a failed write ends the session's work here anyway.
+            conversation.push(&m);
+            iterations += 1;
+            let Message::Assistant { tool_calls, .. } = m else {
+                unreachable!("an assistant message")
+            };
+            if tool_calls.is_empty() {
                 let (status, detail) = if denied {
                     (
                         "tool_denied",
@@ -811,9 +902,39 @@ impl Session<'_> {
                 } else {
                     ("completed", "")
                 };
-                return self.finish(input_id, status, detail, iterations + 1).await;
+                b.finish(status, detail, iterations);
+                return self.write(b).await;
             }
+            if let Some(first) = tool_calls.first()
+                && self.starts_at_once(p, first, &known_calls)
+            {
+                b.journal(first, "started", None);
+                b.event(
+                    "tool_call",
+                    json!({"call_id": first.id, "tool": first.name, "input": first.input}),
+                );
+                started_with_turn = Some(first.id.clone());
+            }
+            self.write(b).await?;
+            known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
+            pending = tool_calls;
         }
+    }
+
+    /// Whether `call` (the first of a fresh turn) may be journaled `started` with the turn: the
+    /// policy allows it, it is one of the agent's tools, its id is new to the session, and it
+    /// waits for nothing (a Worker's calls first wait for the Worker to beat).
+    fn starts_at_once(
+        &self,
+        p: &Pinned,
+        call: &ToolCallReq,
+        known_calls: &HashSet<String>,
+    ) -> bool {
+        p.worker.is_none()
+            && !known_calls.contains(&call.id)
+            && tools::ALL.contains(&call.name.as_str())
+            && (p.enabled.is_empty() || p.enabled.contains(&call.name))
+            && p.policy.decide(&call.name, &call.input).0 == Decision::Allow
     }
 
     /// One tool call, journaled; returns its output and whether it was denied.
@@ -863,43 +984,38 @@ impl Session<'_> {
                     "tool_result",
                 )
             };
-            let (mut tx, mut seq) = self.begin().await?;
+            let mut b = Batch::of(input_id);
             if status == "started" {
                 let done = if kind == "tool_result" {
                     "completed"
                 } else {
                     "interrupted"
                 };
-                sqlx::query("UPDATE session_tool_calls SET status = $4, output = $3, is_error = $5, finished_at = now() WHERE session_id = $1 AND call_id = $2")
-                    .bind(self.id)
-                    .bind(&call.id)
-                    .bind(&out.output)
-                    .bind(done)
-                    .bind(out.is_error)
-                    .execute(&mut *tx)
-                    .await?;
+                b.ended = Some((call.id.clone(), done, out.output.clone(), out.is_error));
             }
-            self.result_message(&mut tx, input_id, call, &out).await?;
-            self.append_events(&mut tx, &mut seq, &[(kind, json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}))])
-                .await?;
-            tx.commit().await?;
+            b.result(call, &out);
+            b.event(
+                kind,
+                json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}),
+            );
+            self.write(b).await?;
             return Ok((out, status == "denied"));
         }
         let (decision, why) = p.policy.decide(&call.name, &call.input);
         let known = tools::ALL.contains(&call.name.as_str())
             && (p.enabled.is_empty() || p.enabled.contains(&call.name));
         if known && decision == Decision::Ask {
-            let (mut tx, mut seq) = self.begin().await?;
-            self.journal(&mut tx, input_id, call, "awaiting_approval", None)
-                .await?;
-            sqlx::query("UPDATE session_state SET status = 'awaiting_approval', detail = $2, updated_at = now() WHERE session_id = $1")
-                .bind(self.id)
-                .bind(format!("tool `{}` waits for an approval", call.name))
-                .execute(&mut *tx)
-                .await?;
-            self.append_events(&mut tx, &mut seq, &[("approval_requested", json!({"call_id": call.id, "tool": call.name, "input": call.input, "policy": why}))])
-                .await?;
-            tx.commit().await?;
+            let mut b = Batch::of(input_id);
+            b.journal(call, "awaiting_approval", None);
+            b.status(
+                "awaiting_approval",
+                &format!("tool `{}` waits for an approval", call.name),
+            );
+            b.event(
+                "approval_requested",
+                json!({"call_id": call.id, "tool": call.name, "input": call.input, "policy": why}),
+            );
+            self.write(b).await?;
             return self.await_decision(p, input_id, call).await;
         }
         if decision != Decision::Allow || !known {
@@ -917,56 +1033,68 @@ impl Session<'_> {
                 output: reason,
                 is_error: true,
             };
-            let (mut tx, mut seq) = self.begin().await?;
-            self.journal(&mut tx, input_id, call, "denied", Some(&out))
-                .await?;
-            self.result_message(&mut tx, input_id, call, &out).await?;
-            self.append_events(&mut tx, &mut seq, &[("tool_denied", json!({"call_id": call.id, "tool": call.name, "input": call.input, "reason": out.output}))])
-                .await?;
-            tx.commit().await?;
+            let mut b = Batch::of(input_id);
+            b.journal(call, "denied", Some(&out));
+            b.result(call, &out);
+            b.event(
+                "tool_denied",
+                json!({"call_id": call.id, "tool": call.name, "input": call.input, "reason": out.output}),
+            );
+            self.write(b).await?;
             return Ok((out, known));
         }
-        self.execute(p, input_id, call, false).await
+        self.execute(p, input_id, call, None).await
     }
 
     /// Runs an allowed call: journaled `started` first (once committed, never run again), then
-    /// `completed` with its result message in one transaction.
+    /// `completed` with its result message in one write. `decided`: the call waited for an
+    /// Approval, allowed with this decision, which commits with the start.
     async fn execute(
         &self,
         p: &Pinned,
         input_id: Uuid,
         call: &ToolCallReq,
-        approved: bool,
+        decided: Option<Value>,
     ) -> Result<(ToolOutput, bool), Stop> {
+        let mut b = Batch::of(input_id);
+        let approved = decided.is_some();
+        if let Some(decided) = decided {
+            b.event("approval_decided", decided);
+            b.status("running", "");
+        }
         if let Some(link) = &p.worker
             && !call.name.starts_with("memory_")
         {
+            if approved {
+                // The decision is recorded before the wait for the Worker is.
+                self.write(std::mem::replace(&mut b, Batch::of(input_id)))
+                    .await?;
+            }
             self.wait_worker(link).await?;
         }
-        let (mut tx, mut seq) = self.begin().await?;
         if approved {
-            let moved = sqlx::query("UPDATE session_tool_calls SET status = 'started' WHERE session_id = $1 AND call_id = $2 AND status = 'awaiting_approval'")
-                .bind(self.id)
-                .bind(&call.id)
-                .execute(&mut *tx)
-                .await?;
-            if moved.rows_affected() != 1 {
-                return Err(Stop::Fenced);
-            }
+            b.started = Some(call.id.clone());
         } else {
-            self.journal(&mut tx, input_id, call, "started", None)
-                .await?;
+            b.journal(call, "started", None);
         }
-        self.append_events(
-            &mut tx,
-            &mut seq,
-            &[(
-                "tool_call",
-                json!({"call_id": call.id, "tool": call.name, "input": call.input}),
-            )],
-        )
-        .await?;
-        tx.commit().await?;
+        b.event(
+            "tool_call",
+            json!({"call_id": call.id, "tool": call.name, "input": call.input}),
+        );
+        self.write(b).await?;
+        let (out, ended) = self.run_started(p, input_id, call).await?;
+        self.commit(ended).await?;
+        Ok((out, false))
+    }
+
+    /// Runs a call journaled `started`; returns its output and its end (the journal row's
+    /// `completed`, the result message and event, and a memory note), to be written together.
+    async fn run_started(
+        &self,
+        p: &Pinned,
+        input_id: Uuid,
+        call: &ToolCallReq,
+    ) -> Result<(ToolOutput, Ended), Stop> {
         let limits = self.r.limits();
         // Secrets are opened only now, injected into the shell's environment, and redacted from
         // whatever any tool returns (the model, the events and the journal never hold them).
@@ -1000,28 +1128,32 @@ impl Session<'_> {
                 self.run_tool(p, &limits, call, env).await?
             }
         };
-        let (mut tx, mut seq) = self.begin().await?;
+        // The note commits with the journal: never written twice.
+        let mut note = None;
         let mut out = if call.name == "memory_write" && secrets.is_ok() {
-            // The note commits with the journal: never written twice.
-            tools::memory_write(&mut tx, p.workspace_id, self.id, &call.input).await?
+            let mut tx = self.r.db.begin().await?;
+            let out = tools::memory_write(&mut tx, p.workspace_id, self.id, &call.input).await?;
+            note = Some(tx);
+            out
         } else {
             out
         };
         if let Ok(values) = &secrets {
             out.output = agentscope_domain::vault::Redactor::new(values).redact(&out.output);
         }
-        sqlx::query("UPDATE session_tool_calls SET status = 'completed', output = $3, is_error = $4, finished_at = now() WHERE session_id = $1 AND call_id = $2")
-            .bind(self.id)
-            .bind(&call.id)
-            .bind(&out.output)
-            .bind(out.is_error)
-            .execute(&mut *tx)
-            .await?;
-        self.result_message(&mut tx, input_id, call, &out).await?;
-        self.append_events(&mut tx, &mut seq, &[("tool_result", json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}))])
-            .await?;
-        tx.commit().await?;
-        Ok((out, false))
+        let mut b = Batch::of(input_id);
+        b.ended = Some((
+            call.id.clone(),
+            "completed",
+            out.output.clone(),
+            out.is_error,
+        ));
+        b.result(call, &out);
+        b.event(
+            "tool_result",
+            json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}),
+        );
+        Ok((out, Ended { batch: b, note }))
     }
 
     /// Waits for the Approval of `call` (asking the scheduler to record it, idempotently), then
@@ -1048,6 +1180,11 @@ impl Session<'_> {
         };
         let mut asked_at: Option<tokio::time::Instant> = None;
         let (status, reason, decided_by) = loop {
+            // Listening before reading: a decision's nudge that arrives during the read wakes
+            // the wait below instead of being missed until the next poll.
+            let news = self.r.news.notified();
+            tokio::pin!(news);
+            news.as_mut().enable();
             let row: Option<(String, Option<String>, Option<String>)> = sqlx::query_as(
                 "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2",
             )
@@ -1064,14 +1201,12 @@ impl Session<'_> {
                 }
                 None => {}
             }
-            self.r.wait_for_news(Duration::from_millis(500)).await;
+            let _ = tokio::time::timeout(Duration::from_millis(500), news).await;
         };
         let allowed = status == "allowed";
         let decided = json!({"call_id": call.id, "allow": allowed, "status": status, "reason": reason, "decided_by": decided_by});
         if allowed {
-            self.event("approval_decided", decided).await?;
-            self.set_status("running", "").await?;
-            return self.execute(p, input_id, call, true).await;
+            return self.execute(p, input_id, call, Some(decided)).await;
         }
         let out = ToolOutput {
             output: format!(
@@ -1083,28 +1218,16 @@ impl Session<'_> {
             ),
             is_error: true,
         };
-        let (mut tx, mut seq) = self.begin().await?;
-        sqlx::query("UPDATE session_tool_calls SET status = 'denied', output = $3, is_error = true, finished_at = now() WHERE session_id = $1 AND call_id = $2")
-            .bind(self.id)
-            .bind(&call.id)
-            .bind(&out.output)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query("UPDATE session_state SET status = 'running', detail = '', updated_at = now() WHERE session_id = $1")
-            .bind(self.id)
-            .execute(&mut *tx)
-            .await?;
-        self.result_message(&mut tx, input_id, call, &out).await?;
-        self.append_events(
-            &mut tx,
-            &mut seq,
-            &[
-                ("approval_decided", decided),
-                ("tool_denied", json!({"call_id": call.id, "tool": call.name, "input": call.input, "reason": out.output})),
-            ],
-        )
-        .await?;
-        tx.commit().await?;
+        let mut b = Batch::of(input_id);
+        b.ended = Some((call.id.clone(), "denied", out.output.clone(), true));
+        b.status("running", "");
+        b.result(call, &out);
+        b.event("approval_decided", decided);
+        b.event(
+            "tool_denied",
+            json!({"call_id": call.id, "tool": call.name, "input": call.input, "reason": out.output}),
+        );
+        self.write(b).await?;
         Ok((out, true))
     }
 
@@ -1347,49 +1470,5 @@ impl Session<'_> {
                 }
             }
         }
-    }
-
-    async fn journal(
-        &self,
-        tx: &mut Tx<'_>,
-        input_id: Uuid,
-        call: &ToolCallReq,
-        status: &str,
-        out: Option<&ToolOutput>,
-    ) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO session_tool_calls (session_id, call_id, input_id, tool, input, status, output, is_error, finished_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, CASE WHEN $6 = 'started' THEN NULL ELSE now() END)",
-        )
-        .bind(self.id)
-        .bind(&call.id)
-        .bind(input_id)
-        .bind(&call.name)
-        .bind(&call.input)
-        .bind(status)
-        .bind(out.map(|o| o.output.as_str()))
-        .bind(out.is_some_and(|o| o.is_error))
-        .execute(&mut **tx)
-        .await?;
-        Ok(())
-    }
-
-    async fn result_message(
-        &self,
-        tx: &mut Tx<'_>,
-        input_id: Uuid,
-        call: &ToolCallReq,
-        out: &ToolOutput,
-    ) -> Result<(), sqlx::Error> {
-        self.append_message(
-            tx,
-            input_id,
-            &Message::ToolResult {
-                call_id: call.id.clone(),
-                output: out.output.clone(),
-                is_error: out.is_error,
-            },
-        )
-        .await
     }
 }

@@ -232,6 +232,37 @@ async fn decide(
     };
     let ws = Uuid::parse_str(&d.workspace_id).ok();
     let status = if d.allow { allowed } else { denied };
+    // A managed session's pending request needs no attempt lock: one statement decides it (the
+    // row lock of the update applies it once) and the replica holding the session is nudged at
+    // once. Anything else (a replay, another workspace, a hosted attempt's request, an unknown
+    // id) takes the transaction below.
+    let session: Option<(String,)> = sqlx::query_as(
+        "UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '')
+         WHERE id = $1 AND status = 'pending' AND attempt_id IS NULL AND session_id IS NOT NULL
+           AND ($5::uuid IS NULL OR workspace_id = $5)
+         RETURNING session_id",
+    )
+    .bind(id)
+    .bind(status)
+    .bind(&d.decided_by)
+    .bind(&d.reason)
+    .bind(ws)
+    .fetch_optional(&ctx.db)
+    .await?;
+    if let Some((session,)) = session {
+        let _ = ctx
+            .nats
+            .publish(subjects::SESSIONS_NUDGE, session.into())
+            .await;
+        ctx.metrics
+            .inc("agentscope_approvals_decided_total", &[("status", status)]);
+        tracing::info!(approval_id = %id, status, by = %d.decided_by, "approval decided");
+        return Ok(DecideApprovalReply {
+            ok: true,
+            status: status.into(),
+            ..Default::default()
+        });
+    }
     let mut tx = ctx.db.begin().await?;
     // status, attempt (hosted) or session (managed), request, workspace.
     type Row = (String, Option<Uuid>, String, Uuid, Option<String>);
