@@ -16,11 +16,16 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::Row;
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Scope {
     Attempt(Uuid),
     Task(Uuid),
@@ -142,13 +147,179 @@ async fn events(
         .into_response())
 }
 
-/// Feeds one SSE client until the stream's work is over or the client goes away.
+/// Live readers, one per followed attempt or task, shared by all of its SSE clients.
+#[derive(Clone, Default)]
+pub struct Feeds(Arc<Mutex<HashMap<Scope, Weak<Feed>>>>);
+
+/// One shared reader of a scope's events: woken by the recorder's commit notices, it reads what
+/// was committed after its head once (by the scope's own indexed cursor) and broadcasts it to
+/// every follower. Stops when its last follower leaves.
+struct Feed {
+    tx: broadcast::Sender<Arc<Batch>>,
+    /// Set before the feed sends its last batch (the scope is over); later followers start
+    /// another feed.
+    ended: Arc<AtomicBool>,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+/// Events after `prev`, in order; `end` when nothing more can follow the last of them.
+struct Batch {
+    prev: Cursor,
+    events: Vec<(Cursor, Arc<Sent>)>,
+    end: Option<String>,
+}
+
+/// An event as sent: its kind and its JSON, serialized once for every follower.
+struct Sent {
+    kind: String,
+    json: String,
+}
+
+/// Batches a feed keeps for its followers; one that falls further behind re-reads from the
+/// database by its own cursor.
+const FEED_BUFFER: usize = 256;
+/// Events read by one query.
+const PAGE: i64 = 500;
+
+impl Feeds {
+    fn subscribe(&self, s: &AppState, scope: Scope) -> (Arc<Feed>, broadcast::Receiver<Arc<Batch>>) {
+        let mut map = self.0.lock().expect("feeds");
+        if let Some(feed) = map
+            .get(&scope)
+            .and_then(Weak::upgrade)
+            .filter(|f| !f.ended.load(Ordering::SeqCst))
+        {
+            let rx = feed.tx.subscribe();
+            return (feed, rx);
+        }
+        map.retain(|_, f| f.strong_count() > 0);
+        let (tx, rx) = broadcast::channel(FEED_BUFFER);
+        let stop = CancellationToken::new();
+        let ended = Arc::new(AtomicBool::new(false));
+        let feed = Arc::new(Feed {
+            tx: tx.clone(),
+            ended: ended.clone(),
+            _stop: stop.clone().drop_guard(),
+        });
+        map.insert(scope, Arc::downgrade(&feed));
+        tokio::spawn(read_feed(s.clone(), scope, tx, ended, stop));
+        (feed, rx)
+    }
+}
+
+/// The shared reader of one scope.
+async fn read_feed(
+    s: AppState,
+    scope: Scope,
+    tx: broadcast::Sender<Arc<Batch>>,
+    ended: Arc<AtomicBool>,
+    stop: CancellationToken,
+) {
+    let mut wake = s.recorded.subscribe();
+    // Followers catch up from the database themselves; the feed starts at the scope's end.
+    let mut head = loop {
+        match tail(&s, scope).await {
+            Ok(c) => break c,
+            Err(e) => {
+                tracing::warn!(error = ?e, "read the end of a live stream");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+            }
+        }
+    };
+    loop {
+        // Everything committed after `head`, page by page, then whether the scope is over.
+        let mut ok = true;
+        loop {
+            let page = match fetch(&s, scope, head, PAGE).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = ?e, "read events for live streams");
+                    ok = false;
+                    break;
+                }
+            };
+            if page.is_empty() {
+                break;
+            }
+            let full = page.len() as i64 == PAGE;
+            let prev = head;
+            let events: Vec<(Cursor, Arc<Sent>)> = page
+                .into_iter()
+                .map(|(c, v)| {
+                    let kind = v["kind"].as_str().unwrap_or("event").to_string();
+                    (c, Arc::new(Sent { kind, json: v.to_string() }))
+                })
+                .collect();
+            head = events.last().map(|(c, _)| *c).unwrap_or(head);
+            // Without receivers the feed is about to stop anyway.
+            let _ = tx.send(Arc::new(Batch { prev, events, end: None }));
+            if !full {
+                break;
+            }
+        }
+        if ok && let Ok(Some(status)) = finished(&s, scope, head).await {
+            ended.store(true, Ordering::SeqCst);
+            let _ = tx.send(Arc::new(Batch { prev: head, events: vec![], end: Some(status) }));
+            return;
+        }
+        let deadline = tokio::time::sleep(Duration::from_secs(2));
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = &mut deadline => break,
+                r = wake.recv() => match r {
+                    Ok((attempt, task)) => {
+                        let hit = match scope { Scope::Attempt(a) => a == attempt, Scope::Task(t) => t == task };
+                        if hit { break }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+            }
+        }
+    }
+}
+
+/// The cursor of the newest event recorded in the scope.
+async fn tail(s: &AppState, scope: Scope) -> ApiResult<Cursor> {
+    let row: Option<(i32, i64)> = match scope {
+        Scope::Attempt(id) => {
+            sqlx::query_as("SELECT 0, last_seq FROM attempts WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&s.db)
+                .await?
+        }
+        Scope::Task(id) => {
+            sqlx::query_as(
+                "SELECT number, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+            )
+            .bind(id)
+            .fetch_optional(&s.db)
+            .await?
+        }
+    };
+    Ok(row
+        .map(|(number, seq)| Cursor { number, seq })
+        .unwrap_or_default())
+}
+
+/// Feeds one SSE client until the stream's work is over or the client goes away: first from the
+/// database after its cursor, then from the scope's shared feed. A follower whose cursor is not
+/// where a batch starts (it fell behind, or the feed is ahead of its catch-up) reads from the
+/// database again by its own cursor, so it never skips or repeats an event.
 async fn follow(
     s: AppState,
     scope: Scope,
     mut cursor: Cursor,
     tx: tokio::sync::mpsc::Sender<Event>,
 ) {
+    // Subscribed before reading, so nothing committed after the read is missed.
+    let (mut _feed, mut feed) = s.feeds.subscribe(&s, scope);
+    let mut catch_up = true;
     loop {
         if s.shutdown.is_cancelled() {
             // The gateway stops: the client resumes elsewhere from its Last-Event-ID.
@@ -161,74 +332,104 @@ async fn follow(
                 .await;
             return;
         }
-        // Subscribe before reading, so a commit between the read and the wait still wakes us.
-        let mut wake = s.recorded.subscribe();
-        let page = match fetch(&s, scope, cursor, 500).await {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(error = ?e, "read events for a live stream");
-                let outage = match &e {
-                    crate::error::ApiError::Db(e) => matches!(
-                        agentscope_store::fault(e),
-                        agentscope_store::Fault::Unavailable | agentscope_store::Fault::Conflict
-                    ),
-                    crate::error::ApiError::Bus(_) => true,
-                    _ => false,
-                };
-                let data = if outage {
-                    r#"{"code":"unavailable"}"#
-                } else {
-                    r#"{"code":"internal"}"#
-                };
-                let _ = tx.send(Event::default().event("error").data(data)).await;
-                return;
+        if catch_up {
+            let page = match fetch(&s, scope, cursor, PAGE).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = ?e, "read events for a live stream");
+                    let _ = tx.send(Event::default().event("error").data(error_code(&e))).await;
+                    return;
+                }
+            };
+            let full = page.len() as i64 == PAGE;
+            for (c, v) in page {
+                let kind = v["kind"].as_str().unwrap_or("event").to_string();
+                let ev = Event::default()
+                    .id(c.render(scope))
+                    .event(kind)
+                    .data(v.to_string());
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+                cursor = c;
             }
+            if full {
+                continue;
+            }
+            catch_up = false;
+            match finished(&s, scope, cursor).await {
+                Ok(Some(status)) => {
+                    let _ = tx.send(end_event(&status)).await;
+                    return;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = ?e, "read stream state"),
+            }
+        }
+        let batch = tokio::select! {
+            _ = s.shutdown.cancelled() => continue,
+            _ = tx.closed() => return,
+            // The feed's own fallback: nothing heard for a while, look for ourselves.
+            _ = tokio::time::sleep(Duration::from_secs(5)) => { catch_up = true; continue }
+            b = feed.recv() => match b {
+                Ok(b) => b,
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    s.metrics.inc("agentscope_sse_lagged_total", &[]);
+                    catch_up = true;
+                    continue;
+                }
+                Err(broadcast::error::RecvError::Closed) => {
+                    // The feed ended (its scope finished) or stopped: read for ourselves.
+                    (_feed, feed) = s.feeds.subscribe(&s, scope);
+                    catch_up = true;
+                    continue;
+                }
+            },
         };
-        let empty = page.is_empty();
-        for (c, v) in page {
-            let kind = v["kind"].as_str().unwrap_or("event").to_string();
+        if batch.prev > cursor {
+            // Something between our cursor and this batch went by: read it from the database.
+            catch_up = true;
+            continue;
+        }
+        for (c, row) in &batch.events {
+            if *c <= cursor {
+                continue;
+            }
             let ev = Event::default()
                 .id(c.render(scope))
-                .event(kind)
-                .data(v.to_string());
+                .event(&row.kind)
+                .data(&row.json);
             if tx.send(ev).await.is_err() {
                 return;
             }
-            cursor = c;
+            cursor = *c;
         }
-        if !empty {
-            continue;
+        if let Some(status) = &batch.end {
+            let _ = tx.send(end_event(status)).await;
+            return;
         }
-        match finished(&s, scope, cursor).await {
-            Ok(Some(status)) => {
-                let _ = tx
-                    .send(
-                        Event::default()
-                            .event("end")
-                            .data(json!({"status": status}).to_string()),
-                    )
-                    .await;
-                return;
-            }
-            Ok(None) => {}
-            Err(e) => tracing::warn!(error = ?e, "read stream state"),
-        }
-        let deadline = tokio::time::sleep(Duration::from_secs(2));
-        tokio::pin!(deadline);
-        loop {
-            tokio::select! {
-                _ = &mut deadline => break,
-                _ = s.shutdown.cancelled() => break,
-                _ = tx.closed() => return,
-                r = wake.recv() => match r {
-                    Ok((attempt, task)) => {
-                        let hit = match scope { Scope::Attempt(a) => a == attempt, Scope::Task(t) => t == task };
-                        if hit { break }
-                    }
-                    Err(_) => break,
-                },
-            }
-        }
+    }
+}
+
+fn end_event(status: &str) -> Event {
+    Event::default()
+        .event("end")
+        .data(json!({"status": status}).to_string())
+}
+
+fn error_code(e: &ApiError) -> &'static str {
+    let outage = match e {
+        ApiError::Db(e) => matches!(
+            agentscope_store::fault(e),
+            agentscope_store::Fault::Unavailable | agentscope_store::Fault::Conflict
+        ),
+        ApiError::Bus(_) => true,
+        _ => false,
+    };
+    if outage {
+        r#"{"code":"unavailable"}"#
+    } else {
+        r#"{"code":"internal"}"#
     }
 }
 
@@ -252,10 +453,16 @@ async fn fetch(
             .await?
         }
         Scope::Task(id) => {
+            // The task's attempts by (task_id, number), each one's events by (attempt_id, seq):
+            // both unique indexes, so a page reads only the rows it returns.
             sqlx::query(
-                "SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at FROM execution_events e
-                 JOIN attempts a ON a.id = e.attempt_id
-                 WHERE a.task_id = $1 AND (a.number, e.seq) > ($2, $3) ORDER BY a.number, e.seq LIMIT $4",
+                "SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at FROM attempts a
+                 CROSS JOIN LATERAL (
+                     SELECT seq, kind, payload, at FROM execution_events
+                     WHERE attempt_id = a.id AND seq > CASE WHEN a.number = $2 THEN $3 ELSE 0 END
+                     ORDER BY seq LIMIT $4) e
+                 WHERE a.task_id = $1 AND a.number >= $2
+                 ORDER BY a.number, e.seq LIMIT $4",
             )
             .bind(id)
             .bind(c.number)
