@@ -243,7 +243,7 @@ async fn publisher(
                     acked = f.seq;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, seq = window.front().map(|f| f.seq), "publish event; sending it and the later ones again");
+                    tracing::warn!(error = %e, seq = window.front().map(|f| f.seq), "publish event; retrying (with the later ones in flight)");
                     let pending: Vec<(u64, bytes::Bytes)> =
                         window.drain(..).map(|f| (f.seq, f.payload)).collect();
                     bytes = 0;

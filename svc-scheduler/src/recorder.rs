@@ -184,7 +184,9 @@ struct Item {
 
 /// A lifecycle transition or session update a stored event carries, applied in event order.
 enum Change {
-    Running { at: chrono::DateTime<chrono::Utc> },
+    Running {
+        at: chrono::DateTime<chrono::Utc>,
+    },
     Session(String),
     Finish {
         /// The attempt as the batch's earlier events left it.
@@ -207,7 +209,9 @@ async fn record_batch(ctx: &Ctx, batch: Vec<JsMessage>) {
         let (ev, res) = match ExecutionEvent::decode(msg.payload.as_ref()) {
             Err(_) => (
                 None,
-                Some(Err(Error::Rejected("malformed ExecutionEvent payload".into()))),
+                Some(Err(Error::Rejected(
+                    "malformed ExecutionEvent payload".into(),
+                ))),
             ),
             Ok(ev) => match precheck(msg.subject.as_str(), &ev) {
                 Ok(id) => (Some((id, ev)), None),
@@ -457,9 +461,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         if a.last_seq > start_seq {
             last_seqs.0.push(a.id);
             last_seqs.1.push(a.last_seq);
-            after
-                .recorded
-                .push((a.id, a.task_id, a.last_seq as u64));
+            after.recorded.push((a.id, a.task_id, a.last_seq as u64));
             after.stored += (a.last_seq - start_seq) as u64;
         }
         if ended {

@@ -153,7 +153,11 @@ async fn twenty_followers_of_a_busy_task_each_get_every_event_once_in_order() {
         let (end, data) = got.split_last().unwrap();
         assert_eq!(end.event, "end");
         let ids: Vec<String> = data.iter().map(|e| e.id.clone()).collect();
-        let want = if i % 2 == 0 { &all[pos + 1..] } else { &all[..] };
+        let want = if i % 2 == 0 {
+            &all[pos + 1..]
+        } else {
+            &all[..]
+        };
         assert_eq!(ids, want, "late follower {i}");
     }
 }
@@ -268,19 +272,21 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
         .unwrap();
     let host = host_id.to_string();
     let subject = agentscope_bus::subjects::events(&host, &attempt_id);
-    let event = |seq: i64, token: i64, text: &str| ExecutionEvent {
-        attempt_id: attempt_id.clone(),
-        seq: seq as u64,
-        lease_token: token as u64,
-        host_id: host.clone(),
-        at_ms: agentscope_bus::now_ms(),
-        body: Some(Body::Output(Output {
-            stream: "stdout".into(),
-            text: text.into(),
-            truncated: false,
-        })),
-    }
-    .encode_to_vec();
+    let event = |seq: i64, token: i64, text: &str| {
+        ExecutionEvent {
+            attempt_id: attempt_id.clone(),
+            seq: seq as u64,
+            lease_token: token as u64,
+            host_id: host.clone(),
+            at_ms: agentscope_bus::now_ms(),
+            body: Some(Body::Output(Output {
+                stream: "stdout".into(),
+                text: text.into(),
+                truncated: false,
+            })),
+        }
+        .encode_to_vec()
+    };
     let batch: Vec<Vec<u8>> = vec![
         event(last + 1, token, "good-1"),
         event(last + 2, token, "good-2"),
@@ -353,8 +359,14 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
     .await
     .unwrap();
     assert_eq!(reasons.len(), 2, "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.starts_with("fenced")), "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.contains("malformed")), "{reasons:?}");
+    assert!(
+        reasons.iter().any(|r| r.starts_with("fenced")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("malformed")),
+        "{reasons:?}"
+    );
     let (status, last_seq): (String, i64) =
         sqlx::query_as("SELECT status, last_seq FROM attempts WHERE id = $1::uuid")
             .bind(&attempt_id)

@@ -182,7 +182,11 @@ const FEED_BUFFER: usize = 256;
 const PAGE: i64 = 500;
 
 impl Feeds {
-    fn subscribe(&self, s: &AppState, scope: Scope) -> (Arc<Feed>, broadcast::Receiver<Arc<Batch>>) {
+    fn subscribe(
+        &self,
+        s: &AppState,
+        scope: Scope,
+    ) -> (Arc<Feed>, broadcast::Receiver<Arc<Batch>>) {
         let mut map = self.0.lock().expect("feeds");
         if let Some(feed) = map
             .get(&scope)
@@ -250,19 +254,33 @@ async fn read_feed(
                 .into_iter()
                 .map(|(c, v)| {
                     let kind = v["kind"].as_str().unwrap_or("event").to_string();
-                    (c, Arc::new(Sent { kind, json: v.to_string() }))
+                    (
+                        c,
+                        Arc::new(Sent {
+                            kind,
+                            json: v.to_string(),
+                        }),
+                    )
                 })
                 .collect();
             head = events.last().map(|(c, _)| *c).unwrap_or(head);
             // Without receivers the feed is about to stop anyway.
-            let _ = tx.send(Arc::new(Batch { prev, events, end: None }));
+            let _ = tx.send(Arc::new(Batch {
+                prev,
+                events,
+                end: None,
+            }));
             if !full {
                 break;
             }
         }
         if ok && let Ok(Some(status)) = finished(&s, scope, head).await {
             ended.store(true, Ordering::SeqCst);
-            let _ = tx.send(Arc::new(Batch { prev: head, events: vec![], end: Some(status) }));
+            let _ = tx.send(Arc::new(Batch {
+                prev: head,
+                events: vec![],
+                end: Some(status),
+            }));
             return;
         }
         let deadline = tokio::time::sleep(Duration::from_secs(2));
@@ -293,14 +311,12 @@ async fn tail(s: &AppState, scope: Scope) -> ApiResult<Cursor> {
                 .fetch_optional(&s.db)
                 .await?
         }
-        Scope::Task(id) => {
-            sqlx::query_as(
-                "SELECT number, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
-            )
-            .bind(id)
-            .fetch_optional(&s.db)
-            .await?
-        }
+        Scope::Task(id) => sqlx::query_as(
+            "SELECT number, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+        )
+        .bind(id)
+        .fetch_optional(&s.db)
+        .await?,
     };
     Ok(row
         .map(|(number, seq)| Cursor { number, seq })
@@ -337,7 +353,9 @@ async fn follow(
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(error = ?e, "read events for a live stream");
-                    let _ = tx.send(Event::default().event("error").data(error_code(&e))).await;
+                    let _ = tx
+                        .send(Event::default().event("error").data(error_code(&e)))
+                        .await;
                     return;
                 }
             };
