@@ -1,0 +1,268 @@
+//! W2: events. One attempt printing many lines (ingest), and many SSE followers of one task.
+
+use crate::cpu::Probe;
+use crate::setup::{self, now_ms};
+use crate::stats::{num, summary};
+use agentscope_system_tests::Api;
+use anyhow::{Context, Result, bail};
+use futures::StreamExt;
+use serde_json::{Value, json};
+use sqlx::Row;
+use std::time::Duration;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct IngestArgs {
+    /// Lines the one attempt prints.
+    #[arg(long, default_value_t = 100_000)]
+    pub lines: u64,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct SseArgs {
+    /// SSE followers of the one task.
+    #[arg(long, default_value_t = 100)]
+    pub followers: usize,
+    /// Lines the task prints once every follower is attached.
+    #[arg(long, default_value_t = 5000)]
+    pub lines: u64,
+}
+
+/// One attempt prints `lines` lines (`seq 1 N`); the time from the provider's start (the host's
+/// `running` event) until the last event is committed.
+pub async fn ingest(args: &IngestArgs) -> Result<Value> {
+    let stack = setup::stack("bench-w2-ingest", setup::bench_options()).await?;
+    let pg = setup::bench_pool(&stack).await?;
+    let lines = args.lines.to_string();
+    let (agent, _) = stack
+        .command_agent("printer", "bench", &["seq", "1", &lines], None)
+        .await?;
+    let host = stack.host("ingest-0", "bench", 1).await?;
+    let commits0 = setup::commits(&pg, &stack.db.name).await?;
+    let probe = Probe::start(&pg, &stack.db.name).await;
+    let id = setup::submit(&stack, &agent, "print").await?;
+    let status = setup::wait_task_end(
+        &pg,
+        &id,
+        Duration::from_millis(100),
+        Duration::from_secs(3600),
+    )
+    .await?;
+    let cpu = probe.stop().await;
+    let commits = setup::commits(&pg, &stack.db.name).await? - commits0;
+    let task = uuid::Uuid::parse_str(&id)?;
+    let r = sqlx::query(
+        "SELECT count(*) FILTER (WHERE e.kind = 'output') AS lines,
+                count(*) AS events, max(e.seq) AS max_seq, min(a.last_seq) AS last_seq,
+                EXTRACT(EPOCH FROM min(a.started_at))::float8 * 1000 AS started,
+                EXTRACT(EPOCH FROM min(e.at) FILTER (WHERE e.kind = 'output'))::float8 * 1000 AS first_out,
+                EXTRACT(EPOCH FROM max(e.at))::float8 * 1000 AS last_at,
+                EXTRACT(EPOCH FROM max(e.recorded_at))::float8 * 1000 AS last_recorded
+         FROM execution_events e JOIN attempts a ON a.id = e.attempt_id WHERE a.task_id = $1",
+    )
+    .bind(task)
+    .fetch_one(&pg)
+    .await?;
+    let got: i64 = r.try_get("lines")?;
+    let events: i64 = r.try_get("events")?;
+    let max_seq: Option<i64> = r.try_get("max_seq")?;
+    let last_seq: Option<i64> = r.try_get("last_seq")?;
+    let f = |c: &str| -> Result<f64> {
+        r.try_get::<Option<f64>, _>(c)?
+            .with_context(|| format!("no {c}"))
+    };
+    let (started, first_out, last_at, last_recorded) = (
+        f("started")?,
+        f("first_out")?,
+        f("last_at")?,
+        f("last_recorded")?,
+    );
+    let durable_s = (last_recorded - started) / 1000.0;
+    let emit_s = (last_at - first_out) / 1000.0;
+    drop(host);
+    Ok(json!({
+        "lines": args.lines,
+        "status": status,
+        "lines_recorded": got,
+        "complete": status == "succeeded" && got as u64 == args.lines && max_seq == Some(events) && last_seq == Some(events),
+        "provider_start_to_all_recorded_s": num(durable_s),
+        "events_per_s": num(events as f64 / durable_s),
+        "host_emit_s": num(emit_s),
+        "host_events_per_s": num(got as f64 / emit_s.max(0.001)),
+        "recorder_lag_at_end_ms": num(last_recorded - last_at),
+        "transactions_per_event": num(commits as f64 / events as f64),
+        "cpu_per_event_us": {
+            "total": num(cpu.values().sum::<f64>() * 1e6 / events as f64),
+            "by_process": cpu.iter().map(|(k, v)| (k.clone(), num(v * 1e6 / events as f64))).collect::<serde_json::Map<_, _>>(),
+        },
+    }))
+}
+
+/// One received SSE event: its id, the time it arrived, and the event's own `at`.
+struct Got {
+    id: String,
+    recv_ms: f64,
+    at_ms: Option<f64>,
+}
+
+/// Follows `path` until its `end` event: every event with its arrival time. `ready` is told once
+/// the gateway has answered (its follower is attached).
+async fn follow(
+    api: Api,
+    path: String,
+    ready: tokio::sync::mpsc::Sender<()>,
+    within: Duration,
+) -> Result<(Vec<Got>, bool)> {
+    let res = api
+        .client
+        .get(format!("{}{path}", api.base))
+        .bearer_auth(&api.token)
+        .header("accept", "text/event-stream")
+        .send()
+        .await?;
+    if res.status() != 200 {
+        bail!("SSE {path} -> {}", res.status());
+    }
+    let _ = ready.send(()).await;
+    let mut body = res.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut out = Vec::new();
+    let (mut id, mut event, mut data) = (String::new(), String::new(), String::new());
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let chunk = tokio::time::timeout_at(deadline, body.next())
+            .await
+            .context("the SSE stream did not end in time")?;
+        let Some(chunk) = chunk else {
+            return Ok((out, false));
+        };
+        let recv_ms = now_ms();
+        buf.extend_from_slice(&chunk?);
+        let mut start = 0;
+        while let Some(i) = buf[start..].iter().position(|b| *b == b'\n') {
+            let line = String::from_utf8_lossy(&buf[start..start + i]);
+            let line = line.trim_end_matches('\r');
+            start += i + 1;
+            if line.is_empty() {
+                if event == "end" {
+                    return Ok((out, true));
+                }
+                if !event.is_empty() || !data.is_empty() {
+                    out.push(Got {
+                        id: std::mem::take(&mut id),
+                        recv_ms,
+                        at_ms: at_of(&data),
+                    });
+                }
+                event.clear();
+                data.clear();
+            } else if let Some(v) = line.strip_prefix("id:") {
+                id = v.trim_start().to_string();
+            } else if let Some(v) = line.strip_prefix("event:") {
+                event = v.trim_start().to_string();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push_str(v.strip_prefix(' ').unwrap_or(v));
+            }
+        }
+        buf.drain(..start);
+    }
+}
+
+/// The event's `at` (the host's emission time) from its JSON, in ms since the epoch.
+fn at_of(data: &str) -> Option<f64> {
+    let i = data.find("\"at\":\"")? + 6;
+    let end = data[i..].find('"')? + i;
+    let t = chrono::DateTime::parse_from_rfc3339(&data[i..end]).ok()?;
+    Some(t.timestamp_micros() as f64 / 1000.0)
+}
+
+/// `followers` SSE clients follow one task that prints `lines` lines once all are attached.
+pub async fn sse(args: &SseArgs) -> Result<Value> {
+    let stack = setup::stack("bench-w2-sse", setup::bench_options()).await?;
+    let pg = setup::bench_pool(&stack).await?;
+    let go = stack.shared.join("go");
+    let script = format!(
+        "while [ ! -e {go} ]; do sleep 0.01; done; exec seq 1 {}",
+        args.lines,
+        go = go.display()
+    );
+    let (agent, _) = stack
+        .command_agent("printer", "bench", &["sh", "-c", &script], None)
+        .await?;
+    let host = stack.host("sse-0", "bench", 1).await?;
+    let id = setup::submit(&stack, &agent, "print").await?;
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(args.followers);
+    let mut followers = Vec::new();
+    for _ in 0..args.followers {
+        // A client of its own per follower: one connection each, as separate viewers have.
+        let api = Api {
+            client: agentscope_system_tests::kit::http_client(),
+            ..stack.api.clone()
+        };
+        followers.push(tokio::spawn(follow(
+            api,
+            format!("/v1/tasks/{id}/events?follow=true"),
+            ready_tx.clone(),
+            Duration::from_secs(1800),
+        )));
+    }
+    drop(ready_tx);
+    for _ in 0..args.followers {
+        ready_rx
+            .recv()
+            .await
+            .context("a follower failed to attach")?;
+    }
+    let probe = Probe::start(&pg, &stack.db.name).await;
+    std::fs::write(&go, "go")?;
+    let mut got = Vec::new();
+    for f in followers {
+        got.push(f.await??);
+    }
+    let cpu = probe.stop().await;
+    let rows = sqlx::query(
+        "SELECT a.number || ':' || e.seq AS id, EXTRACT(EPOCH FROM e.recorded_at)::float8 * 1000 AS recorded
+         FROM execution_events e JOIN attempts a ON a.id = e.attempt_id
+         WHERE a.task_id = $1 ORDER BY a.number, e.seq",
+    )
+    .bind(uuid::Uuid::parse_str(&id)?)
+    .fetch_all(&pg)
+    .await?;
+    let expected: Vec<String> = rows
+        .iter()
+        .map(|r| r.try_get("id"))
+        .collect::<Result<_, _>>()?;
+    let recorded: std::collections::HashMap<String, f64> = rows
+        .iter()
+        .map(|r| Ok((r.try_get("id")?, r.try_get("recorded")?)))
+        .collect::<Result<_, sqlx::Error>>()?;
+    let mut complete = 0;
+    let mut after_emit = Vec::new();
+    let mut after_commit = Vec::new();
+    for (events, ended) in &got {
+        let ids: Vec<&str> = events.iter().map(|g| g.id.as_str()).collect();
+        if *ended && ids == expected.iter().map(String::as_str).collect::<Vec<_>>() {
+            complete += 1;
+        }
+        for g in events {
+            if let Some(at) = g.at_ms {
+                after_emit.push(g.recv_ms - at);
+            }
+            if let Some(r) = recorded.get(&g.id) {
+                after_commit.push(g.recv_ms - r);
+            }
+        }
+    }
+    let lines_recorded = expected.len();
+    drop(host);
+    Ok(json!({
+        "followers": args.followers,
+        "lines": args.lines,
+        "events": lines_recorded,
+        "followers_complete_in_order": complete,
+        "every_follower_got_every_event_once_in_order": complete == args.followers,
+        "delivery_after_host_emitted_ms": summary(&after_emit),
+        "delivery_after_commit_ms": summary(&after_commit),
+        "cpu_per_delivered_event_us": num(cpu.values().sum::<f64>() * 1e6 / after_commit.len().max(1) as f64),
+        "cpu_s": cpu.iter().map(|(k, v)| (k.clone(), num(*v))).collect::<serde_json::Map<_, _>>(),
+    }))
+}
