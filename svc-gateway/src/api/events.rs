@@ -11,8 +11,8 @@ use agentscope_domain::AttemptStatus;
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use bytes::{BufMut, Bytes, BytesMut};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::Row;
@@ -137,13 +137,20 @@ async fn events(
         return Ok(Json(json!({"items": items, "next": next.render(scope)})).into_response());
     }
     s.metrics.inc("agentscope_sse_streams_total", &[]);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(64);
+    // Frames go out pre-rendered, as many as are ready in one chunk (one write per batch, not
+    // per event).
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     tokio::spawn(follow(s, scope, cursor, tx));
     let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    Ok((
+        [
+            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
         .into_response())
 }
 
@@ -162,17 +169,42 @@ struct Feed {
     _stop: tokio_util::sync::DropGuard,
 }
 
-/// Events after `prev`, in order; `end` when nothing more can follow the last of them.
+/// Events after `prev`, in order, each as its SSE frame (rendered once for every follower), and
+/// all of them in one chunk; `end` when nothing more can follow the last of them.
 struct Batch {
     prev: Cursor,
-    events: Vec<(Cursor, Arc<Sent>)>,
+    events: Vec<(Cursor, Bytes)>,
+    all: Bytes,
     end: Option<String>,
 }
 
-/// An event as sent: its kind and its JSON, serialized once for every follower.
-struct Sent {
-    kind: String,
-    json: String,
+/// One SSE frame: `id`, `event` and `data` lines and the blank line that ends it.
+fn frame(out: &mut BytesMut, id: Option<&str>, event: &str, data: &str) {
+    if let Some(id) = id {
+        out.put_slice(b"id: ");
+        out.put_slice(id.as_bytes());
+        out.put_u8(b'\n');
+    }
+    out.put_slice(b"event: ");
+    out.put_slice(event.as_bytes());
+    // Compact JSON has no line breaks; anything else is split into data lines.
+    for line in data.split('\n') {
+        out.put_slice(b"\ndata: ");
+        out.put_slice(line.as_bytes());
+    }
+    out.put_slice(b"\n\n");
+}
+
+/// The frame of a stored event.
+fn event_frame(out: &mut BytesMut, scope: Scope, c: Cursor, v: &Value) {
+    let kind = v["kind"].as_str().unwrap_or("event");
+    frame(out, Some(&c.render(scope)), kind, &v.to_string());
+}
+
+fn single(event: &str, data: &str) -> Bytes {
+    let mut b = BytesMut::new();
+    frame(&mut b, None, event, data);
+    b.freeze()
 }
 
 /// Batches a feed keeps for its followers; one that falls further behind re-reads from the
@@ -250,17 +282,20 @@ async fn read_feed(
             }
             let full = page.len() as i64 == PAGE;
             let prev = head;
-            let events: Vec<(Cursor, Arc<Sent>)> = page
+            let mut all = BytesMut::new();
+            let mut bounds = Vec::with_capacity(page.len());
+            for (c, v) in &page {
+                event_frame(&mut all, scope, *c, v);
+                bounds.push((*c, all.len()));
+            }
+            let all = all.freeze();
+            let mut start = 0;
+            let events: Vec<(Cursor, Bytes)> = bounds
                 .into_iter()
-                .map(|(c, v)| {
-                    let kind = v["kind"].as_str().unwrap_or("event").to_string();
-                    (
-                        c,
-                        Arc::new(Sent {
-                            kind,
-                            json: v.to_string(),
-                        }),
-                    )
+                .map(|(c, end)| {
+                    let f = all.slice(start..end);
+                    start = end;
+                    (c, f)
                 })
                 .collect();
             head = events.last().map(|(c, _)| *c).unwrap_or(head);
@@ -268,6 +303,7 @@ async fn read_feed(
             let _ = tx.send(Arc::new(Batch {
                 prev,
                 events,
+                all,
                 end: None,
             }));
             if !full {
@@ -279,6 +315,7 @@ async fn read_feed(
             let _ = tx.send(Arc::new(Batch {
                 prev: head,
                 events: vec![],
+                all: Bytes::new(),
                 end: Some(status),
             }));
             return;
@@ -331,7 +368,7 @@ async fn follow(
     s: AppState,
     scope: Scope,
     mut cursor: Cursor,
-    tx: tokio::sync::mpsc::Sender<Event>,
+    tx: tokio::sync::mpsc::Sender<Bytes>,
 ) {
     // Subscribed before reading, so nothing committed after the read is missed.
     let (mut _feed, mut feed) = s.feeds.subscribe(&s, scope);
@@ -339,13 +376,7 @@ async fn follow(
     loop {
         if s.shutdown.is_cancelled() {
             // The gateway stops: the client resumes elsewhere from its Last-Event-ID.
-            let _ = tx
-                .send(
-                    Event::default()
-                        .event("shutdown")
-                        .data(r#"{"resume":true}"#),
-                )
-                .await;
+            let _ = tx.send(single("shutdown", r#"{"resume":true}"#)).await;
             return;
         }
         if catch_up {
@@ -353,23 +384,20 @@ async fn follow(
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(error = ?e, "read events for a live stream");
-                    let _ = tx
-                        .send(Event::default().event("error").data(error_code(&e)))
-                        .await;
+                    let _ = tx.send(single("error", error_code(&e))).await;
                     return;
                 }
             };
             let full = page.len() as i64 == PAGE;
-            for (c, v) in page {
-                let kind = v["kind"].as_str().unwrap_or("event").to_string();
-                let ev = Event::default()
-                    .id(c.render(scope))
-                    .event(kind)
-                    .data(v.to_string());
-                if tx.send(ev).await.is_err() {
+            if let Some((last, _)) = page.last() {
+                let mut chunk = BytesMut::new();
+                for (c, v) in &page {
+                    event_frame(&mut chunk, scope, *c, v);
+                }
+                if tx.send(chunk.freeze()).await.is_err() {
                     return;
                 }
-                cursor = c;
+                cursor = *last;
             }
             if full {
                 continue;
@@ -387,8 +415,15 @@ async fn follow(
         let batch = tokio::select! {
             _ = s.shutdown.cancelled() => continue,
             _ = tx.closed() => return,
-            // The feed's own fallback: nothing heard for a while, look for ourselves.
-            _ = tokio::time::sleep(Duration::from_secs(5)) => { catch_up = true; continue }
+            // The feed's own fallback: nothing heard for a while, look for ourselves (and keep
+            // the connection alive with a comment).
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {
+                if tx.send(Bytes::from_static(b":\n\n")).await.is_err() {
+                    return;
+                }
+                catch_up = true;
+                continue
+            }
             b = feed.recv() => match b {
                 Ok(b) => b,
                 Err(broadcast::error::RecvError::Lagged(_)) => {
@@ -409,18 +444,21 @@ async fn follow(
             catch_up = true;
             continue;
         }
-        for (c, row) in &batch.events {
-            if *c <= cursor {
-                continue;
-            }
-            let ev = Event::default()
-                .id(c.render(scope))
-                .event(&row.kind)
-                .data(&row.json);
-            if tx.send(ev).await.is_err() {
+        if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > cursor) {
+            let chunk = if batch.prev == cursor {
+                // The usual case: the whole batch follows on, one shared chunk.
+                batch.all.clone()
+            } else {
+                let mut chunk = BytesMut::new();
+                for (_, f) in batch.events.iter().filter(|(c, _)| *c > cursor) {
+                    chunk.put_slice(f);
+                }
+                chunk.freeze()
+            };
+            if tx.send(chunk).await.is_err() {
                 return;
             }
-            cursor = *c;
+            cursor = *last;
         }
         if let Some(status) = &batch.end {
             let _ = tx.send(end_event(status)).await;
@@ -429,10 +467,8 @@ async fn follow(
     }
 }
 
-fn end_event(status: &str) -> Event {
-    Event::default()
-        .event("end")
-        .data(json!({"status": status}).to_string())
+fn end_event(status: &str) -> Bytes {
+    single("end", &json!({"status": status}).to_string())
 }
 
 fn error_code(e: &ApiError) -> &'static str {
