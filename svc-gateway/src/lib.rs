@@ -36,6 +36,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// (attempt id, task id) of every event the recorder committed: wakes live streams.
     pub recorded: broadcast::Sender<(Uuid, Uuid)>,
+    /// Live readers of followed attempts and tasks, shared by their SSE clients.
+    pub feeds: api::events::Feeds,
     /// Fired when the gateway stops: live streams end (clients resume with `Last-Event-ID`).
     pub shutdown: CancellationToken,
 }
@@ -69,6 +71,7 @@ impl App {
                 config: Arc::new(config),
                 metrics: Metrics::default(),
                 recorded,
+                feeds: Default::default(),
                 shutdown: CancellationToken::new(),
             },
             listener,

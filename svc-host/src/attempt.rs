@@ -31,13 +31,44 @@ pub struct Stops {
 }
 
 /// Publishes the events of one attempt with consecutive seq numbers and its fencing token.
+///
+/// Pipelined: `emit` hands the event to the attempt's publisher task, which keeps up to
+/// [`WINDOW`] publishes awaiting their stream acknowledgement, in seq order. A failed publish is
+/// sent again, with every later one of the window, in order and under the same `Nats-Msg-Id`
+/// (the stream drops the copies it already holds). The journal's `last_seq` is the highest seq
+/// acknowledged with every earlier one, checkpointed at most every [`CHECKPOINT_EVERY`] and
+/// whenever the sink is flushed; a restarted host takes the stream's newest event of the attempt
+/// when that is further (`recover`), as before.
 pub struct EventSink {
     ctx: Ctx,
+    /// `last_seq` here is the newest seq handed to the publisher.
     entry: Entry,
-    subject: String,
     lease_lost: CancellationToken,
     /// Replaced by `[REDACTED:NAME]` in every event (the task credential, the host's keys).
     secrets: isolation::Secrets,
+    out: tokio::sync::mpsc::Sender<Out>,
+}
+
+/// Publishes awaiting their acknowledgement at most, per attempt.
+const WINDOW: usize = 512;
+/// Bytes of payload awaiting acknowledgement at most, per attempt.
+const WINDOW_BYTES: usize = 8 << 20;
+/// How often the journal's `last_seq` is written while events flow.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(20);
+
+enum Out {
+    Event {
+        seq: u64,
+        payload: bytes::Bytes,
+    },
+    /// A new journal entry (its `last_seq` is replaced by the acknowledged one), written at once.
+    Save {
+        entry: Entry,
+        durable: bool,
+        done: tokio::sync::oneshot::Sender<()>,
+    },
+    /// Answered once every event handed over before it is acknowledged and checkpointed.
+    Flush(tokio::sync::oneshot::Sender<()>),
 }
 
 impl EventSink {
@@ -48,26 +79,31 @@ impl EventSink {
         secrets: isolation::Secrets,
     ) -> Self {
         let subject = subjects::events(&ctx.host_id.to_string(), &entry.attempt_id);
+        let (out, rx) = tokio::sync::mpsc::channel(WINDOW);
+        tokio::spawn(
+            publisher(ctx.clone(), subject, entry.clone(), lease_lost.clone(), rx)
+                .in_current_span(),
+        );
         Self {
             ctx,
             entry,
-            subject,
             lease_lost,
             secrets,
+            out,
         }
     }
 
-    /// Publishes and waits for the stream's acknowledgement, retrying transient failures while
-    /// the lease holds. Returns false when the event could not be delivered.
+    /// Hands the event to the publisher (waiting while its window is full). Returns false when
+    /// the event cannot be delivered: the lease is lost.
     pub async fn emit(&mut self, mut body: Body) -> bool {
         if self.lease_lost.is_cancelled() {
             return false;
         }
         isolation::redact_body(&mut body, &self.secrets);
-        if let Body::SessionStarted(s) = &body {
-            // Kept in the journal for recovery (resume needs it).
-            self.entry.provider_session_id = s.provider_session_id.clone();
-        }
+        let session = match &body {
+            Body::SessionStarted(s) => Some(s.provider_session_id.clone()),
+            _ => None,
+        };
         let seq = self.entry.last_seq + 1;
         let ev = ExecutionEvent {
             attempt_id: self.entry.attempt_id.clone(),
@@ -88,48 +124,52 @@ impl EventSink {
             }
             payload = ev.encode_to_vec();
         }
-        let msg_id = format!("{}:{seq}", self.entry.attempt_id);
-        let mut delay = Duration::from_millis(50);
-        loop {
-            let res = async {
-                self.ctx
-                    .js
-                    .publish_with_headers(
-                        self.subject.clone(),
-                        agentscope_bus::headers(&msg_id),
-                        payload.clone().into(),
-                    )
-                    .await?
-                    .await
-                    .map_err(async_nats::Error::from)
-            }
-            .await;
-            match res {
-                Ok(_) => break,
-                Err(e) => {
-                    if self.lease_lost.is_cancelled() {
-                        return false;
-                    }
-                    tracing::warn!(error = %e, seq, "publish event; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
-                }
-            }
+        if self
+            .out
+            .send(Out::Event {
+                seq,
+                payload: payload.into(),
+            })
+            .await
+            .is_err()
+        {
+            return false;
         }
         self.entry.last_seq = seq;
-        self.checkpoint(false);
+        if let Some(id) = session {
+            // Kept in the journal for recovery (resume needs it).
+            self.entry.provider_session_id = id;
+            self.save(false).await;
+        }
         true
     }
 
-    pub fn set_state(&mut self, state: &str) {
-        self.entry.state = state.into();
-        self.checkpoint(true);
+    /// Waits until every event emitted so far is acknowledged by the stream and checkpointed.
+    /// Returns false when that cannot happen any more (the lease is lost).
+    pub async fn flush(&mut self) -> bool {
+        let (done, wait) = tokio::sync::oneshot::channel();
+        self.out.send(Out::Flush(done)).await.is_ok() && wait.await.is_ok()
     }
 
-    fn checkpoint(&mut self, durable: bool) {
-        self.entry.saved_at_ms = agentscope_bus::now_ms();
-        if let Err(e) = self.ctx.journal.save(&self.entry, durable) {
-            tracing::error!(error = ?e, "write journal checkpoint");
+    pub async fn set_state(&mut self, state: &str) {
+        self.entry.state = state.into();
+        self.save(true).await;
+    }
+
+    async fn save(&mut self, durable: bool) {
+        let (done, wait) = tokio::sync::oneshot::channel();
+        let entry = self.entry.clone();
+        if self
+            .out
+            .send(Out::Save {
+                entry,
+                durable,
+                done,
+            })
+            .await
+            .is_ok()
+        {
+            let _ = wait.await;
         }
     }
 
@@ -160,6 +200,157 @@ impl EventSink {
     }
 }
 
+/// A publish awaiting its acknowledgement.
+struct InFlight {
+    seq: u64,
+    payload: bytes::Bytes,
+    ack: InFlightAck,
+}
+
+/// The attempt's publisher: owns the in-flight window and the journal entry's writes.
+async fn publisher(
+    ctx: Ctx,
+    subject: String,
+    mut entry: Entry,
+    lease_lost: CancellationToken,
+    mut rx: tokio::sync::mpsc::Receiver<Out>,
+) {
+    use std::collections::VecDeque;
+    let mut window: VecDeque<InFlight> = VecDeque::new();
+    let mut bytes = 0usize;
+    let mut acked = entry.last_seq;
+    let mut saved = acked;
+    let mut saved_at = tokio::time::Instant::now();
+    let mut flushes: Vec<tokio::sync::oneshot::Sender<()>> = Vec::new();
+    let mut open = true;
+    let write = |entry: &mut Entry, acked: u64, durable: bool| {
+        entry.last_seq = acked;
+        entry.saved_at_ms = agentscope_bus::now_ms();
+        if let Err(e) = ctx.journal.save(entry, durable) {
+            tracing::error!(error = ?e, "write journal checkpoint");
+        }
+    };
+    loop {
+        let room = window.len() < WINDOW && bytes < WINDOW_BYTES;
+        let next_checkpoint = saved_at + CHECKPOINT_EVERY;
+        tokio::select! {
+            biased;
+            _ = lease_lost.cancelled() => return,
+            r = async { window.front_mut().expect("in flight").ack.as_mut().await }, if !window.is_empty() => match r {
+                Ok(_) => {
+                    let f = window.pop_front().expect("in flight");
+                    bytes -= f.payload.len();
+                    acked = f.seq;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, seq = window.front().map(|f| f.seq), "publish event; retrying (with the later ones in flight)");
+                    let pending: Vec<(u64, bytes::Bytes)> =
+                        window.drain(..).map(|f| (f.seq, f.payload)).collect();
+                    bytes = 0;
+                    if !resend(&ctx, &subject, &entry.attempt_id, &pending, &lease_lost).await {
+                        return;
+                    }
+                    acked = pending.last().map(|f| f.0).unwrap_or(acked);
+                }
+            },
+            cmd = rx.recv(), if open && room => match cmd {
+                None => open = false,
+                Some(Out::Event { seq, payload }) => {
+                    let msg_id = format!("{}:{seq}", entry.attempt_id);
+                    let sent = ctx
+                        .js
+                        .publish_with_headers(subject.clone(), agentscope_bus::headers(&msg_id), payload.clone())
+                        .await;
+                    let ack: InFlightAck = match sent {
+                        Ok(f) => std::future::IntoFuture::into_future(f),
+                        // Not even handed to the connection: settled by sending it again.
+                        Err(e) => Box::pin(std::future::ready(Err(e))),
+                    };
+                    bytes += payload.len();
+                    window.push_back(InFlight { seq, payload, ack });
+                }
+                Some(Out::Save { entry: e, durable, done }) => {
+                    entry = e;
+                    write(&mut entry, acked, durable);
+                    saved = acked;
+                    saved_at = tokio::time::Instant::now();
+                    let _ = done.send(());
+                }
+                Some(Out::Flush(done)) => flushes.push(done),
+            },
+            _ = tokio::time::sleep_until(next_checkpoint), if acked > saved => {}
+        }
+        if acked > saved && (window.is_empty() || saved_at.elapsed() >= CHECKPOINT_EVERY) {
+            write(&mut entry, acked, false);
+            saved = acked;
+            saved_at = tokio::time::Instant::now();
+        }
+        if window.is_empty() {
+            for f in flushes.drain(..) {
+                let _ = f.send(());
+            }
+            if !open {
+                return;
+            }
+        }
+    }
+}
+
+type InFlightAck = std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = Result<
+                    async_nats::jetstream::publish::PublishAck,
+                    async_nats::jetstream::context::PublishError,
+                >,
+            > + Send,
+    >,
+>;
+
+/// Publishes the window's events again, in order, each until the stream acknowledges it, while
+/// the lease holds. Returns false when the lease is lost.
+async fn resend(
+    ctx: &Ctx,
+    subject: &str,
+    attempt_id: &str,
+    pending: &[(u64, bytes::Bytes)],
+    lease_lost: &CancellationToken,
+) -> bool {
+    let mut delay = Duration::from_millis(50);
+    for (seq, payload) in pending {
+        let msg_id = format!("{attempt_id}:{seq}");
+        loop {
+            if lease_lost.is_cancelled() {
+                return false;
+            }
+            let res = async {
+                ctx.js
+                    .publish_with_headers(
+                        subject.to_string(),
+                        agentscope_bus::headers(&msg_id),
+                        payload.clone(),
+                    )
+                    .await?
+                    .await
+                    .map_err(async_nats::Error::from)
+            }
+            .await;
+            match res {
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, seq, "publish event; retrying");
+                    tokio::select! {
+                        _ = lease_lost.cancelled() => return false,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+    true
+}
+
 /// Publishes a provider's tool request for a decision and records it as an event.
 async fn request_approval(
     ctx: &Ctx,
@@ -179,6 +370,8 @@ async fn request_approval(
         },
     ))
     .await;
+    // The request's event is in the stream before the request itself.
+    sink.flush().await;
     let tr = agentscope_schemas::v1::ToolRequest {
         request_id: key.to_string(),
         attempt_id: a.attempt_id.clone(),
@@ -377,7 +570,7 @@ pub async fn run(
             isolation::secrets_of_attempt(&a.task_token),
         );
         if resuming.is_none() {
-            sink.set_state("claimed");
+            sink.set_state("claimed").await;
         }
         let renew_done = CancellationToken::new();
         let renewer = tokio::spawn(keep_lease(
@@ -458,6 +651,8 @@ pub async fn run(
         if !stops.lease_lost.is_cancelled() {
             let (state, class, detail, exit) = outcome;
             sink.lifecycle(state, class, detail, exit).await;
+            // Every event is in the stream before the lease and the journal entry go.
+            sink.flush().await;
         }
         renew_done.cancel();
         let _ = renewer.await;

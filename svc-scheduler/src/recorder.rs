@@ -35,17 +35,24 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
             // Short, so events in flight when a scheduler dies are redelivered soon; a slow
             // redelivery of a message still being handled is a harmless duplicate.
             ack_wait: Duration::from_secs(5),
-            max_ack_pending: 4096,
+            max_ack_pending: 4 * BATCH_MAX as i64 * WORKERS as i64,
             max_deliver: ctx.config.max_deliver,
             ..Default::default()
         })
         .await
         .map_err(Error::bus)?;
-    let mut messages = consumer.messages().await.map_err(Error::bus)?;
+    // Large pulls: a busy attempt's events arrive by the thousand and are recorded in batches.
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(BATCH_MAX)
+        .heartbeat(Duration::from_secs(15))
+        .messages()
+        .await
+        .map_err(Error::bus)?;
     let mut workers = Vec::new();
     let mut handles = Vec::new();
     for _ in 0..WORKERS {
-        let (tx, rx) = mpsc::channel::<JsMessage>(256);
+        let (tx, rx) = mpsc::channel::<JsMessage>(BATCH_MAX);
         workers.push(tx);
         handles.push(tokio::spawn(worker(ctx.clone(), rx)));
     }
@@ -76,68 +83,502 @@ fn fxhash(s: &str) -> usize {
         .wrapping_mul(0x9e37_79b9)
 }
 
+/// The most messages one transaction records.
+const BATCH_MAX: usize = 1024;
+
 async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
-    while let Some(msg) = rx.recv().await {
-        let subject = msg.subject.to_string();
-        let ack = match ExecutionEvent::decode(msg.payload.as_ref()) {
-            Err(_) => {
-                crate::reject(
-                    &ctx,
-                    &subject,
-                    CONSUMER_RECORDER,
-                    "malformed ExecutionEvent payload",
-                    &msg.payload,
-                )
-                .await;
-                AckKind::Term
+    while let Some(first) = rx.recv().await {
+        // Whatever arrived while the previous batch was being written goes into this one.
+        let mut batch = vec![first];
+        while batch.len() < BATCH_MAX {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
             }
-            Ok(ev) => {
-                let span = tracing::info_span!("record", attempt_id = %ev.attempt_id, seq = ev.seq);
-                agentscope_bus::set_parent(
-                    &span,
-                    agentscope_bus::traceparent(msg.headers.as_ref()).as_deref(),
-                );
-                match record(&ctx, &subject, ev).instrument(span).await {
-                    Ok(Outcome::Stored | Outcome::Duplicate) => AckKind::Ack,
-                    // An earlier event is late; one that never comes leaves this event to
-                    // `rejected_messages` after `max_deliver` deliveries.
-                    Ok(Outcome::Gap) => {
-                        crate::retry_or_reject(
-                            &ctx,
-                            &msg,
-                            CONSUMER_RECORDER,
-                            "an earlier event of the attempt never arrived",
-                            true,
-                            Duration::from_millis(100),
-                            // An earlier event is usually only late: look again soon.
-                            crate::redelivery_max(&ctx).min(Duration::from_secs(1)),
-                        )
-                        .await
-                    }
-                    Err(e) => {
-                        if e.retryable()
-                            && let Some(more) = RETRY_WARNING.check()
-                        {
-                            tracing::warn!(error = ?e, %subject, "record failed; will retry{more}");
-                        }
-                        crate::retry_or_reject(
-                            &ctx,
-                            &msg,
-                            CONSUMER_RECORDER,
-                            &crate::describe(&e),
-                            e.retryable(),
-                            Duration::from_millis(500),
-                            crate::redelivery_max(&ctx),
-                        )
-                        .await
-                    }
-                }
-            }
-        };
-        if let Err(e) = msg.ack_with(ack).await {
-            tracing::warn!(error = ?e, "ack event");
+        }
+        if batch.len() == 1 {
+            let msg = batch.pop().expect("one message");
+            handle_one(&ctx, msg).await;
+        } else {
+            record_batch(&ctx, batch).await;
         }
     }
+}
+
+/// Records one message in its own transaction and settles it.
+async fn handle_one(ctx: &Ctx, msg: JsMessage) {
+    let subject = msg.subject.to_string();
+    let ack = match ExecutionEvent::decode(msg.payload.as_ref()) {
+        Err(_) => {
+            crate::reject(
+                ctx,
+                &subject,
+                CONSUMER_RECORDER,
+                "malformed ExecutionEvent payload",
+                &msg.payload,
+            )
+            .await;
+            AckKind::Term
+        }
+        Ok(ev) => {
+            let span = tracing::info_span!("record", attempt_id = %ev.attempt_id, seq = ev.seq);
+            agentscope_bus::set_parent(
+                &span,
+                agentscope_bus::traceparent(msg.headers.as_ref()).as_deref(),
+            );
+            let res = record(ctx, &subject, ev).instrument(span).await;
+            settle(ctx, &msg, res).await
+        }
+    };
+    if let Err(e) = msg.ack_with(ack).await {
+        tracing::warn!(error = ?e, "ack event");
+    }
+}
+
+/// How a message whose handling ended with `res` is acknowledged (rejections recorded first).
+async fn settle(ctx: &Ctx, msg: &JsMessage, res: Result<Outcome, Error>) -> AckKind {
+    match res {
+        Ok(Outcome::Stored | Outcome::Duplicate) => AckKind::Ack,
+        // An earlier event is late; one that never comes leaves this event to
+        // `rejected_messages` after `max_deliver` deliveries.
+        Ok(Outcome::Gap) => {
+            crate::retry_or_reject(
+                ctx,
+                msg,
+                CONSUMER_RECORDER,
+                "an earlier event of the attempt never arrived",
+                true,
+                Duration::from_millis(100),
+                // An earlier event is usually only late: look again soon.
+                crate::redelivery_max(ctx).min(Duration::from_secs(1)),
+            )
+            .await
+        }
+        Err(e) => {
+            if e.retryable()
+                && let Some(more) = RETRY_WARNING.check()
+            {
+                tracing::warn!(error = ?e, subject = %msg.subject, "record failed; will retry{more}");
+            }
+            crate::retry_or_reject(
+                ctx,
+                msg,
+                CONSUMER_RECORDER,
+                &crate::describe(&e),
+                e.retryable(),
+                Duration::from_millis(500),
+                crate::redelivery_max(ctx),
+            )
+            .await
+        }
+    }
+}
+
+/// One decoded message of a batch and what became of it.
+struct Item {
+    msg: JsMessage,
+    /// The event when it decoded and passed the checks that need no database.
+    ev: Option<(Uuid, ExecutionEvent)>,
+    res: Option<Result<Outcome, Error>>,
+}
+
+/// A lifecycle transition or session update a stored event carries, applied in event order.
+enum Change {
+    Running {
+        at: chrono::DateTime<chrono::Utc>,
+    },
+    Session(String),
+    Finish {
+        /// The attempt as the batch's earlier events left it.
+        a: attempts::Active,
+        status: AttemptStatus,
+        class: Option<FailureClass>,
+        detail: String,
+        exit: Option<i32>,
+    },
+}
+
+/// Records a batch of messages in one transaction: every attempt's rows locked once, its events
+/// checked in seq order against the lock (fencing, duplicates, gaps) as [`record`] would one by
+/// one, the good rows inserted by one statement, transitions applied in order, then the commit
+/// and only then the acknowledgements. A batch whose transaction fails is recorded again message
+/// by message, so a poison message is rejected alone and the others still land.
+async fn record_batch(ctx: &Ctx, batch: Vec<JsMessage>) {
+    let mut items: Vec<Item> = Vec::with_capacity(batch.len());
+    for msg in batch {
+        let (ev, res) = match ExecutionEvent::decode(msg.payload.as_ref()) {
+            Err(_) => (
+                None,
+                Some(Err(Error::Rejected(
+                    "malformed ExecutionEvent payload".into(),
+                ))),
+            ),
+            Ok(ev) => match precheck(msg.subject.as_str(), &ev) {
+                Ok(id) => (Some((id, ev)), None),
+                Err(e) => (None, Some(Err(e))),
+            },
+        };
+        items.push(Item { msg, ev, res });
+    }
+    let span = tracing::info_span!("record_batch", events = items.len());
+    let done = record_checked(ctx, &mut items).instrument(span).await;
+    match done {
+        Ok(after) => {
+            after_commit(ctx, after).await;
+        }
+        Err(e) => {
+            if e.retryable()
+                && let Some(more) = RETRY_WARNING.check()
+            {
+                tracing::warn!(error = ?e, "record batch failed; recording its events one by one{more}");
+            }
+            // One by one: the offending message fails alone, the others are recorded.
+            for it in items {
+                if it.res.is_some() && it.ev.is_none() {
+                    // Rejected before the database was involved: settled below as before.
+                    settle_item(ctx, it).await;
+                } else {
+                    handle_one(ctx, it.msg).await;
+                }
+            }
+            return;
+        }
+    }
+    for it in items {
+        settle_item(ctx, it).await;
+    }
+}
+
+async fn settle_item(ctx: &Ctx, it: Item) {
+    let res = it.res.unwrap_or(Ok(Outcome::Duplicate));
+    let ack = settle(ctx, &it.msg, res).await;
+    if let Err(e) = it.msg.ack_with(ack).await {
+        tracing::warn!(error = ?e, "ack event");
+    }
+}
+
+/// What happens once a batch committed: leases released, pools nudged, followers woken.
+#[derive(Default)]
+struct AfterCommit {
+    /// Ended attempts: (host, attempt, pool).
+    ended: Vec<(Option<Uuid>, Uuid, Option<Uuid>)>,
+    retry_pools: Vec<Uuid>,
+    /// (attempt, task, newest stored seq).
+    recorded: Vec<(Uuid, Uuid, u64)>,
+    stored: u64,
+    duplicates: u64,
+    fenced: u64,
+}
+
+async fn after_commit(ctx: &Ctx, after: AfterCommit) {
+    if after.stored > 0 {
+        ctx.metrics
+            .add("agentscope_events_recorded_total", &[], after.stored);
+    }
+    if after.duplicates > 0 {
+        ctx.metrics
+            .add("agentscope_events_duplicate_total", &[], after.duplicates);
+    }
+    if after.fenced > 0 {
+        ctx.metrics
+            .add("agentscope_events_fenced_total", &[], after.fenced);
+    }
+    for (host, attempt_id, pool) in after.ended {
+        // The attempt is over: release its lease so nothing can renew it.
+        if let Some(host) = host {
+            let _ = ctx
+                .leases
+                .purge(lease_key(&host.to_string(), &attempt_id.to_string()))
+                .await;
+        }
+        if let Some(pool) = pool {
+            attempts::nudge(ctx, pool).await;
+        }
+    }
+    for pool in after.retry_pools {
+        attempts::nudge(ctx, pool).await;
+    }
+    for (attempt_id, task_id, seq) in after.recorded {
+        crate::intake::notify(ctx, attempt_id, task_id, seq).await;
+    }
+}
+
+/// The checks of an event that need no database: its attempt id, subject, seq and body.
+fn precheck(subject: &str, ev: &ExecutionEvent) -> Result<Uuid, Error> {
+    let attempt_id = Uuid::parse_str(&ev.attempt_id)
+        .map_err(|_| Error::Rejected("attempt_id is not a UUID".into()))?;
+    // The subject's host id is the one NATS authorized to publish it; the attempt's host is
+    // checked against it under the attempt's lock.
+    if subject != agentscope_bus::subjects::events(&ev.host_id, &ev.attempt_id) {
+        return Err(Error::Rejected(
+            "subject does not match host_id and attempt_id".into(),
+        ));
+    }
+    if ev.seq == 0 || ev.seq > i64::MAX as u64 {
+        return Err(Error::Rejected("seq must be positive".into()));
+    }
+    if ev.body.is_none() {
+        return Err(Error::Rejected("event has no body".into()));
+    }
+    Ok(attempt_id)
+}
+
+/// The transaction of [`record_batch`]: sets each checked item's outcome; commits.
+async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Error> {
+    let mut after = AfterCommit::default();
+    // Each attempt's items in seq order (stable: a redelivery keeps its place after the first).
+    let mut by_attempt: Vec<(Uuid, Vec<usize>)> = Vec::new();
+    for (i, it) in items.iter().enumerate() {
+        if let Some((id, _)) = &it.ev {
+            match by_attempt.iter_mut().find(|(a, _)| a == id) {
+                Some((_, v)) => v.push(i),
+                None => by_attempt.push((*id, vec![i])),
+            }
+        }
+    }
+    if by_attempt.is_empty() {
+        return Ok(after);
+    }
+    for (_, v) in by_attempt.iter_mut() {
+        v.sort_by_key(|&i| items[i].ev.as_ref().map(|(_, e)| e.seq).unwrap_or(0));
+    }
+    let mut ids: Vec<Uuid> = by_attempt.iter().map(|(a, _)| *a).collect();
+    ids.sort();
+    let mut tx = ctx.db.begin().await?;
+    let locked = lock_all(&mut tx, &ids).await?;
+
+    let mut rows = Rows::default();
+    let mut last_seqs: (Vec<Uuid>, Vec<i64>) = (vec![], vec![]);
+    let mut changes: Vec<(usize, Change)> = Vec::new();
+    for (attempt_id, idx) in &by_attempt {
+        let Some(a) = locked.iter().find(|a| a.id == *attempt_id) else {
+            for &i in idx {
+                items[i].res = Some(Err(Error::Rejected(format!(
+                    "unknown attempt {attempt_id}"
+                ))));
+            }
+            continue;
+        };
+        let mut a = copy(a);
+        let start_seq = a.last_seq;
+        // Redeliveries at or below `last_seq`: which of those rows the scheduler wrote itself.
+        let old: Vec<i64> = idx
+            .iter()
+            .filter_map(|&i| items[i].ev.as_ref().map(|(_, e)| e.seq as i64))
+            .filter(|&s| s <= a.last_seq)
+            .collect();
+        let by_scheduler: Vec<i64> = if old.is_empty() {
+            vec![]
+        } else {
+            sqlx::query_scalar(
+                "SELECT seq FROM execution_events WHERE attempt_id = $1 AND seq = ANY($2) AND payload->>'recorded_by' = 'scheduler'",
+            )
+            .bind(attempt_id)
+            .bind(&old)
+            .fetch_all(&mut *tx)
+            .await?
+        };
+        let mut ended = false;
+        for &i in idx {
+            let (_, ev) = items[i].ev.as_ref().expect("checked item");
+            let seq = ev.seq as i64;
+            let res = if seq <= a.last_seq && !(seq <= start_seq && by_scheduler.contains(&seq)) {
+                // A redelivery of the host's own event (or a repeat inside this batch); a host
+                // event where the scheduler recorded the attempt's end is fenced below.
+                after.duplicates += 1;
+                Ok(Outcome::Duplicate)
+            } else if a.lease_token != Some(ev.lease_token as i64)
+                || a.host_id.map(|h| h.to_string()) != Some(ev.host_id.clone())
+            {
+                after.fenced += 1;
+                Err(Error::Rejected(format!(
+                    "fenced: lease token {} from host {} does not hold attempt {attempt_id}",
+                    ev.lease_token, ev.host_id
+                )))
+            } else if a.status.is_terminal() || ended {
+                after.fenced += 1;
+                Err(Error::Rejected(format!(
+                    "fenced: attempt {attempt_id} is already {}",
+                    a.status
+                )))
+            } else if seq > a.last_seq + 1 {
+                Ok(Outcome::Gap)
+            } else {
+                let body = ev.body.as_ref().expect("checked body");
+                let (kind, mut payload) = to_record(body);
+                // Free text from a provider may carry NUL, which PostgreSQL cannot store.
+                crate::storable_json(&mut payload);
+                let at = chrono::Utc
+                    .timestamp_millis_opt(ev.at_ms)
+                    .single()
+                    .unwrap_or_else(chrono::Utc::now);
+                rows.push(*attempt_id, seq, kind, payload, at);
+                a.last_seq = seq;
+                match body {
+                    Body::Lifecycle(l) => match AttemptState::try_from(l.state).unwrap_or_default()
+                    {
+                        AttemptState::Running if a.status.can_move_to(AttemptStatus::Running) => {
+                            a.status = AttemptStatus::Running;
+                            changes.push((i, Change::Running { at }));
+                        }
+                        s @ (AttemptState::Succeeded
+                        | AttemptState::Failed
+                        | AttemptState::Cancelled) => {
+                            let (status, class) = match s {
+                                AttemptState::Succeeded => (AttemptStatus::Succeeded, None),
+                                AttemptState::Cancelled => {
+                                    (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))
+                                }
+                                _ => (
+                                    AttemptStatus::Failed,
+                                    Some(FailureClass::parse(&l.failure_class)),
+                                ),
+                            };
+                            changes.push((
+                                i,
+                                Change::Finish {
+                                    a: copy(&a),
+                                    status,
+                                    class,
+                                    detail: crate::storable(&l.detail).into_owned(),
+                                    exit: l.has_exit_code.then_some(l.exit_code),
+                                },
+                            ));
+                            ended = true;
+                        }
+                        _ => {}
+                    },
+                    Body::SessionStarted(s) => changes.push((
+                        i,
+                        Change::Session(crate::storable(&s.provider_session_id).into_owned()),
+                    )),
+                    _ => {}
+                }
+                Ok(Outcome::Stored)
+            };
+            items[i].res = Some(res);
+        }
+        if a.last_seq > start_seq {
+            last_seqs.0.push(a.id);
+            last_seqs.1.push(a.last_seq);
+            after.recorded.push((a.id, a.task_id, a.last_seq as u64));
+            after.stored += (a.last_seq - start_seq) as u64;
+        }
+        if ended {
+            after.ended.push((a.host_id, a.id, a.pool_id));
+        }
+    }
+    if !rows.seq.is_empty() {
+        sqlx::query(
+            "INSERT INTO execution_events (attempt_id, seq, kind, payload, at)
+             SELECT * FROM UNNEST($1::uuid[], $2::bigint[], $3::text[], $4::jsonb[], $5::timestamptz[])",
+        )
+        .bind(&rows.attempt_id)
+        .bind(&rows.seq)
+        .bind(&rows.kind)
+        .bind(&rows.payload)
+        .bind(&rows.at)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE attempts a SET last_seq = u.seq FROM UNNEST($1::uuid[], $2::bigint[]) AS u(id, seq) WHERE a.id = u.id",
+        )
+        .bind(&last_seqs.0)
+        .bind(&last_seqs.1)
+        .execute(&mut *tx)
+        .await?;
+    }
+    // Transitions in event order, each against the attempt as the events before it left it.
+    for (i, change) in changes {
+        let attempt_id = items[i].ev.as_ref().expect("checked item").0;
+        match change {
+            Change::Running { at } => {
+                sqlx::query(
+                    "UPDATE attempts SET status = 'running', started_at = $2 WHERE id = $1",
+                )
+                .bind(attempt_id)
+                .bind(at)
+                .execute(&mut *tx)
+                .await?;
+            }
+            Change::Session(s) => {
+                sqlx::query("UPDATE attempts SET provider_session_id = $2 WHERE id = $1")
+                    .bind(attempt_id)
+                    .bind(s)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            Change::Finish {
+                a,
+                status,
+                class,
+                detail,
+                exit,
+            } => {
+                if let Some(pool) =
+                    attempts::finish(&mut tx, &a, status, class, &detail, exit).await?
+                {
+                    after.retry_pools.push(pool);
+                }
+            }
+        }
+    }
+    tx.commit().await?;
+    Ok(after)
+}
+
+/// Rows of `execution_events` as the columns of one multi-row INSERT.
+#[derive(Default)]
+struct Rows {
+    attempt_id: Vec<Uuid>,
+    seq: Vec<i64>,
+    kind: Vec<&'static str>,
+    payload: Vec<serde_json::Value>,
+    at: Vec<chrono::DateTime<chrono::Utc>>,
+}
+
+impl Rows {
+    fn push(
+        &mut self,
+        attempt_id: Uuid,
+        seq: i64,
+        kind: &'static str,
+        payload: serde_json::Value,
+        at: chrono::DateTime<chrono::Utc>,
+    ) {
+        self.attempt_id.push(attempt_id);
+        self.seq.push(seq);
+        self.kind.push(kind);
+        self.payload.push(payload);
+        self.at.push(at);
+    }
+}
+
+fn copy(a: &attempts::Active) -> attempts::Active {
+    attempts::Active {
+        id: a.id,
+        task_id: a.task_id,
+        number: a.number,
+        status: a.status,
+        lease_token: a.lease_token,
+        host_id: a.host_id,
+        pool_id: a.pool_id,
+        last_seq: a.last_seq,
+    }
+}
+
+/// Locks the rows of `ids` (sorted, so two transactions lock in the same order).
+async fn lock_all(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    ids: &[Uuid],
+) -> Result<Vec<attempts::Active>, Error> {
+    let mut out = Vec::with_capacity(ids.len());
+    for id in ids {
+        if let Some(a) = attempts::lock(tx, *id).await? {
+            out.push(a);
+        }
+    }
+    Ok(out)
 }
 
 enum Outcome {

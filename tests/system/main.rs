@@ -7,6 +7,7 @@ mod bad_input;
 mod cancel;
 mod compose;
 mod e2e;
+mod events;
 mod executor;
 mod explain;
 mod failover;

@@ -11,16 +11,21 @@ use agentscope_domain::AttemptStatus;
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use bytes::{BufMut, Bytes, BytesMut};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::Row;
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Scope {
     Attempt(Uuid),
     Task(Uuid),
@@ -132,103 +137,353 @@ async fn events(
         return Ok(Json(json!({"items": items, "next": next.render(scope)})).into_response());
     }
     s.metrics.inc("agentscope_sse_streams_total", &[]);
-    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(64);
+    // Frames go out pre-rendered, as many as are ready in one chunk (one write per batch, not
+    // per event).
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     tokio::spawn(follow(s, scope, cursor, tx));
     let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    Ok((
+        [
+            (axum::http::header::CONTENT_TYPE, "text/event-stream"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
         .into_response())
 }
 
-/// Feeds one SSE client until the stream's work is over or the client goes away.
-async fn follow(
+/// Live readers, one per followed attempt or task, shared by all of its SSE clients.
+#[derive(Clone, Default)]
+pub struct Feeds(Arc<Mutex<HashMap<Scope, Weak<Feed>>>>);
+
+/// One shared reader of a scope's events: woken by the recorder's commit notices, it reads what
+/// was committed after its head once (by the scope's own indexed cursor) and broadcasts it to
+/// every follower. Stops when its last follower leaves.
+struct Feed {
+    tx: broadcast::Sender<Arc<Batch>>,
+    /// Set before the feed sends its last batch (the scope is over); later followers start
+    /// another feed.
+    ended: Arc<AtomicBool>,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+/// Events after `prev`, in order, each as its SSE frame (rendered once for every follower), and
+/// all of them in one chunk; `end` when nothing more can follow the last of them.
+struct Batch {
+    prev: Cursor,
+    events: Vec<(Cursor, Bytes)>,
+    all: Bytes,
+    end: Option<String>,
+}
+
+/// One SSE frame: `id`, `event` and `data` lines and the blank line that ends it.
+fn frame(out: &mut BytesMut, id: Option<&str>, event: &str, data: &str) {
+    if let Some(id) = id {
+        out.put_slice(b"id: ");
+        out.put_slice(id.as_bytes());
+        out.put_u8(b'\n');
+    }
+    out.put_slice(b"event: ");
+    out.put_slice(event.as_bytes());
+    // Compact JSON has no line breaks; anything else is split into data lines.
+    for line in data.split('\n') {
+        out.put_slice(b"\ndata: ");
+        out.put_slice(line.as_bytes());
+    }
+    out.put_slice(b"\n\n");
+}
+
+/// The frame of a stored event.
+fn event_frame(out: &mut BytesMut, scope: Scope, c: Cursor, v: &Value) {
+    let kind = v["kind"].as_str().unwrap_or("event");
+    frame(out, Some(&c.render(scope)), kind, &v.to_string());
+}
+
+fn single(event: &str, data: &str) -> Bytes {
+    let mut b = BytesMut::new();
+    frame(&mut b, None, event, data);
+    b.freeze()
+}
+
+/// Batches a feed keeps for its followers; one that falls further behind re-reads from the
+/// database by its own cursor.
+const FEED_BUFFER: usize = 256;
+/// Events read by one query.
+const PAGE: i64 = 500;
+
+impl Feeds {
+    fn subscribe(
+        &self,
+        s: &AppState,
+        scope: Scope,
+    ) -> (Arc<Feed>, broadcast::Receiver<Arc<Batch>>) {
+        let mut map = self.0.lock().expect("feeds");
+        if let Some(feed) = map
+            .get(&scope)
+            .and_then(Weak::upgrade)
+            .filter(|f| !f.ended.load(Ordering::SeqCst))
+        {
+            let rx = feed.tx.subscribe();
+            return (feed, rx);
+        }
+        map.retain(|_, f| f.strong_count() > 0);
+        let (tx, rx) = broadcast::channel(FEED_BUFFER);
+        let stop = CancellationToken::new();
+        let ended = Arc::new(AtomicBool::new(false));
+        let feed = Arc::new(Feed {
+            tx: tx.clone(),
+            ended: ended.clone(),
+            _stop: stop.clone().drop_guard(),
+        });
+        map.insert(scope, Arc::downgrade(&feed));
+        tokio::spawn(read_feed(s.clone(), scope, tx, ended, stop));
+        (feed, rx)
+    }
+}
+
+/// The shared reader of one scope.
+async fn read_feed(
     s: AppState,
     scope: Scope,
-    mut cursor: Cursor,
-    tx: tokio::sync::mpsc::Sender<Event>,
+    tx: broadcast::Sender<Arc<Batch>>,
+    ended: Arc<AtomicBool>,
+    stop: CancellationToken,
 ) {
-    loop {
-        if s.shutdown.is_cancelled() {
-            // The gateway stops: the client resumes elsewhere from its Last-Event-ID.
-            let _ = tx
-                .send(
-                    Event::default()
-                        .event("shutdown")
-                        .data(r#"{"resume":true}"#),
-                )
-                .await;
-            return;
-        }
-        // Subscribe before reading, so a commit between the read and the wait still wakes us.
-        let mut wake = s.recorded.subscribe();
-        let page = match fetch(&s, scope, cursor, 500).await {
-            Ok(p) => p,
+    let mut wake = s.recorded.subscribe();
+    // Followers catch up from the database themselves; the feed starts at the scope's end.
+    let mut head = loop {
+        match tail(&s, scope).await {
+            Ok(c) => break c,
             Err(e) => {
-                tracing::warn!(error = ?e, "read events for a live stream");
-                let outage = match &e {
-                    crate::error::ApiError::Db(e) => matches!(
-                        agentscope_store::fault(e),
-                        agentscope_store::Fault::Unavailable | agentscope_store::Fault::Conflict
-                    ),
-                    crate::error::ApiError::Bus(_) => true,
-                    _ => false,
-                };
-                let data = if outage {
-                    r#"{"code":"unavailable"}"#
-                } else {
-                    r#"{"code":"internal"}"#
-                };
-                let _ = tx.send(Event::default().event("error").data(data)).await;
-                return;
+                tracing::warn!(error = ?e, "read the end of a live stream");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
             }
-        };
-        let empty = page.is_empty();
-        for (c, v) in page {
-            let kind = v["kind"].as_str().unwrap_or("event").to_string();
-            let ev = Event::default()
-                .id(c.render(scope))
-                .event(kind)
-                .data(v.to_string());
-            if tx.send(ev).await.is_err() {
-                return;
-            }
-            cursor = c;
         }
-        if !empty {
-            continue;
-        }
-        match finished(&s, scope, cursor).await {
-            Ok(Some(status)) => {
-                let _ = tx
-                    .send(
-                        Event::default()
-                            .event("end")
-                            .data(json!({"status": status}).to_string()),
-                    )
-                    .await;
-                return;
+    };
+    loop {
+        // Everything committed after `head`, page by page, then whether the scope is over.
+        let mut ok = true;
+        loop {
+            let page = match fetch(&s, scope, head, PAGE).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = ?e, "read events for live streams");
+                    ok = false;
+                    break;
+                }
+            };
+            if page.is_empty() {
+                break;
             }
-            Ok(None) => {}
-            Err(e) => tracing::warn!(error = ?e, "read stream state"),
+            let full = page.len() as i64 == PAGE;
+            let prev = head;
+            let mut all = BytesMut::new();
+            let mut bounds = Vec::with_capacity(page.len());
+            for (c, v) in &page {
+                event_frame(&mut all, scope, *c, v);
+                bounds.push((*c, all.len()));
+            }
+            let all = all.freeze();
+            let mut start = 0;
+            let events: Vec<(Cursor, Bytes)> = bounds
+                .into_iter()
+                .map(|(c, end)| {
+                    let f = all.slice(start..end);
+                    start = end;
+                    (c, f)
+                })
+                .collect();
+            head = events.last().map(|(c, _)| *c).unwrap_or(head);
+            // Without receivers the feed is about to stop anyway.
+            let _ = tx.send(Arc::new(Batch {
+                prev,
+                events,
+                all,
+                end: None,
+            }));
+            if !full {
+                break;
+            }
+        }
+        if ok && let Ok(Some(status)) = finished(&s, scope, head).await {
+            ended.store(true, Ordering::SeqCst);
+            let _ = tx.send(Arc::new(Batch {
+                prev: head,
+                events: vec![],
+                all: Bytes::new(),
+                end: Some(status),
+            }));
+            return;
         }
         let deadline = tokio::time::sleep(Duration::from_secs(2));
         tokio::pin!(deadline);
         loop {
             tokio::select! {
+                _ = stop.cancelled() => return,
                 _ = &mut deadline => break,
-                _ = s.shutdown.cancelled() => break,
-                _ = tx.closed() => return,
                 r = wake.recv() => match r {
                     Ok((attempt, task)) => {
                         let hit = match scope { Scope::Attempt(a) => a == attempt, Scope::Task(t) => t == task };
                         if hit { break }
                     }
-                    Err(_) => break,
+                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    Err(broadcast::error::RecvError::Closed) => return,
                 },
             }
         }
+    }
+}
+
+/// The cursor of the newest event recorded in the scope.
+async fn tail(s: &AppState, scope: Scope) -> ApiResult<Cursor> {
+    let row: Option<(i32, i64)> = match scope {
+        Scope::Attempt(id) => {
+            sqlx::query_as("SELECT 0, last_seq FROM attempts WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&s.db)
+                .await?
+        }
+        Scope::Task(id) => sqlx::query_as(
+            "SELECT number, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+        )
+        .bind(id)
+        .fetch_optional(&s.db)
+        .await?,
+    };
+    Ok(row
+        .map(|(number, seq)| Cursor { number, seq })
+        .unwrap_or_default())
+}
+
+/// Feeds one SSE client until the stream's work is over or the client goes away: first from the
+/// database after its cursor, then from the scope's shared feed. A follower whose cursor is not
+/// where a batch starts (it fell behind, or the feed is ahead of its catch-up) reads from the
+/// database again by its own cursor, so it never skips or repeats an event.
+async fn follow(
+    s: AppState,
+    scope: Scope,
+    mut cursor: Cursor,
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+) {
+    // Subscribed before reading, so nothing committed after the read is missed.
+    let (mut _feed, mut feed) = s.feeds.subscribe(&s, scope);
+    let mut catch_up = true;
+    loop {
+        if s.shutdown.is_cancelled() {
+            // The gateway stops: the client resumes elsewhere from its Last-Event-ID.
+            let _ = tx.send(single("shutdown", r#"{"resume":true}"#)).await;
+            return;
+        }
+        if catch_up {
+            let page = match fetch(&s, scope, cursor, PAGE).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = ?e, "read events for a live stream");
+                    let _ = tx.send(single("error", error_code(&e))).await;
+                    return;
+                }
+            };
+            let full = page.len() as i64 == PAGE;
+            if let Some((last, _)) = page.last() {
+                let mut chunk = BytesMut::new();
+                for (c, v) in &page {
+                    event_frame(&mut chunk, scope, *c, v);
+                }
+                if tx.send(chunk.freeze()).await.is_err() {
+                    return;
+                }
+                cursor = *last;
+            }
+            if full {
+                continue;
+            }
+            catch_up = false;
+            match finished(&s, scope, cursor).await {
+                Ok(Some(status)) => {
+                    let _ = tx.send(end_event(&status)).await;
+                    return;
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = ?e, "read stream state"),
+            }
+        }
+        let batch = tokio::select! {
+            _ = s.shutdown.cancelled() => continue,
+            _ = tx.closed() => return,
+            // The feed's own fallback: nothing heard for a while, look for ourselves (and keep
+            // the connection alive with a comment).
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {
+                if tx.send(Bytes::from_static(b":\n\n")).await.is_err() {
+                    return;
+                }
+                catch_up = true;
+                continue
+            }
+            b = feed.recv() => match b {
+                Ok(b) => b,
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    s.metrics.inc("agentscope_sse_lagged_total", &[]);
+                    catch_up = true;
+                    continue;
+                }
+                Err(broadcast::error::RecvError::Closed) => {
+                    // The feed ended (its scope finished) or stopped: read for ourselves.
+                    (_feed, feed) = s.feeds.subscribe(&s, scope);
+                    catch_up = true;
+                    continue;
+                }
+            },
+        };
+        if batch.prev > cursor {
+            // Something between our cursor and this batch went by: read it from the database.
+            catch_up = true;
+            continue;
+        }
+        if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > cursor) {
+            let chunk = if batch.prev == cursor {
+                // The usual case: the whole batch follows on, one shared chunk.
+                batch.all.clone()
+            } else {
+                let mut chunk = BytesMut::new();
+                for (_, f) in batch.events.iter().filter(|(c, _)| *c > cursor) {
+                    chunk.put_slice(f);
+                }
+                chunk.freeze()
+            };
+            if tx.send(chunk).await.is_err() {
+                return;
+            }
+            cursor = *last;
+        }
+        if let Some(status) = &batch.end {
+            let _ = tx.send(end_event(status)).await;
+            return;
+        }
+    }
+}
+
+fn end_event(status: &str) -> Bytes {
+    single("end", &json!({"status": status}).to_string())
+}
+
+fn error_code(e: &ApiError) -> &'static str {
+    let outage = match e {
+        ApiError::Db(e) => matches!(
+            agentscope_store::fault(e),
+            agentscope_store::Fault::Unavailable | agentscope_store::Fault::Conflict
+        ),
+        ApiError::Bus(_) => true,
+        _ => false,
+    };
+    if outage {
+        r#"{"code":"unavailable"}"#
+    } else {
+        r#"{"code":"internal"}"#
     }
 }
 
@@ -252,10 +507,16 @@ async fn fetch(
             .await?
         }
         Scope::Task(id) => {
+            // The task's attempts by (task_id, number), each one's events by (attempt_id, seq):
+            // both unique indexes, so a page reads only the rows it returns.
             sqlx::query(
-                "SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at FROM execution_events e
-                 JOIN attempts a ON a.id = e.attempt_id
-                 WHERE a.task_id = $1 AND (a.number, e.seq) > ($2, $3) ORDER BY a.number, e.seq LIMIT $4",
+                "SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at FROM attempts a
+                 CROSS JOIN LATERAL (
+                     SELECT seq, kind, payload, at FROM execution_events
+                     WHERE attempt_id = a.id AND seq > CASE WHEN a.number = $2 THEN $3 ELSE 0 END
+                     ORDER BY seq LIMIT $4) e
+                 WHERE a.task_id = $1 AND a.number >= $2
+                 ORDER BY a.number, e.seq LIMIT $4",
             )
             .bind(id)
             .bind(c.number)

@@ -1,0 +1,377 @@
+//! Events at volume: many live followers of one busy task, resuming with `Last-Event-ID`, and
+//! the recorder's batches with a fenced or malformed message among good ones.
+
+use agentscope_schemas::Message;
+use agentscope_schemas::v1::{ExecutionEvent, Output, execution_event::Body};
+use agentscope_system_tests::*;
+use serde_json::json;
+use std::time::Duration;
+
+/// The gateway's count of SSE streams opened so far.
+async fn sse_streams(api: &Api) -> Option<u64> {
+    let text = api
+        .client
+        .get(format!("{}/metrics", api.base))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find(|l| l.starts_with("agentscope_sse_streams_total"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .or(Some(0))
+}
+
+/// The ids (`number:seq`) of a task's events in the database, in order.
+async fn stored_ids(stack: &Stack, task_id: &str) -> Vec<String> {
+    let rows: Vec<(i32, i64)> = sqlx::query_as(
+        "SELECT a.number, e.seq FROM execution_events e JOIN attempts a ON a.id = e.attempt_id
+         WHERE a.task_id = $1::uuid ORDER BY a.number, e.seq",
+    )
+    .bind(task_id)
+    .fetch_all(&stack.pg)
+    .await
+    .unwrap();
+    rows.into_iter().map(|(n, s)| format!("{n}:{s}")).collect()
+}
+
+/// A task whose command waits for `gate`, prints `lines` numbered lines, and succeeds.
+async fn gated_task(stack: &Stack, gate: &std::path::Path, lines: u32) -> String {
+    let script = format!(
+        "echo ready; while [ ! -e '{}' ]; do sleep 0.02; done; seq 1 {lines}",
+        gate.display()
+    );
+    let (agent, _) = stack
+        .command_agent("busy", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
+    let task = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
+    task["id"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_followers_of_a_busy_task_each_get_every_event_once_in_order() {
+    const FOLLOWERS: usize = 20;
+    const LINES: u32 = 3000;
+    let stack = Stack::start("followers", StackOptions::default())
+        .await
+        .unwrap();
+    let gate = stack.dir.path.join("gate");
+    let task_id = gated_task(&stack, &gate, LINES).await;
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    let before = sse_streams(&stack.api).await.unwrap();
+    let path = format!("/v1/tasks/{task_id}/events");
+    let mut followers = Vec::new();
+    for _ in 0..FOLLOWERS {
+        let (api, path) = (stack.api.clone(), path.clone());
+        followers.push(tokio::spawn(async move {
+            sse_collect(&api, &path, None, None, Duration::from_secs(180)).await
+        }));
+    }
+    // Every follower is attached (the shared feed serves them) before the output starts.
+    let api = stack.api.clone();
+    kit::wait_for("the followers to attach", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { (sse_streams(&api).await? >= before + FOLLOWERS as u64).then_some(()) }
+    })
+    .await
+    .unwrap();
+    std::fs::write(&gate, "go").unwrap();
+
+    // Late followers join while the lines flow, from the middle (Last-Event-ID) and the start.
+    let pg = stack.pg.clone();
+    let tid = task_id.clone();
+    let middle: (i32, i64) = kit::wait_for("some lines recorded", Duration::from_secs(60), || {
+        let (pg, tid) = (pg.clone(), tid.clone());
+        async move {
+            let r: Option<(i32, i64)> = sqlx::query_as(
+                "SELECT number, last_seq FROM attempts WHERE task_id = $1::uuid AND last_seq >= 100 ORDER BY number DESC LIMIT 1",
+            )
+            .bind(tid)
+            .fetch_optional(&pg)
+            .await
+            .ok()?;
+            r
+        }
+    })
+    .await
+    .unwrap();
+    let from = format!("{}:{}", middle.0, middle.1);
+    let mut late = Vec::new();
+    for i in 0..4 {
+        let (api, path, from) = (stack.api.clone(), path.clone(), from.clone());
+        late.push(tokio::spawn(async move {
+            let last = (i % 2 == 0).then_some(from);
+            sse_collect(&api, &path, last.as_deref(), None, Duration::from_secs(180)).await
+        }));
+    }
+
+    stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(180))
+        .await
+        .unwrap();
+    let all = stored_ids(&stack, &task_id).await;
+    assert!(all.len() > LINES as usize, "{} events", all.len());
+    for f in followers {
+        let got = f.await.unwrap().unwrap();
+        let (end, data) = got.split_last().unwrap();
+        assert_eq!(end.event, "end", "the stream ends with the task");
+        assert!(end.data.contains("succeeded"), "{}", end.data);
+        let ids: Vec<String> = data.iter().map(|e| e.id.clone()).collect();
+        assert_eq!(ids.len(), all.len(), "every event once");
+        assert_eq!(ids, all, "every event once, in order");
+        let lines: Vec<String> = data
+            .iter()
+            .filter(|e| e.event == "output")
+            .map(|e| {
+                serde_json::from_str::<serde_json::Value>(&e.data).unwrap()["payload"]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .filter(|t| t.parse::<u32>().is_ok())
+            .collect();
+        let expected: Vec<String> = (1..=LINES).map(|i| i.to_string()).collect();
+        assert_eq!(lines, expected, "one event per line, in order");
+    }
+    let pos = all.iter().position(|i| *i == from).unwrap();
+    for (i, f) in late.into_iter().enumerate() {
+        let got = f.await.unwrap().unwrap();
+        let (end, data) = got.split_last().unwrap();
+        assert_eq!(end.event, "end");
+        let ids: Vec<String> = data.iter().map(|e| e.id.clone()).collect();
+        let want = if i % 2 == 0 {
+            &all[pos + 1..]
+        } else {
+            &all[..]
+        };
+        assert_eq!(ids, want, "late follower {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_reconnects_with_last_event_id_gets_the_rest() {
+    let stack = Stack::start("resume-sse", StackOptions::default())
+        .await
+        .unwrap();
+    let (gate1, gate2) = (stack.dir.path.join("gate1"), stack.dir.path.join("gate2"));
+    let script = format!(
+        "seq 1 500; while [ ! -e '{}' ]; do sleep 0.02; done; seq 501 1000; while [ ! -e '{}' ]; do sleep 0.02; done; seq 1001 1500",
+        gate1.display(),
+        gate2.display()
+    );
+    let (agent, _) = stack
+        .command_agent("resumer", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    let task = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
+    let task_id = task["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/tasks/{task_id}/events");
+
+    // The first part, while the task still runs; the connection then goes away.
+    let first = sse_collect(&stack.api, &path, None, Some(300), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 300);
+    let last = first.last().unwrap().id.clone();
+    // Events keep coming while the client is away.
+    std::fs::write(&gate1, "go").unwrap();
+    let pg = stack.pg.clone();
+    let tid = task_id.clone();
+    kit::wait_for("lines 501.. recorded", Duration::from_secs(60), || {
+        let (pg, tid) = (pg.clone(), tid.clone());
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT last_seq FROM attempts WHERE task_id = $1::uuid AND number = 1",
+            )
+            .bind(tid)
+            .fetch_one(&pg)
+            .await
+            .ok()?;
+            (n > 1000).then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    // Reconnect with the last id seen; the rest arrives live as well.
+    let (api, p, l) = (stack.api.clone(), path.clone(), last.clone());
+    let rest = tokio::spawn(async move {
+        sse_collect(&api, &p, Some(&l), None, Duration::from_secs(120)).await
+    });
+    std::fs::write(&gate2, "go").unwrap();
+    let rest = rest.await.unwrap().unwrap();
+    stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let (end, rest) = rest.split_last().unwrap();
+    assert_eq!(end.event, "end");
+    let ids: Vec<String> = first.iter().chain(rest).map(|e| e.id.clone()).collect();
+    assert_eq!(ids, stored_ids(&stack, &task_id).await, "no gap, no repeat");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rejects_the_bad() {
+    let mut stack = Stack::start("batch", StackOptions::default())
+        .await
+        .unwrap();
+    let gate = stack.dir.path.join("never");
+    // The attempt runs and stays quiet: the test writes its next events itself.
+    let task_id = gated_task(&stack, &gate, 1).await;
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    let attempt = stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let attempt_id = attempt["id"].as_str().unwrap().to_string();
+    let pg = stack.pg.clone();
+    let aid = attempt_id.clone();
+    // Its "ready" line is recorded: the host has nothing more to say until the gate opens.
+    let (host_id, token, last): (uuid::Uuid, i64, i64) =
+        kit::wait_for("the ready line", Duration::from_secs(30), || {
+            let (pg, aid) = (pg.clone(), aid.clone());
+            async move {
+                let ready: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM execution_events WHERE attempt_id = $1::uuid AND payload->>'text' = 'ready')",
+                )
+                .bind(&aid)
+                .fetch_one(&pg)
+                .await
+                .ok()?;
+                if !ready {
+                    return None;
+                }
+                sqlx::query_as(
+                    "SELECT host_id, lease_token, last_seq FROM attempts WHERE id = $1::uuid",
+                )
+                .bind(&aid)
+                .fetch_one(&pg)
+                .await
+                .ok()
+            }
+        })
+        .await
+        .unwrap();
+    let host = host_id.to_string();
+    let subject = agentscope_bus::subjects::events(&host, &attempt_id);
+    let event = |seq: i64, token: i64, text: &str| {
+        ExecutionEvent {
+            attempt_id: attempt_id.clone(),
+            seq: seq as u64,
+            lease_token: token as u64,
+            host_id: host.clone(),
+            at_ms: agentscope_bus::now_ms(),
+            body: Some(Body::Output(Output {
+                stream: "stdout".into(),
+                text: text.into(),
+                truncated: false,
+            })),
+        }
+        .encode_to_vec()
+    };
+    let batch: Vec<Vec<u8>> = vec![
+        event(last + 1, token, "good-1"),
+        event(last + 2, token, "good-2"),
+        // A stale holder's event, a message that is no event, and a repeat, among good ones.
+        event(last + 3, token + 1000, "fenced"),
+        b"not an event".to_vec(),
+        event(last + 3, token, "good-3"),
+        event(last + 2, token, "good-2"),
+        event(last + 4, token, "good-4"),
+    ];
+
+    // Published while no scheduler runs, so the recorder finds them together.
+    stack.scheduler.terminate(Duration::from_secs(20));
+    let js = async_nats::jetstream::new(stack.nats.service_client("scheduler").await.unwrap());
+    for payload in batch {
+        js.publish(subject.clone(), payload.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    stack.restart_scheduler(false).await.unwrap();
+
+    let pg = stack.pg.clone();
+    let aid = attempt_id.clone();
+    let texts: Vec<(i64, String)> = kit::wait_for(
+        "the good events recorded",
+        Duration::from_secs(30),
+        || {
+            let (pg, aid) = (pg.clone(), aid.clone());
+            async move {
+                let rows: Vec<(i64, String)> = sqlx::query_as(
+                    "SELECT seq, payload->>'text' FROM execution_events WHERE attempt_id = $1::uuid AND seq > $2 ORDER BY seq",
+                )
+                .bind(&aid)
+                .bind(last)
+                .fetch_all(&pg)
+                .await
+                .ok()?;
+                (rows.len() >= 4).then_some(rows)
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        texts,
+        vec![
+            (last + 1, "good-1".to_string()),
+            (last + 2, "good-2".to_string()),
+            (last + 3, "good-3".to_string()),
+            (last + 4, "good-4".to_string()),
+        ]
+    );
+    let pg = stack.pg.clone();
+    let reasons: Vec<String> = kit::wait_for("the bad ones rejected", Duration::from_secs(30), || {
+        let pg = pg.clone();
+        let subject = subject.clone();
+        async move {
+            let r: Vec<String> = sqlx::query_scalar(
+                "SELECT reason FROM rejected_messages WHERE consumer = 'recorder' AND subject = $1 ORDER BY reason",
+            )
+            .bind(subject)
+            .fetch_all(&pg)
+            .await
+            .ok()?;
+            (r.len() >= 2).then_some(r)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(
+        reasons.iter().any(|r| r.starts_with("fenced")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("malformed")),
+        "{reasons:?}"
+    );
+    let (status, last_seq): (String, i64) =
+        sqlx::query_as("SELECT status, last_seq FROM attempts WHERE id = $1::uuid")
+            .bind(&attempt_id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), last_seq), ("running", last + 4));
+}
