@@ -55,9 +55,7 @@ impl Sessions {
         let uids = std::env::var("AGENTSCOPE_WORKER_SESSION_UIDS")
             .ok()
             .and_then(|v| env::UidRange::parse(&v).ok())
-            .unwrap_or_else(|| {
-                env::UidRange::parse("800000-865535").expect("a valid range")
-            });
+            .unwrap_or_else(|| env::UidRange::parse("800000-865535").expect("a valid range"));
         let bwrap = PathBuf::from(
             std::env::var("AGENTSCOPE_BWRAP_PATH").unwrap_or_else(|_| "/usr/bin/bwrap".into()),
         );
@@ -376,4 +374,3 @@ async fn serve_op(sessions: &Arc<Sessions>, op: ToolOperation) -> ToolOperationR
         state: "done".into(),
     }
 }
-
