@@ -74,10 +74,10 @@ pub(crate) async fn hosts(api: &Api, cmd: HostsCmd, json: bool) -> Result<()> {
     Ok(())
 }
 
-pub(crate) const CHECKS: [&str; 3] = ["connectivity", "provider_discovery", "dispatch_readiness"];
+const CHECKS: [&str; 3] = ["connectivity", "provider_discovery", "dispatch_readiness"];
 
 /// One table row per host, each followed by its three checks.
-pub(crate) fn print_hosts(hosts: &[Value]) {
+fn print_hosts(hosts: &[Value]) {
     if hosts.is_empty() {
         out("(no hosts)");
         return;

@@ -4,7 +4,6 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::io::Write;
 
-/// Prints a line; a closed stdout (e.g. `| head`) ends the program quietly.
 /// A JSON value on one line, cut to 80 characters.
 pub(crate) fn compact(v: &Value) -> String {
     let s = v.to_string();
@@ -15,6 +14,7 @@ pub(crate) fn compact(v: &Value) -> String {
     }
 }
 
+/// Prints a line; a closed stdout (e.g. `| head`) ends the program quietly.
 pub(crate) fn out(line: impl std::fmt::Display) {
     if writeln!(std::io::stdout(), "{line}").is_err() {
         std::process::exit(0);

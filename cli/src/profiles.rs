@@ -26,7 +26,7 @@ pub(crate) enum ProfilesCmd {
     List,
 }
 
-pub(crate) fn parse_param(s: &str) -> Result<(String, String), String> {
+fn parse_param(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
         _ => Err(format!("`{s}` is not KEY=VALUE")),

@@ -60,7 +60,7 @@ pub(crate) async fn logs(api: &Api, raw_id: &str, follow: bool, json: bool) -> R
 }
 
 /// One parsed server-sent event.
-pub(crate) struct SseEvent {
+struct SseEvent {
     id: Option<String>,
     event: String,
     data: String,
@@ -68,7 +68,7 @@ pub(crate) struct SseEvent {
 
 /// An incremental `text/event-stream` parser.
 #[derive(Default)]
-pub(crate) struct SseParser {
+struct SseParser {
     buf: Vec<u8>,
     id: Option<String>,
     event: Option<String>,
@@ -121,7 +121,7 @@ impl SseParser {
 }
 
 /// How one connection of a followed stream ended.
-pub(crate) enum Ended {
+enum Ended {
     /// The `end` event arrived with this data.
     End(Value),
     /// The connection dropped; reconnect.
@@ -130,13 +130,13 @@ pub(crate) enum Ended {
 
 /// Where the stream is: the last event id and (attempt number, seq) printed.
 #[derive(Default)]
-pub(crate) struct Position {
+struct Position {
     last_id: Option<String>,
     printed: Option<(i64, i64)>,
     progressed: bool,
 }
 
-pub(crate) async fn follow_events(api: &Api, scope: &str, path: &str, json: bool) -> Result<()> {
+async fn follow_events(api: &Api, scope: &str, path: &str, json: bool) -> Result<()> {
     const RETRIES: u32 = 30;
     let mut pos = Position::default();
     let mut failures = 0;
@@ -175,7 +175,7 @@ pub(crate) async fn follow_events(api: &Api, scope: &str, path: &str, json: bool
 }
 
 /// Reads one SSE connection; `Err` only for failures that reconnecting cannot fix.
-pub(crate) async fn stream_once(
+async fn stream_once(
     api: &Api,
     rb: RequestBuilder,
     pos: &mut Position,
