@@ -19,11 +19,36 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== build"
 cargo build --workspace --bins --locked
 echo "== test"
-log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
+# cargo-nextest (.config/nextest.toml): one line per test with its time, SLOW for a test running
+# longer than a minute; then the slowest tests and one closing line for the whole run.
+# nextest writes its report under the workspace root (its default store dir, target/nextest).
+junit="target/nextest/default/junit.xml"
+rm -f "$junit"
 status=0
-cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log" || status=$?
-# One closing line for the whole run, summed over every test binary.
-awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
-     END { printf "%d passed, %d failed\n", p, f }' "$log"
+if ! cargo nextest --version >/dev/null 2>&1; then
+    # Without cargo-nextest: the same tests, without per-test times.
+    echo "cargo-nextest is not installed; running cargo test (no per-test times)"
+    log="$(mktemp)"
+    trap 'rm -f "$log"' EXIT
+    cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log" || status=$?
+    awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+         END { printf "%d passed, %d failed\n", p, f }' "$log"
+    exit "$status"
+fi
+cargo nextest run --workspace --locked --no-fail-fast || status=$?
+python3 - "$junit" <<'PY'
+import sys, xml.etree.ElementTree as ET
+try:
+    cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+except (OSError, ET.ParseError):
+    cases = []
+failed = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
+skipped = [c for c in cases if c.find("skipped") is not None]
+slowest = sorted(cases, key=lambda c: float(c.get("time", 0)), reverse=True)[:15]
+if slowest:
+    print("== slowest tests")
+    for c in slowest:
+        print(f"{float(c.get('time', 0)):9.1f} s  {c.get('classname')} {c.get('name')}")
+print(f"{len(cases) - len(failed) - len(skipped)} passed, {len(failed)} failed")
+PY
 exit "$status"

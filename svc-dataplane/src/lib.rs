@@ -3,7 +3,8 @@
 
 mod config;
 pub mod e2b;
-pub mod env;
+/// The Environments, shared with self-hosted Workers (`agentscope_tools::env`).
+pub use agentscope_tools::env;
 pub mod model;
 pub mod policy;
 pub mod session;

@@ -1,13 +1,12 @@
 //! The tools a managed agent can call: files and shell through the session's Environment, and
 //! the workspace's Memory Store in PostgreSQL (read live at every search).
 
-use crate::env::{Environment, Limits};
 use crate::model::ToolSpec;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-/// Longest tool output the model sees.
-pub const MAX_OUTPUT: usize = 64 * 1024;
+/// The file and shell tools, shared with self-hosted Workers.
+pub use agentscope_tools::{MAX_OUTPUT, ToolOutput, run};
 
 pub const ALL: [&str; 9] = [
     "read_file",
@@ -100,114 +99,6 @@ pub fn specs(enabled: &[String]) -> Vec<ToolSpec> {
         .collect()
 }
 
-/// What a tool call produced: the text the model sees and whether it is an error.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolOutput {
-    pub output: String,
-    pub is_error: bool,
-}
-
-impl ToolOutput {
-    fn ok(s: impl Into<String>) -> Self {
-        ToolOutput {
-            output: cap(s.into()),
-            is_error: false,
-        }
-    }
-    fn err(s: impl Into<String>) -> Self {
-        ToolOutput {
-            output: cap(s.into()),
-            is_error: true,
-        }
-    }
-}
-
-fn cap(mut s: String) -> String {
-    if s.len() > MAX_OUTPUT {
-        let mut end = MAX_OUTPUT;
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        s.truncate(end);
-        s.push_str("\n[truncated]");
-    }
-    s
-}
-
-fn arg<'a>(input: &'a Value, key: &str) -> Result<&'a str, ToolOutput> {
-    input
-        .get(key)
-        .and_then(Value::as_str)
-        .ok_or_else(|| ToolOutput::err(format!("bad_arguments: `{key}` (a string) is required")))
-}
-
-/// Runs a file or shell tool in `env`. Memory tools run in the journal's transaction instead
-/// (see [`memory_write`], [`memory_search`]).
-pub async fn run(
-    env: &Environment,
-    limits: &Limits,
-    name: &str,
-    input: &Value,
-    shell_env: &[(String, String)],
-) -> ToolOutput {
-    let r = async {
-        Ok::<ToolOutput, ToolOutput>(match name {
-            "read_file" => match env.read_file(arg(input, "path")?, limits).await {
-                Ok(text) => ToolOutput::ok(text),
-                Err(e) => ToolOutput::err(e.to_string()),
-            },
-            "write_file" => {
-                let (path, content) = (arg(input, "path")?, arg(input, "content")?);
-                match env.write_file(path, content, limits).await {
-                    Ok(()) => ToolOutput::ok(format!("wrote {} bytes to {path}", content.len())),
-                    Err(e) => ToolOutput::err(e.to_string()),
-                }
-            }
-            "edit_file" => {
-                let path = arg(input, "path")?;
-                match env
-                    .edit_file(
-                        path,
-                        arg(input, "old_text")?,
-                        arg(input, "new_text")?,
-                        limits,
-                    )
-                    .await
-                {
-                    Ok(()) => ToolOutput::ok(format!("edited {path}")),
-                    Err(e) => ToolOutput::err(e.to_string()),
-                }
-            }
-            "list_files" => {
-                let path = input.get("path").and_then(Value::as_str).unwrap_or("");
-                match env.list_files(path).await {
-                    Ok(entries) => ToolOutput::ok(entries.join("\n")),
-                    Err(e) => ToolOutput::err(e.to_string()),
-                }
-            }
-            "shell" => match env.shell(arg(input, "command")?, shell_env, limits).await {
-                Ok(out) => {
-                    let status = match (out.timed_out, out.exit_code) {
-                        (true, _) => "timed out".to_string(),
-                        (false, Some(c)) => format!("exit code {c}"),
-                        (false, None) => "killed by a signal".to_string(),
-                    };
-                    let text = format!("{}\n[{status}]", out.output);
-                    if out.exit_code == Some(0) && !out.timed_out {
-                        ToolOutput::ok(text)
-                    } else {
-                        ToolOutput::err(text)
-                    }
-                }
-                Err(e) => ToolOutput::err(e.to_string()),
-            },
-            other => ToolOutput::err(format!("unknown_tool: no tool named `{other}`")),
-        })
-    }
-    .await;
-    r.unwrap_or_else(|e| e)
-}
-
 /// memory_write inside the caller's transaction (the note and the journal commit together).
 pub async fn memory_write(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
@@ -280,12 +171,5 @@ mod tests {
         let only = specs(&["shell".into(), "read_file".into()]);
         let names: Vec<&str> = only.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["read_file", "shell"]);
-    }
-
-    #[test]
-    fn output_is_capped_on_a_char_boundary() {
-        let s = "é".repeat(MAX_OUTPUT);
-        let c = cap(s);
-        assert!(c.len() <= MAX_OUTPUT + 20 && c.ends_with("[truncated]"));
     }
 }

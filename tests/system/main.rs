@@ -6,6 +6,7 @@ mod approvals;
 mod bad_input;
 mod cancel;
 mod compose;
+mod crate_graph;
 mod e2e;
 mod events;
 mod executor;

@@ -1,4 +1,5 @@
-//! Environments: where a managed session's file and shell tools run (helper-owned).
+//! Environments: where a managed session's file and shell tools run (helper-owned), in the
+//! dataplane and in a self-hosted Worker alike.
 //!
 //! Every variant shares one contract: every path a tool receives is relative to the session
 //! directory (`root`) and is confined to it, and `shell` runs `sh -c` with cwd = root, exactly the
