@@ -2,21 +2,16 @@
 //! opened only by the dataplane when a tool that needs them runs. No route ever returns a value.
 
 use crate::AppState;
+use crate::api::items;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body};
+use agentscope_api as t;
+use agentscope_api::NewSecret;
 use agentscope_domain::vault::{Keyring, Sealed};
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewSecret {
-    name: String,
-    value: String,
-}
+use serde_json::Value;
 
 fn keyring(s: &AppState) -> ApiResult<Keyring> {
     Keyring::parse(&s.config.vault_keys.0)
@@ -35,7 +30,7 @@ pub async fn put(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewSecret>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::SecretStored>)> {
     let valid_name = !b.name.is_empty()
         && b.name.len() <= 128
         && b.name
@@ -73,11 +68,14 @@ pub async fn put(
     .await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"name": b.name, "key_id": sealed.key_id})),
+        Json(t::SecretStored {
+            name: b.name,
+            key_id: sealed.key_id,
+        }),
     ))
 }
 
-pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::SecretList>> {
     let rows: Vec<(Value,)> = sqlx::query_as(
         "SELECT json_build_object('name', name, 'key_id', key_id, 'created_at', created_at, 'updated_at', updated_at)
          FROM vault_secrets WHERE workspace_id = $1 ORDER BY name",
@@ -85,13 +83,13 @@ pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": rows.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::SecretList {
+        items: items(rows)?,
+    }))
 }
 
 /// Key rotation: re-seals every secret of the workspace under the current (first) key.
-pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::Rotated>> {
     let keys = keyring(&s)?;
     let ws = auth.workspace_id.to_string();
     let mut tx = s.db.begin().await?;
@@ -124,7 +122,8 @@ pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Val
         }
     }
     tx.commit().await?;
-    Ok(Json(
-        json!({"resealed": moved, "key_id": keys.current_key_id()}),
-    ))
+    Ok(Json(t::Rotated {
+        resealed: moved,
+        key_id: keys.current_key_id().to_string(),
+    }))
 }
