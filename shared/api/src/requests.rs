@@ -4,15 +4,44 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
+
+/// The providers an agent version or a runtime profile may name: the hosted CLIs
+/// (`agentscope_domain::KNOWN_PROVIDERS`) and `managed` (the gateway checks they agree).
+pub const PROVIDERS: [&str; 6] = [
+    "command",
+    "claude-code",
+    "codex",
+    "opencode",
+    "openclaw",
+    "managed",
+];
+
+fn provider_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .enum_values(Some(PROVIDERS))
+}
+
+fn providers_schema() -> ArrayBuilder {
+    ArrayBuilder::new().items(provider_schema())
+}
+
+// Names (`pattern` below): 1 to 200 printable characters, not only blanks (the gateway counts
+// bytes: a name of many multi-byte characters may still be refused with `400 invalid_field`).
 
 /// `POST /v1/workspaces` (admin).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewWorkspace {
     /// 1 to 200 printable characters.
-    #[schema(min_length = 1, max_length = 200)]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub name: String,
     /// At most this many attempts of the workspace run at once (positive; none: no limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -24,7 +53,11 @@ pub struct NewWorkspace {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewToken {
-    #[schema(min_length = 1, max_length = 200)]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub name: String,
 }
 
@@ -35,7 +68,8 @@ pub struct NewVersion {
     /// At most 256 KiB.
     #[serde(default)]
     pub instructions: String,
-    /// A known provider (`claude`, `codex`, `opencode`, `openclaw`) or `managed`.
+    /// A hosted provider or `managed`.
+    #[schema(schema_with = provider_schema)]
     pub provider: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
@@ -43,7 +77,9 @@ pub struct NewVersion {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub capability_files: Option<Value>,
+    /// The managed tools the agent may use, by name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<String>>)]
     pub tools: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
@@ -57,17 +93,24 @@ pub struct NewVersion {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewAgent {
-    #[schema(min_length = 1, max_length = 200)]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub name: String,
     #[serde(default)]
     pub instructions: String,
+    #[schema(schema_with = provider_schema)]
     pub provider: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub capability_files: Option<Value>,
+    /// The managed tools the agent may use, by name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<String>>)]
     pub tools: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
@@ -96,8 +139,13 @@ impl NewAgent {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewProfile {
-    #[schema(min_length = 1, max_length = 200)]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub name: String,
+    #[schema(schema_with = provider_schema)]
     pub provider: String,
     /// Provider parameters; `command`, when present, is a non-empty array of strings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -109,7 +157,11 @@ pub struct NewProfile {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewPool {
-    #[schema(min_length = 1, max_length = 200)]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1)]
@@ -138,6 +190,7 @@ pub struct NewBinding {
     #[schema(minimum = 0, maximum = 3600000)]
     pub retry_backoff_ms: Option<i64>,
     #[serde(default)]
+    #[schema(schema_with = providers_schema)]
     pub fallback_providers: Vec<String>,
 }
 
@@ -145,7 +198,11 @@ pub struct NewBinding {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewIssue {
-    #[schema(min_length = 1, max_length = 200)]
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub title: String,
     /// At most 256 KiB.
     #[serde(default)]
@@ -234,7 +291,6 @@ pub struct NewSecret {
     #[schema(pattern = "^[A-Z_][A-Z0-9_]{0,127}$")]
     pub name: String,
     /// 4 bytes to 64 KiB; never returned.
-    #[schema(min_length = 4)]
     pub value: String,
 }
 

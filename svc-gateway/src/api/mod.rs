@@ -169,7 +169,8 @@ fn error_statuses(r: &Route) -> Vec<(u16, &'static str)> {
     if r.auth != "none" {
         out.push((401, "`unauthorized`: no valid credential for this route"));
     }
-    if has_id {
+    // A session names its agent and Issue in its body; they are looked up like ids.
+    if has_id || r.path == "/v1/sessions" {
         out.push((
             404,
             "`not_found`: no such resource in the caller's workspace",
@@ -212,8 +213,16 @@ pub fn openapi(routes: &[Route]) -> Value {
             json!({"description": "success", "content": success}),
         );
         if r.path.ends_with("/events") && r.path != "/v1/sessions/{id}/events" {
-            responses[&r.status.to_string()]["content"]["text/event-stream"] =
-                json!({"schema": {"type": "string"}});
+            responses[&r.status.to_string()]["content"]["text/event-stream"] = json!({"schema": {
+                "description": "one server-sent event: an Event (JSON in `data`, its kind as `event`, its cursor as `id`); then `end` with `{\"status\": ...}` when nothing more can follow, `shutdown` (`{\"resume\": true}`) when the gateway stops, `error` (`{\"code\": ...}`) when reading fails",
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string"},
+                    "event": {"type": "string"},
+                    "data": {"type": "string"},
+                    "retry": {"type": "integer"},
+                },
+            }});
         }
         if r.status == 201 && (r.path == "/v1/tasks" || r.path == "/v1/sessions") {
             responses.insert("200".into(), json!({"description": "a repeat of an earlier request with the same idempotency_key: its result", "content": responses["201"]["content"].clone()}));
@@ -276,6 +285,16 @@ pub fn openapi(routes: &[Route]) -> Value {
             },
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_documented_providers_are_the_known_ones() {
+        let mut known = agentscope_domain::KNOWN_PROVIDERS.to_vec();
+        known.push(agentscope_domain::MANAGED_PROVIDER);
+        assert_eq!(agentscope_api::PROVIDERS.to_vec(), known);
+    }
 }
 
 /// The hash stored with an idempotency key: SHA-256 of the request's normalized JSON (the

@@ -171,6 +171,19 @@ fn check_version(v: &NewVersion) -> ApiResult<()> {
             "`instructions` is longer than 256 KiB",
         ));
     }
+    if v.policy.as_ref().is_some_and(|c| !c.is_object()) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`policy` must be an object",
+        ));
+    }
+    let names = |t: &Value| t.as_array().is_some_and(|a| a.iter().all(Value::is_string));
+    if v.tools.as_ref().is_some_and(|t| !names(t)) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`tools` must be an array of tool names",
+        ));
+    }
     if v.capability_files.as_ref().is_some_and(|c| !c.is_object()) {
         return Err(ApiError::bad_request(
             "invalid_field",
