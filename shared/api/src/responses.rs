@@ -7,6 +7,11 @@ use serde_json::Value;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+/// A field that, when present, is kept even when `null` (absent stays absent).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
 /// `{"items": [...]}`: the shape of every list.
 macro_rules! list {
     ($(#[$m:meta])* $name:ident of $item:ty) => {
@@ -289,6 +294,22 @@ pub struct Explanation {
     pub attempts: Vec<Value>,
     /// The effective timeout and where it comes from.
     pub timeout: Value,
+    /// The newest attempt (`null` before the first).
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = Option<Object>)]
+    pub attempt: Option<Value>,
+    /// For a running attempt: its host (`null` if the host is gone).
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = Option<Object>)]
+    pub host: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -488,4 +509,34 @@ pub struct TaskContext {
     pub issue: Option<ContextIssue>,
     pub comments: Vec<Comment>,
     pub artifacts: Vec<ContextArtifact>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_explanation_keeps_null_fields_that_were_present_and_omits_absent_ones() {
+        let v = json!({
+            "task_id": "00000000-0000-0000-0000-000000000001",
+            "status": "queued",
+            "agent_id": "00000000-0000-0000-0000-000000000002",
+            "agent_name": "a",
+            "cancel_requested_at": null,
+            "attempts": [],
+            "timeout": {"secs": 60},
+            "attempt": null,
+            "waiting": true,
+        });
+        let e: Explanation = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&e).unwrap(), v);
+    }
+
+    #[test]
+    fn a_host_check_keeps_what_the_host_reported() {
+        let v = json!({"name": "connectivity", "ok": true, "detail": "", "checked_at_ms": 5});
+        let c: HostCheck = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&c).unwrap(), v);
+    }
 }
