@@ -71,6 +71,7 @@ list!(AgentList of Agent);
 
 /// A full agent version (`GET /v1/agents/{id}/versions`).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct AgentVersion {
     pub id: Uuid,
     pub version: i32,
@@ -88,6 +89,7 @@ pub struct AgentVersion {
 list!(AgentVersionList of AgentVersion);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct RuntimeProfile {
     pub id: Uuid,
     pub name: String,
@@ -101,6 +103,7 @@ pub struct RuntimeProfile {
 list!(RuntimeProfileList of RuntimeProfile);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Pool {
     pub id: Uuid,
     pub name: String,
@@ -112,6 +115,7 @@ pub struct Pool {
 list!(PoolList of Pool);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Binding {
     pub id: Uuid,
     pub agent_id: Uuid,
@@ -188,6 +192,7 @@ pub struct IssueCreated {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct IssueSummary {
     pub id: Uuid,
     pub title: String,
@@ -198,6 +203,7 @@ pub struct IssueSummary {
 list!(IssueList of IssueSummary);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Issue {
     pub id: Uuid,
     pub title: String,
@@ -210,10 +216,12 @@ pub struct Issue {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Comment {
     pub id: Uuid,
     /// Present in the answer to the comment's creation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "sqlx", sqlx(default))]
     pub issue_id: Option<Uuid>,
     /// `token:<id>` for a workspace token, `agent:<id>` for an executor.
     pub author: String,
@@ -225,6 +233,7 @@ pub struct Comment {
 list!(CommentList of Comment);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Attempt {
     pub id: Uuid,
     pub task_id: Uuid,
@@ -248,6 +257,7 @@ pub struct Attempt {
     pub events: i64,
     /// What to do about `failure_class`, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "sqlx", sqlx(default))]
     pub remedy: Option<String>,
 }
 
@@ -270,6 +280,7 @@ pub struct Task {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct TaskSummary {
     pub id: Uuid,
     pub issue_id: Option<Uuid>,
@@ -278,6 +289,7 @@ pub struct TaskSummary {
     pub newest_attempt: Option<i32>,
     pub attempt_status: Option<String>,
     pub failure_class: Option<String>,
+    #[cfg_attr(feature = "sqlx", sqlx(default))]
     pub status: String,
 }
 list!(TaskList of TaskSummary);
@@ -369,6 +381,7 @@ pub struct ArtifactUploaded {
 
 /// An Artifact's metadata.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Artifact {
     pub id: Uuid,
     pub name: String,
@@ -384,6 +397,7 @@ pub struct Artifact {
 list!(ArtifactList of Artifact);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Approval {
     pub id: Uuid,
     pub attempt_id: Option<Uuid>,
@@ -410,6 +424,7 @@ pub struct SecretStored {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Secret {
     pub name: String,
     pub key_id: String,
@@ -473,6 +488,7 @@ pub struct InputAccepted {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct SessionEvent {
     pub seq: i64,
     pub kind: String,
@@ -489,6 +505,7 @@ pub struct ContextIssue {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct ContextArtifact {
     pub id: Uuid,
     pub name: String,

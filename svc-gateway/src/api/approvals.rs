@@ -2,7 +2,6 @@
 //! applies a decision exactly once; a second, conflicting decision is refused (409).
 
 use crate::AppState;
-use crate::api::{from_json, items};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Id};
 use agentscope_api as t;
@@ -12,16 +11,12 @@ use agentscope_schemas::v1::{DecideApproval, DecideApprovalReply};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use serde_json::Value;
 use std::time::Duration;
 use uuid::Uuid;
 
-const SELECT: &str =
-    "SELECT json_build_object('id', ap.id, 'attempt_id', ap.attempt_id, 'task_id', a.task_id,
-    'session_id', ap.session_id,
-    'request_id', ap.request_id, 'tool_name', ap.tool_name, 'input', ap.input, 'status', ap.status,
-    'decided_by', ap.decided_by, 'reason', ap.reason, 'created_at', ap.created_at,
-    'expires_at', ap.expires_at, 'decided_at', ap.decided_at)
+const SELECT: &str = "SELECT ap.id, ap.attempt_id, a.task_id, ap.session_id, ap.request_id,
+    ap.tool_name, ap.input, ap.status, ap.decided_by, ap.reason, ap.created_at, ap.expires_at,
+    ap.decided_at
     FROM approvals ap LEFT JOIN attempts a ON a.id = ap.attempt_id";
 
 pub async fn list(
@@ -30,7 +25,7 @@ pub async fn list(
     q: Result<Query<Filter>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Json<t::ApprovalList>> {
     let Query(q) = q?;
-    let rows: Vec<(Value,)> = sqlx::query_as(&format!(
+    let items: Vec<t::Approval> = sqlx::query_as(&format!(
         "{SELECT} WHERE ap.workspace_id = $1 AND ($2::text IS NULL OR ap.status = $2)
            AND ($3::uuid IS NULL OR a.task_id = $3)
            AND ($4::uuid IS NULL OR ap.session_id = $4::text) ORDER BY ap.created_at DESC LIMIT 500"
@@ -41,9 +36,7 @@ pub async fn list(
     .bind(q.session_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::ApprovalList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::ApprovalList { items }))
 }
 
 pub async fn get(
@@ -51,15 +44,14 @@ pub async fn get(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Approval>> {
-    let row: Option<(Value,)> = sqlx::query_as(&format!(
+    let row: Option<t::Approval> = sqlx::query_as(&format!(
         "{SELECT} WHERE ap.workspace_id = $1 AND ap.id = $2"
     ))
     .bind(auth.workspace_id)
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    let (v,) = row.ok_or_else(|| ApiError::not_found("approval"))?;
-    Ok(Json(from_json(v)?))
+    Ok(Json(row.ok_or_else(|| ApiError::not_found("approval"))?))
 }
 
 fn body_of(bytes: &axum::body::Bytes) -> ApiResult<DecisionBody> {
@@ -140,11 +132,11 @@ pub(crate) async fn decide_as(
             _ => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", r.message),
         });
     }
-    let (v,): (Value,) = sqlx::query_as(&format!("{SELECT} WHERE ap.id = $1"))
+    let approval: t::Approval = sqlx::query_as(&format!("{SELECT} WHERE ap.id = $1"))
         .bind(id)
         .fetch_one(&s.db)
         .await?;
-    Ok(Json(from_json(v)?))
+    Ok(Json(approval))
 }
 
 pub async fn approve(

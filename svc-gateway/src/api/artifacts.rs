@@ -3,7 +3,6 @@
 //! size-limited (`max_artifact_bytes`). Files left in a task directory are not Artifacts.
 
 use crate::AppState;
-use crate::api::{from_json, items};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Id, TaskAuth};
 use agentscope_api as t;
@@ -13,7 +12,6 @@ use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::Value;
 use sha2::Digest;
 use uuid::Uuid;
 
@@ -121,9 +119,8 @@ pub async fn upload(
     ))
 }
 
-const META: &str = "json_build_object('id', id, 'name', name, 'content_type', content_type, 'size_bytes', size_bytes,
-    'sha256', sha256, 'issue_id', issue_id, 'task_id', task_id, 'attempt_id', attempt_id, 'author', author,
-    'created_at', created_at)";
+const META: &str =
+    "id, name, content_type, size_bytes, sha256, issue_id, task_id, attempt_id, author, created_at";
 
 pub async fn list_for_issue(
     State(s): State<AppState>,
@@ -137,15 +134,13 @@ pub async fn list_for_issue(
             .fetch_optional(&s.db)
             .await?;
     owned.ok_or_else(|| ApiError::not_found("issue"))?;
-    let rows: Vec<(Value,)> = sqlx::query_as(&format!(
+    let items: Vec<t::Artifact> = sqlx::query_as(&format!(
         "SELECT {META} FROM artifacts WHERE issue_id = $1 ORDER BY created_at, id"
     ))
     .bind(issue)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::ArtifactList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::ArtifactList { items }))
 }
 
 pub async fn list_for_task(
@@ -153,16 +148,14 @@ pub async fn list_for_task(
     auth: Auth,
     Id(task): Id,
 ) -> ApiResult<Json<t::ArtifactList>> {
-    let rows: Vec<(Value,)> = sqlx::query_as(&format!(
+    let items: Vec<t::Artifact> = sqlx::query_as(&format!(
         "SELECT {META} FROM artifacts WHERE task_id = $1 AND workspace_id = $2 ORDER BY created_at, id"
     ))
     .bind(task)
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::ArtifactList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::ArtifactList { items }))
 }
 
 pub async fn get(
@@ -170,15 +163,14 @@ pub async fn get(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Artifact>> {
-    let row: Option<(Value,)> = sqlx::query_as(&format!(
+    let row: Option<t::Artifact> = sqlx::query_as(&format!(
         "SELECT {META} FROM artifacts WHERE id = $1 AND workspace_id = $2"
     ))
     .bind(id)
     .bind(auth.workspace_id)
     .fetch_optional(&s.db)
     .await?;
-    let (v,) = row.ok_or_else(|| ApiError::not_found("artifact"))?;
-    Ok(Json(from_json(v)?))
+    Ok(Json(row.ok_or_else(|| ApiError::not_found("artifact"))?))
 }
 
 pub async fn content(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Response> {

@@ -335,10 +335,3 @@ pub(crate) fn from_json<T: serde::de::DeserializeOwned>(v: Value) -> crate::erro
         )
     })
 }
-
-/// [`from_json`] for every row of a list.
-pub(crate) fn items<T: serde::de::DeserializeOwned>(
-    rows: Vec<(Value,)>,
-) -> crate::error::ApiResult<Vec<T>> {
-    rows.into_iter().map(|(v,)| from_json(v)).collect()
-}

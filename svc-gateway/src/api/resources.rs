@@ -1,7 +1,7 @@
 //! Workspaces, tokens, agents and versions, runtime profiles, pools, bindings and hosts.
 
 use crate::AppState;
-use crate::api::{from_json, items};
+use crate::api::from_json;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Admin, Auth, Body, Id};
 use agentscope_api as t;
@@ -344,18 +344,15 @@ pub async fn list_versions(
     Id(id): Id,
 ) -> ApiResult<Json<t::AgentVersionList>> {
     own_agent(&s, auth, id).await?;
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'version', version, 'provider', provider, 'model', model,
-            'instructions', instructions, 'capability_files', capability_files, 'tools', tools,
-            'policy', policy, 'max_iters', max_iters, 'created_at', created_at)
+    let items: Vec<t::AgentVersion> = sqlx::query_as(
+        "SELECT id, version, provider, model, instructions, capability_files, tools, policy,
+            max_iters, created_at
          FROM agent_versions WHERE agent_id = $1 ORDER BY version",
     )
     .bind(id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::AgentVersionList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::AgentVersionList { items }))
 }
 
 pub async fn create_profile(
@@ -408,16 +405,14 @@ pub async fn list_profiles(
     State(s): State<AppState>,
     auth: Auth,
 ) -> ApiResult<Json<t::RuntimeProfileList>> {
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'name', name, 'provider', provider, 'params', params, 'created_at', created_at)
+    let items: Vec<t::RuntimeProfile> = sqlx::query_as(
+        "SELECT id, name, provider, params, created_at
          FROM runtime_profiles WHERE workspace_id = $1 ORDER BY name",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::RuntimeProfileList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::RuntimeProfileList { items }))
 }
 
 pub async fn create_pool(
@@ -449,16 +444,14 @@ pub async fn create_pool(
 }
 
 pub async fn list_pools(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::PoolList>> {
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'name', name, 'max_concurrency', max_concurrency, 'created_at', created_at)
+    let items: Vec<t::Pool> = sqlx::query_as(
+        "SELECT id, name, max_concurrency, created_at
          FROM pools WHERE workspace_id = $1 ORDER BY name",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::PoolList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::PoolList { items }))
 }
 
 pub async fn create_binding(
@@ -522,32 +515,27 @@ pub async fn create_binding(
 }
 
 async fn binding_by_id(s: &AppState, id: Uuid) -> ApiResult<t::Binding> {
-    let (v,): (Value,) = sqlx::query_as(&format!("{BINDING_SELECT} WHERE id = $1"))
+    Ok(sqlx::query_as(&format!("{BINDING_SELECT} WHERE id = $1"))
         .bind(id)
         .fetch_one(&s.db)
-        .await?;
-    from_json(v)
+        .await?)
 }
 
 const BINDING_SELECT: &str =
-    "SELECT json_build_object('id', id, 'agent_id', agent_id, 'pool_id', pool_id,
-    'runtime_profile_id', runtime_profile_id, 'required_capabilities', required_capabilities,
-    'max_concurrency', max_concurrency, 'max_attempts', max_attempts,
-    'retry_backoff_ms', retry_backoff_ms, 'fallback_providers', fallback_providers) FROM bindings";
+    "SELECT id, agent_id, pool_id, runtime_profile_id, required_capabilities,
+    max_concurrency, max_attempts, retry_backoff_ms, fallback_providers FROM bindings";
 
 pub async fn list_bindings(
     State(s): State<AppState>,
     auth: Auth,
 ) -> ApiResult<Json<t::BindingList>> {
-    let rows: Vec<(Value,)> = sqlx::query_as(&format!(
+    let items: Vec<t::Binding> = sqlx::query_as(&format!(
         "{BINDING_SELECT} WHERE workspace_id = $1 ORDER BY created_at"
     ))
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::BindingList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::BindingList { items }))
 }
 
 fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<t::Host> {

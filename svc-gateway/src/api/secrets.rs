@@ -2,7 +2,6 @@
 //! opened only by the dataplane when a tool that needs them runs. No route ever returns a value.
 
 use crate::AppState;
-use crate::api::items;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body};
 use agentscope_api as t;
@@ -11,7 +10,6 @@ use agentscope_domain::vault::{Keyring, Sealed};
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde_json::Value;
 
 fn keyring(s: &AppState) -> ApiResult<Keyring> {
     Keyring::parse(&s.config.vault_keys.0)
@@ -76,16 +74,14 @@ pub async fn put(
 }
 
 pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::SecretList>> {
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('name', name, 'key_id', key_id, 'created_at', created_at, 'updated_at', updated_at)
+    let items: Vec<t::Secret> = sqlx::query_as(
+        "SELECT name, key_id, created_at, updated_at
          FROM vault_secrets WHERE workspace_id = $1 ORDER BY name",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::SecretList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::SecretList { items }))
 }
 
 /// Key rotation: re-seals every secret of the workspace under the current (first) key.

@@ -3,8 +3,8 @@
 //! dataplane replicas; their state, outcomes and events are read back from PostgreSQL.
 
 use crate::AppState;
+use crate::api::from_json;
 use crate::api::resources::check_name;
-use crate::api::{from_json, items};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body, Id};
 use agentscope_api as t;
@@ -378,14 +378,11 @@ pub async fn events(
     Id(id): Id,
 ) -> ApiResult<Json<t::SessionEventList>> {
     own_session(&s, auth, id).await?;
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('seq', seq, 'kind', kind, 'payload', payload, 'at', at)
-         FROM session_events WHERE session_id = $1 ORDER BY seq",
+    let items: Vec<t::SessionEvent> = sqlx::query_as(
+        "SELECT seq, kind, payload, at FROM session_events WHERE session_id = $1 ORDER BY seq",
     )
     .bind(id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::SessionEventList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::SessionEventList { items }))
 }

@@ -3,7 +3,6 @@
 //! Artifact. Nothing else accepts that credential.
 
 use crate::AppState;
-use crate::api::items;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Body, TaskAuth};
 use agentscope_api as t;
@@ -11,7 +10,6 @@ use agentscope_api::NewTaskComment;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde_json::Value;
 use sqlx::Row;
 use uuid::Uuid;
 
@@ -25,15 +23,15 @@ pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Jso
     .bind(task.attempt_id)
     .fetch_one(&s.db)
     .await?;
-    let comments: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'author', author, 'body', body, 'created_at', created_at)
+    let comments: Vec<t::Comment> = sqlx::query_as(
+        "SELECT id, author, body, created_at
          FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
     )
     .bind(task.issue_id)
     .fetch_all(&s.db)
     .await?;
-    let artifacts: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'name', name, 'content_type', content_type, 'size_bytes', size_bytes, 'task_id', task_id)
+    let artifacts: Vec<t::ContextArtifact> = sqlx::query_as(
+        "SELECT id, name, content_type, size_bytes, task_id
          FROM artifacts WHERE workspace_id = $1 AND (issue_id = $2 OR task_id = $3) ORDER BY created_at, id",
     )
     .bind(task.workspace_id)
@@ -57,8 +55,8 @@ pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Jso
         branch: row.try_get("branch")?,
         input: row.try_get("input")?,
         issue,
-        comments: items(comments)?,
-        artifacts: items(artifacts)?,
+        comments,
+        artifacts,
     }))
 }
 

@@ -2,7 +2,6 @@
 
 use crate::AppState;
 use crate::api::resources::check_name;
-use crate::api::{from_json, items};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body, Id};
 use agentscope_api as t;
@@ -14,7 +13,7 @@ use agentscope_schemas::v1::{CancelRequest, TaskSubmitted};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use serde_json::{Value, json};
+use serde_json::json;
 use sqlx::Row;
 use uuid::Uuid;
 
@@ -121,16 +120,14 @@ pub async fn create_issue(
 }
 
 pub async fn list_issues(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::IssueList>> {
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'title', title, 'status', status, 'assignee_agent_id', assignee_agent_id, 'created_at', created_at)
+    let items: Vec<t::IssueSummary> = sqlx::query_as(
+        "SELECT id, title, status, assignee_agent_id, created_at
          FROM issues WHERE workspace_id = $1 ORDER BY created_at DESC LIMIT 500",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::IssueList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::IssueList { items }))
 }
 
 pub async fn get_issue(
@@ -138,18 +135,16 @@ pub async fn get_issue(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Issue>> {
-    let row: Option<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', i.id, 'title', i.title, 'body', i.body, 'status', i.status,
-            'assignee_agent_id', i.assignee_agent_id, 'created_at', i.created_at,
-            'tasks', COALESCE((SELECT json_agg(t.id ORDER BY t.created_at) FROM tasks t WHERE t.issue_id = i.id), '[]'::json))
+    let row: Option<t::Issue> = sqlx::query_as(
+        "SELECT i.id, i.title, i.body, i.status, i.assignee_agent_id, i.created_at,
+            ARRAY(SELECT t.id FROM tasks t WHERE t.issue_id = i.id ORDER BY t.created_at) AS tasks
          FROM issues i WHERE i.workspace_id = $1 AND i.id = $2",
     )
     .bind(auth.workspace_id)
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    let (v,) = row.ok_or_else(|| ApiError::not_found("issue"))?;
-    Ok(Json(from_json(v)?))
+    Ok(Json(row.ok_or_else(|| ApiError::not_found("issue"))?))
 }
 
 async fn own_issue(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
@@ -206,16 +201,13 @@ pub async fn list_comments(
     Id(issue): Id,
 ) -> ApiResult<Json<t::CommentList>> {
     own_issue(&s, auth, issue).await?;
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'author', author, 'body', body, 'created_at', created_at)
-         FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+    let items: Vec<t::Comment> = sqlx::query_as(
+        "SELECT id, author, body, created_at FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
     )
     .bind(issue)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(t::CommentList {
-        items: items(rows)?,
-    }))
+    Ok(Json(t::CommentList { items }))
 }
 
 trait RequestHash {
@@ -390,20 +382,18 @@ async fn existing_task(s: &AppState, auth: Auth, key: &str, hash: &str) -> ApiRe
     }
 }
 
-const ATTEMPT_JSON: &str = "json_build_object('id', a.id, 'task_id', a.task_id, 'number', a.number, 'status', a.status,
-    'provider', a.provider, 'host_id', a.host_id, 'lease_token', a.lease_token, 'agent_version_id', a.agent_version_id,
-    'created_at', a.created_at, 'not_before', a.not_before, 'claimed_at', a.claimed_at, 'started_at', a.started_at,
-    'finished_at', a.finished_at, 'failure_class', a.failure_class, 'failure_detail', a.failure_detail,
-    'exit_code', a.exit_code, 'provider_session_id', a.provider_session_id, 'events', a.last_seq)";
+const ATTEMPT_COLUMNS: &str =
+    "a.id, a.task_id, a.number, a.status, a.provider, a.host_id, a.lease_token,
+    a.agent_version_id, a.created_at, a.not_before, a.claimed_at, a.started_at, a.finished_at,
+    a.failure_class, a.failure_detail, a.exit_code, a.provider_session_id, a.last_seq AS events";
 
-fn with_remedy(a: Value) -> ApiResult<t::Attempt> {
-    let mut a: t::Attempt = from_json(a)?;
+fn with_remedy(mut a: t::Attempt) -> t::Attempt {
     a.remedy = a.failure_class.as_deref().map(|c| {
         agentscope_domain::FailureClass::parse(c)
             .remedy()
             .to_string()
     });
-    Ok(a)
+    a
 }
 
 pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Task> {
@@ -416,16 +406,13 @@ pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t
     .fetch_optional(&s.db)
     .await?
     .ok_or_else(|| ApiError::not_found("task"))?;
-    let attempts: Vec<(Value,)> = sqlx::query_as(&format!(
-        "SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"
+    let attempts: Vec<t::Attempt> = sqlx::query_as(&format!(
+        "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"
     ))
     .bind(id)
     .fetch_all(&s.db)
     .await?;
-    let attempts = attempts
-        .into_iter()
-        .map(|r| with_remedy(r.0))
-        .collect::<ApiResult<Vec<_>>>()?;
+    let attempts: Vec<t::Attempt> = attempts.into_iter().map(with_remedy).collect();
     let newest = attempts
         .last()
         .and_then(|a| AttemptStatus::parse(&a.status));
@@ -460,10 +447,9 @@ pub async fn list_tasks(
 ) -> ApiResult<Json<t::TaskList>> {
     let Query(q) = q?;
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', t.id, 'issue_id', t.issue_id, 'agent_id', t.agent_id,
-            'created_at', t.created_at, 'newest_attempt', a.number, 'attempt_status', a.status,
-            'failure_class', a.failure_class)
+    let rows: Vec<t::TaskSummary> = sqlx::query_as(
+        "SELECT t.id, t.issue_id, t.agent_id, t.created_at, a.number AS newest_attempt,
+            a.status AS attempt_status, a.failure_class
          FROM tasks t LEFT JOIN LATERAL (SELECT number, status, failure_class FROM attempts
              WHERE task_id = t.id ORDER BY number DESC LIMIT 1) a ON true
          WHERE t.workspace_id = $1 ORDER BY t.created_at DESC LIMIT $2",
@@ -473,11 +459,11 @@ pub async fn list_tasks(
     .fetch_all(&s.db)
     .await?;
     let mut items = Vec::new();
-    for (mut v,) in rows {
-        let st = task_status(v["attempt_status"].as_str().and_then(AttemptStatus::parse));
-        v["status"] = json!(st);
+    for mut v in rows {
+        let st = task_status(v.attempt_status.as_deref().and_then(AttemptStatus::parse));
         if q.status.as_deref().is_none_or(|f| f == st) {
-            items.push(from_json(v)?);
+            v.status = st.to_string();
+            items.push(v);
         }
     }
     Ok(Json(t::TaskList { items }))
@@ -534,13 +520,13 @@ pub async fn get_attempt(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Attempt>> {
-    let row: Option<(Value,)> = sqlx::query_as(&format!(
-        "SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.workspace_id = $1 AND a.id = $2"
+    let row: Option<t::Attempt> = sqlx::query_as(&format!(
+        "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.workspace_id = $1 AND a.id = $2"
     ))
     .bind(auth.workspace_id)
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    let (v,) = row.ok_or_else(|| ApiError::not_found("attempt"))?;
-    Ok(Json(with_remedy(v)?))
+    let a = row.ok_or_else(|| ApiError::not_found("attempt"))?;
+    Ok(Json(with_remedy(a)))
 }
