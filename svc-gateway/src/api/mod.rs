@@ -287,16 +287,6 @@ pub fn openapi(routes: &[Route]) -> Value {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_documented_providers_are_the_known_ones() {
-        let mut known = agentscope_domain::KNOWN_PROVIDERS.to_vec();
-        known.push(agentscope_domain::MANAGED_PROVIDER);
-        assert_eq!(agentscope_api::PROVIDERS.to_vec(), known);
-    }
-}
-
 /// The hash stored with an idempotency key: SHA-256 of the request's normalized JSON (the
 /// fields that define it, with defaults filled in, built by one `json!` in a fixed order, so
 /// the same request always serializes the same).
@@ -334,4 +324,14 @@ pub(crate) fn from_json<T: serde::de::DeserializeOwned>(v: Value) -> crate::erro
             "internal error; see the gateway's logs",
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_documented_providers_are_the_known_ones() {
+        let mut known = agentscope_domain::KNOWN_PROVIDERS.to_vec();
+        known.push(agentscope_domain::MANAGED_PROVIDER);
+        assert_eq!(agentscope_api::PROVIDERS.to_vec(), known);
+    }
 }
