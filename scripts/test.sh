@@ -10,6 +10,11 @@ scripts/ensure-deps.sh >/dev/null
 scripts/install-providers.sh >/dev/null
 # shellcheck disable=SC1091
 . "${AGENTSCOPE_PROVIDERS_DIR:-/opt/agentscope/providers}/env"
+# schemathesis (pinned, from PyPI, in a venv under $HOME/.cache/agentscope): the system test
+# api_contract::schemathesis_finds_no_failure_against_the_served_document fuzzes the gateway's
+# served OpenAPI document with it (response-schema and status-code conformance, bounded in
+# examples and time).
+scripts/install-schemathesis.sh >/dev/null
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/agentscope/target}"
 export CARGO_TERM_COLOR=never
 echo "== fmt"

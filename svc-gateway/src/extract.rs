@@ -9,25 +9,49 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use uuid::Uuid;
 
-/// A JSON request body; malformed, oversized or mistyped bodies become 4xx `ApiError`s, and so
-/// does a NUL character in any string of it (see [`refuse_nul`]).
+/// A JSON request body of a type of `agentscope-api`. Malformed JSON is `400 malformed_json`;
+/// a body that is JSON but not an object (an array, a string...) is `422 invalid_body`; an
+/// unknown field or a field of the wrong type is `422 invalid_field` naming the field; a NUL
+/// character in any string of it is `422 invalid_field` too (see [`refuse_nul`]).
 pub struct Body<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let axum::Json(v) = axum::Json::<Value>::from_request(req, state).await?;
-        refuse_nul(&v)?;
-        let bytes = serde_json::to_vec(&v).map_err(|_| {
-            ApiError::bad_request("malformed_json", "request body is not valid JSON")
-        })?;
-        let axum::Json(t) = axum::Json::<T>::from_bytes(&bytes)?;
-        Ok(Body(t))
+        typed(v).map(Body)
     }
 }
 
-/// Parses an optional JSON body (empty or whitespace is `T::default()`), refusing NUL the same
-/// way as [`Body`].
+/// Reads a parsed JSON body into `T`: it must be an object without NUL characters, whose
+/// fields `T` knows and whose values have `T`'s types.
+fn typed<T: DeserializeOwned>(v: Value) -> Result<T, ApiError> {
+    if !v.is_object() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            agentscope_api::codes::INVALID_BODY,
+            "request body must be a JSON object",
+        ));
+    }
+    refuse_nul(&v)?;
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let message = if path == "." {
+            inner.to_string()
+        } else {
+            format!("`{path}`: {inner}")
+        };
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            agentscope_api::codes::INVALID_FIELD,
+            message,
+        )
+    })
+}
+
+/// Parses an optional JSON body (empty or whitespace is `T::default()`), refused the same
+/// ways as [`Body`].
 pub fn optional_body<T: DeserializeOwned + Default>(
     bytes: &[u8],
     what: &str,
@@ -35,15 +59,13 @@ pub fn optional_body<T: DeserializeOwned + Default>(
     if bytes.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(T::default());
     }
-    let malformed = || {
+    let v: Value = serde_json::from_slice(bytes).map_err(|_| {
         ApiError::bad_request(
             "malformed_json",
             format!("request body is not a valid {what}"),
         )
-    };
-    let v: Value = serde_json::from_slice(bytes).map_err(|_| malformed())?;
-    refuse_nul(&v)?;
-    serde_json::from_value(v).map_err(|_| malformed())
+    })?;
+    typed(v)
 }
 
 /// PostgreSQL cannot store NUL (`\u0000`) in text or JSON, and no field of the API means one:

@@ -2,6 +2,7 @@
 //! One binary for all of them (link time); each test has its own NATS, database and services.
 
 mod agents;
+mod api_contract;
 mod approvals;
 mod bad_input;
 mod cancel;

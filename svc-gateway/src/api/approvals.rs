@@ -4,39 +4,28 @@
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Id};
+use agentscope_api as t;
+use agentscope_api::{ApprovalFilter as Filter, Decision as DecisionBody};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{DecideApproval, DecideApprovalReply};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
 use std::time::Duration;
 use uuid::Uuid;
 
-const SELECT: &str =
-    "SELECT json_build_object('id', ap.id, 'attempt_id', ap.attempt_id, 'task_id', a.task_id,
-    'session_id', ap.session_id,
-    'request_id', ap.request_id, 'tool_name', ap.tool_name, 'input', ap.input, 'status', ap.status,
-    'decided_by', ap.decided_by, 'reason', ap.reason, 'created_at', ap.created_at,
-    'expires_at', ap.expires_at, 'decided_at', ap.decided_at)
+const SELECT: &str = "SELECT ap.id, ap.attempt_id, a.task_id, ap.session_id, ap.request_id,
+    ap.tool_name, ap.input, ap.status, ap.decided_by, ap.reason, ap.created_at, ap.expires_at,
+    ap.decided_at
     FROM approvals ap LEFT JOIN attempts a ON a.id = ap.attempt_id";
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Filter {
-    status: Option<String>,
-    task_id: Option<Uuid>,
-    session_id: Option<Uuid>,
-}
 
 pub async fn list(
     State(s): State<AppState>,
     auth: Auth,
     q: Result<Query<Filter>, axum::extract::rejection::QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::ApprovalList>> {
     let Query(q) = q?;
-    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+    let items: Vec<t::Approval> = sqlx::query_as(&format!(
         "{SELECT} WHERE ap.workspace_id = $1 AND ($2::text IS NULL OR ap.status = $2)
            AND ($3::uuid IS NULL OR a.task_id = $3)
            AND ($4::uuid IS NULL OR ap.session_id = $4::text) ORDER BY ap.created_at DESC LIMIT 500"
@@ -47,30 +36,22 @@ pub async fn list(
     .bind(q.session_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::ApprovalList { items }))
 }
 
-pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
-    let row: Option<(Value,)> = sqlx::query_as(&format!(
+pub async fn get(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<t::Approval>> {
+    let row: Option<t::Approval> = sqlx::query_as(&format!(
         "{SELECT} WHERE ap.workspace_id = $1 AND ap.id = $2"
     ))
     .bind(auth.workspace_id)
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    row.map(|r| Json(r.0))
-        .ok_or_else(|| ApiError::not_found("approval"))
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct DecisionBody {
-    pub(crate) reason: Option<String>,
-    /// Allow the same tool without asking for the rest of this task (never beyond it).
-    #[serde(default)]
-    pub(crate) always_for_task: bool,
+    Ok(Json(row.ok_or_else(|| ApiError::not_found("approval"))?))
 }
 
 fn body_of(bytes: &axum::body::Bytes) -> ApiResult<DecisionBody> {
@@ -83,7 +64,7 @@ async fn decide(
     id: Uuid,
     allow: bool,
     body: DecisionBody,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::Approval>> {
     decide_as(s, auth, id, allow, body, "api").await
 }
 
@@ -94,7 +75,7 @@ pub(crate) async fn decide_as(
     allow: bool,
     body: DecisionBody,
     decided_by: &str,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::Approval>> {
     let reason = body.reason.unwrap_or_default();
     if reason.len() > 4096 {
         return Err(ApiError::bad_request(
@@ -151,11 +132,11 @@ pub(crate) async fn decide_as(
             _ => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", r.message),
         });
     }
-    let (v,): (Value,) = sqlx::query_as(&format!("{SELECT} WHERE ap.id = $1"))
+    let approval: t::Approval = sqlx::query_as(&format!("{SELECT} WHERE ap.id = $1"))
         .bind(id)
         .fetch_one(&s.db)
         .await?;
-    Ok(Json(v))
+    Ok(Json(approval))
 }
 
 pub async fn approve(
@@ -163,7 +144,7 @@ pub async fn approve(
     auth: Auth,
     Id(id): Id,
     body: axum::body::Bytes,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::Approval>> {
     decide(&s, auth, id, true, body_of(&body)?).await
 }
 
@@ -172,6 +153,6 @@ pub async fn deny(
     auth: Auth,
     Id(id): Id,
     body: axum::body::Bytes,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::Approval>> {
     decide(&s, auth, id, false, body_of(&body)?).await
 }

@@ -5,13 +5,13 @@
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Id, TaskAuth};
+use agentscope_api as t;
+use agentscope_api::UploadQuery;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
-use serde_json::{Value, json};
 use sha2::Digest;
 use uuid::Uuid;
 
@@ -52,12 +52,6 @@ fn check_content_type(ct: &str) -> ApiResult<()> {
     Ok(())
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct UploadQuery {
-    name: String,
-}
-
 /// `POST /v1/task/artifacts?name=FILE`: the raw body is the content; its Content-Type is kept.
 pub async fn upload(
     State(s): State<AppState>,
@@ -65,7 +59,7 @@ pub async fn upload(
     q: Result<Query<UploadQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::ArtifactUploaded>)> {
     let Query(q) = q?;
     check_artifact_name(&q.name)?;
     let body = body.map_err(|e| {
@@ -112,22 +106,27 @@ pub async fn upload(
     tracing::info!(artifact_id = %id, task_id = %task.task_id, attempt_id = %task.attempt_id, size = body.len(), "artifact uploaded");
     Ok((
         StatusCode::CREATED,
-        Json(
-            json!({"id": id, "name": q.name, "content_type": content_type, "size_bytes": body.len(), "sha256": sha,
-                    "issue_id": task.issue_id, "task_id": task.task_id, "attempt_id": task.attempt_id}),
-        ),
+        Json(t::ArtifactUploaded {
+            id,
+            name: q.name,
+            content_type,
+            size_bytes: body.len() as i64,
+            sha256: sha,
+            issue_id: task.issue_id,
+            task_id: task.task_id,
+            attempt_id: task.attempt_id,
+        }),
     ))
 }
 
-const META: &str = "json_build_object('id', id, 'name', name, 'content_type', content_type, 'size_bytes', size_bytes,
-    'sha256', sha256, 'issue_id', issue_id, 'task_id', task_id, 'attempt_id', attempt_id, 'author', author,
-    'created_at', created_at)";
+const META: &str =
+    "id, name, content_type, size_bytes, sha256, issue_id, task_id, attempt_id, author, created_at";
 
 pub async fn list_for_issue(
     State(s): State<AppState>,
     auth: Auth,
     Id(issue): Id,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::ArtifactList>> {
     let owned: Option<(Uuid,)> =
         sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
             .bind(issue)
@@ -135,44 +134,43 @@ pub async fn list_for_issue(
             .fetch_optional(&s.db)
             .await?;
     owned.ok_or_else(|| ApiError::not_found("issue"))?;
-    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+    let items: Vec<t::Artifact> = sqlx::query_as(&format!(
         "SELECT {META} FROM artifacts WHERE issue_id = $1 ORDER BY created_at, id"
     ))
     .bind(issue)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::ArtifactList { items }))
 }
 
 pub async fn list_for_task(
     State(s): State<AppState>,
     auth: Auth,
     Id(task): Id,
-) -> ApiResult<Json<Value>> {
-    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+) -> ApiResult<Json<t::ArtifactList>> {
+    let items: Vec<t::Artifact> = sqlx::query_as(&format!(
         "SELECT {META} FROM artifacts WHERE task_id = $1 AND workspace_id = $2 ORDER BY created_at, id"
     ))
     .bind(task)
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::ArtifactList { items }))
 }
 
-pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
-    let row: Option<(Value,)> = sqlx::query_as(&format!(
+pub async fn get(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<t::Artifact>> {
+    let row: Option<t::Artifact> = sqlx::query_as(&format!(
         "SELECT {META} FROM artifacts WHERE id = $1 AND workspace_id = $2"
     ))
     .bind(id)
     .bind(auth.workspace_id)
     .fetch_optional(&s.db)
     .await?;
-    row.map(|r| Json(r.0))
-        .ok_or_else(|| ApiError::not_found("artifact"))
+    Ok(Json(row.ok_or_else(|| ApiError::not_found("artifact"))?))
 }
 
 pub async fn content(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Response> {

@@ -7,13 +7,13 @@
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Id};
+use agentscope_api::EventQuery;
 use agentscope_domain::AttemptStatus;
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use bytes::{BufMut, Bytes, BytesMut};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::Row;
 use std::collections::HashMap;
@@ -58,16 +58,6 @@ impl Cursor {
             Scope::Task(_) => format!("{}:{}", self.number, self.seq),
         }
     }
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EventQuery {
-    /// Return events after this cursor (`seq` for an attempt, `number:seq` for a task).
-    after: Option<String>,
-    limit: Option<i64>,
-    /// Stream live over SSE (also chosen by `Accept: text/event-stream`).
-    follow: Option<bool>,
 }
 
 pub async fn attempt_events(

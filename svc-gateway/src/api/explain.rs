@@ -71,7 +71,11 @@ fn attempt_from(r: &sqlx::postgres::PgRow) -> ApiResult<Attempt> {
     })
 }
 
-pub async fn explain(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn explain(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<agentscope_api::Explanation>> {
     let task = sqlx::query(
         "SELECT t.agent_id, ag.name AS agent_name, t.cancel_requested_at FROM tasks t
          JOIN agents ag ON ag.id = t.agent_id
@@ -241,7 +245,7 @@ pub async fn explain(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiRe
             });
         }
     }
-    Ok(Json(out))
+    Ok(Json(crate::api::from_json(out)?))
 }
 
 /// The run timeout that applies to the task's attempts and where it comes from. Precedence: the

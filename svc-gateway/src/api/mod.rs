@@ -12,8 +12,14 @@ pub mod task_api;
 pub mod work;
 
 use crate::AppState;
+use agentscope_api as t;
+use agentscope_api::Schemas;
 use axum::routing::{MethodRouter, get, post};
 use serde_json::{Map, Value, json};
+
+/// A document fragment made from a type: its schema (and those it refers to) go to the
+/// document's components, the fragment refers to it.
+type SchemaFn = fn(&mut Schemas) -> Value;
 
 pub struct Route {
     pub method: &'static str,
@@ -25,6 +31,35 @@ pub struct Route {
     /// Success status.
     pub status: u16,
     pub handler: MethodRouter<AppState>,
+    /// The JSON request body, and whether it may be left out.
+    pub body: Option<(SchemaFn, bool)>,
+    /// The JSON success body (`None`: not JSON, see the route's special case in [`openapi`]).
+    pub response: Option<SchemaFn>,
+    /// Query parameters.
+    pub query: fn() -> Vec<Value>,
+}
+
+impl Route {
+    /// The request body is a `T`.
+    fn body<T: utoipa::ToSchema>(mut self) -> Self {
+        self.body = Some((agentscope_api::schema_ref::<T>, true));
+        self
+    }
+    /// The request body, when sent, is a `T`; it may be left out.
+    fn optional_body<T: utoipa::ToSchema>(mut self) -> Self {
+        self.body = Some((agentscope_api::schema_ref::<T>, false));
+        self
+    }
+    /// The success body is a `T`.
+    fn answers<T: utoipa::ToSchema>(mut self) -> Self {
+        self.response = Some(agentscope_api::schema_ref::<T>);
+        self
+    }
+    /// The query parameters are `T`'s fields.
+    fn query<T: utoipa::IntoParams>(mut self) -> Self {
+        self.query = agentscope_api::query_params::<T>;
+        self
+    }
 }
 
 macro_rules! route {
@@ -36,6 +71,9 @@ macro_rules! route {
             auth: $auth,
             status: 200,
             handler: get($h),
+            body: None,
+            response: None,
+            query: Vec::new,
         }
     };
     (POST $path:literal, $h:path, $auth:literal, $status:literal, $summary:literal) => {
@@ -46,6 +84,9 @@ macro_rules! route {
             auth: $auth,
             status: $status,
             handler: post($h),
+            body: None,
+            response: None,
+            query: Vec::new,
         }
     };
 }
@@ -56,90 +97,163 @@ pub fn routes(config: &crate::Config) -> Vec<Route> {
     use work::*;
     let upload_limit = axum::extract::DefaultBodyLimit::max(config.max_artifact_bytes);
     vec![
-        route!(POST "/v1/workspaces", create_workspace, "admin", 201, "Create a workspace and its first API token"),
-        route!(GET "/v1/workspace", get_workspace, "bearer", "The caller's workspace"),
-        route!(POST "/v1/api-tokens", create_api_token, "bearer", 201, "Create a workspace API token"),
-        route!(POST "/v1/host-tokens", create_host_token, "bearer", 201, "Create a host registration token"),
-        route!(POST "/v1/worker-tokens", create_worker_token, "bearer", 201, "Create a self-hosted Worker token"),
-        route!(POST "/v1/agents", create_agent, "bearer", 201, "Create an agent with its first version"),
-        route!(GET "/v1/agents", list_agents, "bearer", "List agents"),
-        route!(GET "/v1/agents/{id}", get_agent, "bearer", "Show an agent and its current version"),
-        route!(POST "/v1/agents/{id}/versions", create_version, "bearer", 201, "Save a new immutable agent version"),
-        route!(GET "/v1/agents/{id}/versions", list_versions, "bearer", "List an agent's versions"),
-        route!(POST "/v1/runtime-profiles", create_profile, "bearer", 201, "Create a runtime profile"),
-        route!(GET "/v1/runtime-profiles", list_profiles, "bearer", "List runtime profiles"),
-        route!(POST "/v1/pools", create_pool, "bearer", 201, "Create a pool"),
-        route!(GET "/v1/pools", list_pools, "bearer", "List pools"),
-        route!(POST "/v1/bindings", create_binding, "bearer", 201, "Bind an agent to a pool and runtime profile"),
-        route!(GET "/v1/bindings", list_bindings, "bearer", "List bindings"),
-        route!(GET "/v1/hosts", list_hosts, "bearer", "List hosts with their three checks"),
-        route!(GET "/v1/hosts/{id}", get_host, "bearer", "Show a host with its three checks"),
-        route!(POST "/v1/issues", create_issue, "bearer", 201, "Create an issue; with an assignee it becomes a task"),
-        route!(GET "/v1/issues", list_issues, "bearer", "List issues"),
-        route!(GET "/v1/issues/{id}", get_issue, "bearer", "Show an issue"),
-        route!(POST "/v1/issues/{id}/comments", create_comment, "bearer", 201, "Comment on an issue"),
-        route!(GET "/v1/issues/{id}/comments", list_comments, "bearer", "List an issue's comments"),
-        route!(POST "/v1/tasks", create_task, "bearer", 201, "Submit a task (idempotent with idempotency_key)"),
-        route!(GET "/v1/tasks", list_tasks, "bearer", "List tasks"),
-        route!(GET "/v1/tasks/{id}", get_task, "bearer", "Show a task with its attempts"),
-        route!(POST "/v1/tasks/{id}/cancel", cancel_task, "bearer", 202, "Cancel a task"),
-        route!(GET "/v1/tasks/{id}/explain", explain::explain, "bearer", "Why a task waits or failed: each host's failing predicate, or the failure class, evidence and remedy"),
-        route!(GET "/v1/tasks/{id}/events", task_events, "bearer", "A task's events across attempts (JSON, or SSE with follow)"),
-        route!(GET "/v1/attempts/{id}", get_attempt, "bearer", "Show an attempt"),
-        route!(GET "/v1/attempts/{id}/events", attempt_events, "bearer", "An attempt's events (JSON, or SSE with follow)"),
-        route!(GET "/v1/issues/{id}/artifacts", artifacts::list_for_issue, "bearer", "List an issue's Artifacts"),
-        route!(GET "/v1/tasks/{id}/artifacts", artifacts::list_for_task, "bearer", "List a task's Artifacts"),
-        route!(GET "/v1/artifacts/{id}", artifacts::get, "bearer", "Show an Artifact's metadata"),
+        route!(POST "/v1/workspaces", create_workspace, "admin", 201, "Create a workspace and its first API token").body::<t::NewWorkspace>().answers::<t::WorkspaceCreated>(),
+        route!(GET "/v1/workspace", get_workspace, "bearer", "The caller's workspace").answers::<t::Workspace>(),
+        route!(POST "/v1/api-tokens", create_api_token, "bearer", 201, "Create a workspace API token").body::<t::NewToken>().answers::<t::TokenCreated>(),
+        route!(POST "/v1/host-tokens", create_host_token, "bearer", 201, "Create a host registration token").body::<t::NewToken>().answers::<t::TokenCreated>(),
+        route!(POST "/v1/worker-tokens", create_worker_token, "bearer", 201, "Create a self-hosted Worker token").body::<t::NewToken>().answers::<t::TokenCreated>(),
+        route!(POST "/v1/agents", create_agent, "bearer", 201, "Create an agent with its first version").body::<t::NewAgent>().answers::<t::Agent>(),
+        route!(GET "/v1/agents", list_agents, "bearer", "List agents").answers::<t::AgentList>(),
+        route!(GET "/v1/agents/{id}", get_agent, "bearer", "Show an agent and its current version").answers::<t::Agent>(),
+        route!(POST "/v1/agents/{id}/versions", create_version, "bearer", 201, "Save a new immutable agent version").body::<t::NewVersion>().answers::<t::VersionSummary>(),
+        route!(GET "/v1/agents/{id}/versions", list_versions, "bearer", "List an agent's versions").answers::<t::AgentVersionList>(),
+        route!(POST "/v1/runtime-profiles", create_profile, "bearer", 201, "Create a runtime profile").body::<t::NewProfile>().answers::<t::RuntimeProfile>(),
+        route!(GET "/v1/runtime-profiles", list_profiles, "bearer", "List runtime profiles").answers::<t::RuntimeProfileList>(),
+        route!(POST "/v1/pools", create_pool, "bearer", 201, "Create a pool").body::<t::NewPool>().answers::<t::Pool>(),
+        route!(GET "/v1/pools", list_pools, "bearer", "List pools").answers::<t::PoolList>(),
+        route!(POST "/v1/bindings", create_binding, "bearer", 201, "Bind an agent to a pool and runtime profile").body::<t::NewBinding>().answers::<t::Binding>(),
+        route!(GET "/v1/bindings", list_bindings, "bearer", "List bindings").answers::<t::BindingList>(),
+        route!(GET "/v1/hosts", list_hosts, "bearer", "List hosts with their three checks").answers::<t::HostList>(),
+        route!(GET "/v1/hosts/{id}", get_host, "bearer", "Show a host with its three checks").answers::<t::Host>(),
+        route!(POST "/v1/issues", create_issue, "bearer", 201, "Create an issue; with an assignee it becomes a task").body::<t::NewIssue>().answers::<t::IssueCreated>(),
+        route!(GET "/v1/issues", list_issues, "bearer", "List issues").answers::<t::IssueList>(),
+        route!(GET "/v1/issues/{id}", get_issue, "bearer", "Show an issue").answers::<t::Issue>(),
+        route!(POST "/v1/issues/{id}/comments", create_comment, "bearer", 201, "Comment on an issue").body::<t::NewComment>().answers::<t::Comment>(),
+        route!(GET "/v1/issues/{id}/comments", list_comments, "bearer", "List an issue's comments").answers::<t::CommentList>(),
+        route!(POST "/v1/tasks", create_task, "bearer", 201, "Submit a task (idempotent with idempotency_key: a repeat answers 200 with the first task)").body::<t::NewTask>().answers::<t::Task>(),
+        route!(GET "/v1/tasks", list_tasks, "bearer", "List tasks").query::<t::TaskFilter>().answers::<t::TaskList>(),
+        route!(GET "/v1/tasks/{id}", get_task, "bearer", "Show a task with its attempts").answers::<t::Task>(),
+        route!(POST "/v1/tasks/{id}/cancel", cancel_task, "bearer", 202, "Cancel a task").optional_body::<t::CancelTask>().answers::<t::Task>(),
+        route!(GET "/v1/tasks/{id}/explain", explain::explain, "bearer", "Why a task waits or failed: each host's failing predicate, or the failure class, evidence and remedy").answers::<t::Explanation>(),
+        route!(GET "/v1/tasks/{id}/events", task_events, "bearer", "A task's events across attempts (JSON, or SSE with follow)").query::<t::EventQuery>().answers::<t::EventPage>(),
+        route!(GET "/v1/attempts/{id}", get_attempt, "bearer", "Show an attempt").answers::<t::Attempt>(),
+        route!(GET "/v1/attempts/{id}/events", attempt_events, "bearer", "An attempt's events (JSON, or SSE with follow)").query::<t::EventQuery>().answers::<t::EventPage>(),
+        route!(GET "/v1/issues/{id}/artifacts", artifacts::list_for_issue, "bearer", "List an issue's Artifacts").answers::<t::ArtifactList>(),
+        route!(GET "/v1/tasks/{id}/artifacts", artifacts::list_for_task, "bearer", "List a task's Artifacts").answers::<t::ArtifactList>(),
+        route!(GET "/v1/artifacts/{id}", artifacts::get, "bearer", "Show an Artifact's metadata").answers::<t::Artifact>(),
         route!(GET "/v1/artifacts/{id}/content", artifacts::content, "bearer", "Download an Artifact"),
-        route!(GET "/v1/approvals", approvals::list, "bearer", "List approvals (filter by status, task_id)"),
-        route!(GET "/v1/approvals/{id}", approvals::get, "bearer", "Show an approval"),
-        route!(POST "/v1/approvals/{id}/approve", approvals::approve, "bearer", 200, "Allow a tool request (once; a conflicting second decision is refused)"),
-        route!(POST "/v1/approvals/{id}/deny", approvals::deny, "bearer", 200, "Deny a tool request (once)"),
-        route!(POST "/v1/secrets", secrets::put, "bearer", 201, "Store (or replace) a tool credential in the Vault; its value is never returned"),
-        route!(GET "/v1/secrets", secrets::list, "bearer", "List the Vault's secret names and key ids (never values)"),
-        route!(POST "/v1/secrets/rotate", secrets::rotate, "bearer", 200, "Re-seal every secret under the current Vault key"),
-        route!(POST "/v1/sessions", sessions::create, "bearer", 201, "Start a managed session of a managed agent, pinned to its current version (idempotent with idempotency_key)"),
-        route!(GET "/v1/sessions/{id}", sessions::get, "bearer", "Show a session: status, pinned version, inputs and their outcomes"),
-        route!(POST "/v1/sessions/{id}/inputs", sessions::submit, "bearer", 202, "Submit work to a session (idempotent with idempotency_key)"),
-        route!(GET "/v1/sessions/{id}/events", sessions::events, "bearer", "A session's events"),
-        route!(GET "/v1/task", task_api::context, "task", "Executor: the task, its Issue, comments, input and Artifacts"),
-        route!(POST "/v1/task/comments", task_api::comment, "task", 201, "Executor: comment on the task's Issue"),
+        route!(GET "/v1/approvals", approvals::list, "bearer", "List approvals (filter by status, task_id, session_id)").query::<t::ApprovalFilter>().answers::<t::ApprovalList>(),
+        route!(GET "/v1/approvals/{id}", approvals::get, "bearer", "Show an approval").answers::<t::Approval>(),
+        route!(POST "/v1/approvals/{id}/approve", approvals::approve, "bearer", 200, "Allow a tool request (once; a conflicting second decision is refused)").optional_body::<t::Decision>().answers::<t::Approval>(),
+        route!(POST "/v1/approvals/{id}/deny", approvals::deny, "bearer", 200, "Deny a tool request (once)").optional_body::<t::Decision>().answers::<t::Approval>(),
+        route!(POST "/v1/secrets", secrets::put, "bearer", 201, "Store (or replace) a tool credential in the Vault; its value is never returned").body::<t::NewSecret>().answers::<t::SecretStored>(),
+        route!(GET "/v1/secrets", secrets::list, "bearer", "List the Vault's secret names and key ids (never values)").answers::<t::SecretList>(),
+        route!(POST "/v1/secrets/rotate", secrets::rotate, "bearer", 200, "Re-seal every secret under the current Vault key (no body)").answers::<t::Rotated>(),
+        route!(POST "/v1/sessions", sessions::create, "bearer", 201, "Start a managed session of a managed agent, pinned to its current version (idempotent with idempotency_key: a repeat answers 200 with the first session)").body::<t::NewSession>().answers::<t::Session>(),
+        route!(GET "/v1/sessions/{id}", sessions::get, "bearer", "Show a session: status, pinned version, inputs and their outcomes").answers::<t::Session>(),
+        route!(POST "/v1/sessions/{id}/inputs", sessions::submit, "bearer", 202, "Submit work to a session (idempotent with idempotency_key: a repeat answers 200)").body::<t::NewInput>().answers::<t::InputAccepted>(),
+        route!(GET "/v1/sessions/{id}/events", sessions::events, "bearer", "A session's events").answers::<t::SessionEventList>(),
+        route!(GET "/v1/task", task_api::context, "task", "Executor: the task, its Issue, comments, input and Artifacts").answers::<t::TaskContext>(),
+        route!(POST "/v1/task/comments", task_api::comment, "task", 201, "Executor: comment on the task's Issue").body::<t::NewTaskComment>().answers::<t::Comment>(),
         Route {
-            method: "post",
-            path: "/v1/task/artifacts",
-            summary: "Executor: upload an Artifact (raw body, ?name=FILE, Content-Type kept)",
-            auth: "task",
-            status: 201,
             handler: post(artifacts::upload).layer(upload_limit),
-        },
+            ..route!(POST "/v1/task/artifacts", artifacts::upload, "task", 201, "Executor: upload an Artifact (raw body, ?name=FILE, Content-Type kept)")
+        }
+        .query::<t::UploadQuery>()
+        .answers::<t::ArtifactUploaded>(),
     ]
 }
 
-/// The OpenAPI 3.1 document of [`routes`].
+/// The error statuses a route can answer, each with the error body: 400 for what cannot be
+/// read (an id, a body, a query), 401 without a valid credential, 404 for an `{id}` not in
+/// the caller's workspace, 409 for conflicts of writes, 413/415 for bodies, 422 for values
+/// refused (every route: a NUL in any query parameter), 503 while a dependency is down.
+fn error_statuses(r: &Route) -> Vec<(u16, &'static str)> {
+    let has_id = r.path.contains("{id}");
+    let has_query = !(r.query)().is_empty();
+    let takes_body = r.body.is_some() || r.path == "/v1/task/artifacts";
+    let mut out = Vec::new();
+    if has_id || has_query || takes_body || r.path.ends_with("/events") {
+        out.push((400, "the request cannot be read: `malformed_json`, `invalid_id`, `invalid_query`, `invalid_cursor` or `invalid_field` (a value out of range)"));
+    }
+    if r.auth != "none" {
+        out.push((401, "`unauthorized`: no valid credential for this route"));
+    }
+    // A session names its agent and Issue in its body; they are looked up like ids.
+    if has_id || r.path == "/v1/sessions" {
+        out.push((
+            404,
+            "`not_found`: no such resource in the caller's workspace",
+        ));
+    }
+    if r.method == "post" {
+        out.push((409, "a conflict: `already_exists`, `idempotency_conflict`, `already_decided`, `attempt_ended`, `no_issue` or `vault_key_missing`"));
+    }
+    if takes_body {
+        out.push((413, "`payload_too_large`"));
+    }
+    if r.body.is_some() {
+        out.push((
+            415,
+            "`unsupported_media_type`: send Content-Type: application/json",
+        ));
+    }
+    out.push((422, "a value is refused: `invalid_body` (not a JSON object), `invalid_field` (an unknown or mistyped field, named in the message; a NUL character), `invalid_reference`"));
+    out.push((503, "`unavailable` (or `vault_not_configured`): a dependency is down; retry after `Retry-After` seconds"));
+    out
+}
+
+/// The OpenAPI 3.1 document of [`routes`]: request bodies, success and error bodies, path and
+/// query parameters and security schemes, all from the types of `agentscope-api`.
 pub fn openapi(routes: &[Route]) -> Value {
+    let mut schemas: Schemas = Vec::new();
+    let error_ref = agentscope_api::schema_ref::<agentscope_api::ErrorBody>(&mut schemas);
     let mut paths = Map::new();
     for r in routes {
         let entry = paths.entry(r.path.to_string()).or_insert_with(|| json!({}));
+        let success = match r.response {
+            Some(f) => json!({"application/json": {"schema": f(&mut schemas)}}),
+            None => {
+                json!({"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}, "*/*": {"schema": {"type": "string", "format": "binary"}}})
+            }
+        };
+        let mut responses = Map::new();
+        responses.insert(
+            r.status.to_string(),
+            json!({"description": "success", "content": success}),
+        );
+        if r.path.ends_with("/events") && r.path != "/v1/sessions/{id}/events" {
+            responses[&r.status.to_string()]["content"]["text/event-stream"] = json!({"schema": {
+                "description": "one server-sent event: an Event (JSON in `data`, its kind as `event`, its cursor as `id`); then `end` with `{\"status\": ...}` when nothing more can follow, `shutdown` (`{\"resume\": true}`) when the gateway stops, `error` (`{\"code\": ...}`) when reading fails",
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string"},
+                    "event": {"type": "string"},
+                    "data": {"type": "string"},
+                    "retry": {"type": "integer"},
+                },
+            }});
+        }
+        if r.status == 201 && (r.path == "/v1/tasks" || r.path == "/v1/sessions") {
+            responses.insert("200".into(), json!({"description": "a repeat of an earlier request with the same idempotency_key: its result", "content": responses["201"]["content"].clone()}));
+        }
+        if r.status == 202 && r.path == "/v1/sessions/{id}/inputs" {
+            responses.insert("200".into(), json!({"description": "a repeat of an earlier input with the same idempotency_key: its result", "content": responses["202"]["content"].clone()}));
+        }
+        for (status, description) in error_statuses(r) {
+            let mut resp = json!({"description": description, "content": {"application/json": {"schema": error_ref.clone()}}});
+            if status == 503 {
+                resp["headers"] = json!({"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}});
+            }
+            responses.insert(status.to_string(), resp);
+        }
         let mut op = json!({
             "summary": r.summary,
             "operationId": format!("{}_{}", r.method, r.path.trim_start_matches("/v1/").replace(['/', '{', '}', '-'], "_")),
-            "responses": {
-                r.status.to_string(): {"description": "success", "content": {"application/json": {}}},
-                "4XX": {"$ref": "#/components/responses/Error"},
-            },
+            "responses": responses,
         });
+        let mut params = Vec::new();
         if r.path.contains("{id}") {
-            op["parameters"] = json!([{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "format": "uuid"}}]);
+            params.push(json!({"name": "id", "in": "path", "required": true, "schema": {"type": "string", "format": "uuid"}}));
         }
-        if r.path.ends_with("/events") {
-            op["responses"][r.status.to_string()]["content"]["text/event-stream"] = json!({});
+        params.extend((r.query)());
+        if !params.is_empty() {
+            op["parameters"] = json!(params);
         }
-        if r.path == "/v1/task/artifacts" {
-            op["parameters"] = json!([{"name": "name", "in": "query", "required": true, "schema": {"type": "string"}}]);
+        if let Some((f, required)) = r.body {
+            op["requestBody"] = json!({"required": required, "content": {"application/json": {"schema": f(&mut schemas)}}});
+        } else if r.path == "/v1/task/artifacts" {
             op["requestBody"] = json!({"required": true, "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}});
-        } else if r.method == "post" && r.path != "/v1/secrets/rotate" {
-            // (Rotation reads no body.)
-            op["requestBody"] = json!({"required": !(r.path.ends_with("/cancel") || r.path.ends_with("/approve") || r.path.ends_with("/deny")), "content": {"application/json": {"schema": {"type": "object"}}}});
         }
         op["security"] = match r.auth {
             "none" => json!([]),
@@ -149,25 +263,25 @@ pub fn openapi(routes: &[Route]) -> Value {
         };
         entry[r.method] = op;
     }
+    let components: Map<String, Value> = schemas
+        .into_iter()
+        .map(|(name, schema)| {
+            (
+                name,
+                serde_json::to_value(schema).expect("a schema serializes"),
+            )
+        })
+        .collect();
     json!({
         "openapi": "3.1.0",
         "info": {"title": "agentscope", "version": env!("CARGO_PKG_VERSION")},
         "paths": paths,
         "components": {
+            "schemas": components,
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "workspace API token (ags_...)"},
                 "admin": {"type": "http", "scheme": "bearer", "description": "the deployment's admin token"},
                 "task": {"type": "http", "scheme": "bearer", "description": "task-scoped executor credential (agt_...), valid while its attempt runs"},
-            },
-            "responses": {
-                "Error": {
-                    "description": "a client error with a stable code",
-                    "content": {"application/json": {"schema": {
-                        "type": "object",
-                        "properties": {"error": {"type": "object", "properties": {
-                            "code": {"type": "string"}, "message": {"type": "string"}}}},
-                    }}},
-                },
             },
         },
     })
@@ -196,5 +310,28 @@ pub(crate) fn same_request(
             ),
         )),
         _ => Ok(()),
+    }
+}
+
+/// Reads a row that SQL built as JSON (`json_build_object`) into its API type. A mismatch is
+/// a bug of the gateway (the query and the type disagree): `500 internal`, logged.
+pub(crate) fn from_json<T: serde::de::DeserializeOwned>(v: Value) -> crate::error::ApiResult<T> {
+    serde_json::from_value(v).map_err(|e| {
+        tracing::error!(error = %e, type_name = std::any::type_name::<T>(), "a row does not fit its API type");
+        crate::error::ApiError::new(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "internal error; see the gateway's logs",
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_documented_providers_are_the_known_ones() {
+        let mut known = agentscope_domain::KNOWN_PROVIDERS.to_vec();
+        known.push(agentscope_domain::MANAGED_PROVIDER);
+        assert_eq!(agentscope_api::PROVIDERS.to_vec(), known);
     }
 }

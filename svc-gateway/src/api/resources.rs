@@ -1,13 +1,17 @@
 //! Workspaces, tokens, agents and versions, runtime profiles, pools, bindings and hosts.
 
 use crate::AppState;
+use crate::api::from_json;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Admin, Auth, Body, Id};
+use agentscope_api as t;
+use agentscope_api::{
+    NewAgent, NewBinding, NewPool, NewProfile, NewToken, NewVersion, NewWorkspace,
+};
 use agentscope_domain::{KNOWN_PROVIDERS, TokenKind, new_token};
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde::Deserialize;
 use serde_json::{Value, json};
 use sqlx::Row;
 use uuid::Uuid;
@@ -64,18 +68,11 @@ async fn issue_token(
     Ok((id, token))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewWorkspace {
-    name: String,
-    max_concurrency: Option<i32>,
-}
-
 pub async fn create_workspace(
     State(s): State<AppState>,
     _: Admin,
     Body(b): Body<NewWorkspace>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::WorkspaceCreated>)> {
     check_name("name", &b.name)?;
     check_limit("max_concurrency", b.max_concurrency)?;
     let id = Uuid::now_v7();
@@ -90,39 +87,44 @@ pub async fn create_workspace(
     let (_, token) = issue_token(&s.db, id, TokenKind::Api, "initial").await?;
     Ok((
         StatusCode::CREATED,
-        Json(
-            json!({"workspace": {"id": id, "name": b.name, "max_concurrency": b.max_concurrency}, "api_token": token}),
-        ),
+        Json(t::WorkspaceCreated {
+            workspace: t::Workspace {
+                id,
+                name: b.name,
+                max_concurrency: b.max_concurrency,
+            },
+            api_token: token,
+        }),
     ))
 }
 
-pub async fn get_workspace(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+pub async fn get_workspace(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::Workspace>> {
     let (name, max): (String, Option<i32>) =
         sqlx::query_as("SELECT name, max_concurrency FROM workspaces WHERE id = $1")
             .bind(auth.workspace_id)
             .fetch_one(&s.db)
             .await?;
-    Ok(Json(
-        json!({"id": auth.workspace_id, "name": name, "max_concurrency": max}),
-    ))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewToken {
-    name: String,
+    Ok(Json(t::Workspace {
+        id: auth.workspace_id,
+        name,
+        max_concurrency: max,
+    }))
 }
 
 pub async fn create_api_token(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewToken>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::TokenCreated>)> {
     check_name("name", &b.name)?;
     let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Api, &b.name).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "name": b.name, "token": token})),
+        Json(t::TokenCreated {
+            id,
+            name: b.name,
+            token,
+        }),
     ))
 }
 
@@ -130,12 +132,16 @@ pub async fn create_host_token(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewToken>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::TokenCreated>)> {
     check_name("name", &b.name)?;
     let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Host, &b.name).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "name": b.name, "token": token})),
+        Json(t::TokenCreated {
+            id,
+            name: b.name,
+            token,
+        }),
     ))
 }
 
@@ -143,37 +149,17 @@ pub async fn create_worker_token(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewToken>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::TokenCreated>)> {
     check_name("name", &b.name)?;
     let (id, token) = issue_token(&s.db, auth.workspace_id, TokenKind::Worker, &b.name).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "name": b.name, "token": token})),
+        Json(t::TokenCreated {
+            id,
+            name: b.name,
+            token,
+        }),
     ))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewVersion {
-    #[serde(default)]
-    instructions: String,
-    provider: String,
-    model: Option<String>,
-    #[serde(default)]
-    capability_files: Option<Value>,
-    #[serde(default)]
-    tools: Option<Value>,
-    #[serde(default)]
-    policy: Option<Value>,
-    max_iters: Option<i32>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewAgent {
-    name: String,
-    #[serde(flatten)]
-    version: NewVersion,
 }
 
 fn check_version(v: &NewVersion) -> ApiResult<()> {
@@ -183,6 +169,19 @@ fn check_version(v: &NewVersion) -> ApiResult<()> {
         return Err(ApiError::bad_request(
             "invalid_field",
             "`instructions` is longer than 256 KiB",
+        ));
+    }
+    if v.policy.as_ref().is_some_and(|c| !c.is_object()) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`policy` must be an object",
+        ));
+    }
+    let names = |t: &Value| t.as_array().is_some_and(|a| a.iter().all(Value::is_string));
+    if v.tools.as_ref().is_some_and(|t| !names(t)) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`tools` must be an array of tool names",
         ));
     }
     if v.capability_files.as_ref().is_some_and(|c| !c.is_object()) {
@@ -199,7 +198,7 @@ async fn insert_version(
     workspace_id: Uuid,
     agent_id: Uuid,
     v: &NewVersion,
-) -> ApiResult<Value> {
+) -> ApiResult<t::VersionSummary> {
     let next: i32 = sqlx::query_scalar(
         "SELECT COALESCE(max(version), 0) + 1 FROM agent_versions WHERE agent_id = $1",
     )
@@ -224,18 +223,24 @@ async fn insert_version(
     .bind(v.max_iters)
     .execute(&mut **tx)
     .await?;
-    Ok(
-        json!({"id": id, "agent_id": agent_id, "version": next, "provider": v.provider, "model": v.model, "instructions": v.instructions}),
-    )
+    Ok(t::VersionSummary {
+        id,
+        agent_id: Some(agent_id),
+        version: next,
+        provider: v.provider.clone(),
+        model: v.model.clone(),
+        instructions: v.instructions.clone(),
+    })
 }
 
 pub async fn create_agent(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewAgent>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::Agent>)> {
     check_name("name", &b.name)?;
-    check_version(&b.version)?;
+    let first = b.version();
+    check_version(&first)?;
     let id = Uuid::now_v7();
     let mut tx = s.db.begin().await?;
     sqlx::query("INSERT INTO agents (id, workspace_id, name) VALUES ($1, $2, $3)")
@@ -244,11 +249,16 @@ pub async fn create_agent(
         .bind(&b.name)
         .execute(&mut *tx)
         .await?;
-    let version = insert_version(&mut tx, auth.workspace_id, id, &b.version).await?;
+    let version = insert_version(&mut tx, auth.workspace_id, id, &first).await?;
     tx.commit().await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "name": b.name, "current_version": version})),
+        Json(t::Agent {
+            id,
+            name: b.name,
+            created_at: None,
+            current_version: version,
+        }),
     ))
 }
 
@@ -260,16 +270,16 @@ const AGENT_SELECT: &str = r#"
     JOIN LATERAL (SELECT * FROM agent_versions WHERE agent_id = a.id ORDER BY version DESC LIMIT 1) v ON true
 "#;
 
-fn agent_json(r: &sqlx::postgres::PgRow) -> ApiResult<Value> {
-    Ok(json!({
-        "id": r.try_get::<Uuid, _>("id")?,
-        "name": r.try_get::<String, _>("name")?,
-        "created_at": r.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
-        "current_version": r.try_get::<Value, _>("current_version")?,
-    }))
+fn agent_json(r: &sqlx::postgres::PgRow) -> ApiResult<t::Agent> {
+    Ok(t::Agent {
+        id: r.try_get("id")?,
+        name: r.try_get("name")?,
+        created_at: Some(r.try_get("created_at")?),
+        current_version: from_json(r.try_get::<Value, _>("current_version")?)?,
+    })
 }
 
-pub async fn list_agents(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+pub async fn list_agents(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::AgentList>> {
     let rows = sqlx::query(&format!(
         "{AGENT_SELECT} WHERE a.workspace_id = $1 ORDER BY a.name"
     ))
@@ -277,14 +287,14 @@ pub async fn list_agents(State(s): State<AppState>, auth: Auth) -> ApiResult<Jso
     .fetch_all(&s.db)
     .await?;
     let items = rows.iter().map(agent_json).collect::<ApiResult<Vec<_>>>()?;
-    Ok(Json(json!({"items": items})))
+    Ok(Json(t::AgentList { items }))
 }
 
 pub async fn get_agent(
     State(s): State<AppState>,
     auth: Auth,
     Id(id): Id,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::Agent>> {
     let row = sqlx::query(&format!(
         "{AGENT_SELECT} WHERE a.workspace_id = $1 AND a.id = $2"
     ))
@@ -314,7 +324,7 @@ pub async fn create_version(
     auth: Auth,
     Id(id): Id,
     Body(b): Body<NewVersion>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::VersionSummary>)> {
     check_version(&b)?;
     own_agent(&s, auth, id).await?;
     let mut tx = s.db.begin().await?;
@@ -332,36 +342,24 @@ pub async fn list_versions(
     State(s): State<AppState>,
     auth: Auth,
     Id(id): Id,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::AgentVersionList>> {
     own_agent(&s, auth, id).await?;
-    let items: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'version', version, 'provider', provider, 'model', model,
-            'instructions', instructions, 'capability_files', capability_files, 'tools', tools,
-            'policy', policy, 'max_iters', max_iters, 'created_at', created_at)
+    let items: Vec<t::AgentVersion> = sqlx::query_as(
+        "SELECT id, version, provider, model, instructions, capability_files, tools, policy,
+            max_iters, created_at
          FROM agent_versions WHERE agent_id = $1 ORDER BY version",
     )
     .bind(id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewProfile {
-    name: String,
-    provider: String,
-    #[serde(default)]
-    params: Option<Value>,
+    Ok(Json(t::AgentVersionList { items }))
 }
 
 pub async fn create_profile(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewProfile>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::RuntimeProfile>)> {
     check_name("name", &b.name)?;
     check_provider(&b.provider)?;
     let params = b.params.unwrap_or_else(|| json!({}));
@@ -393,35 +391,35 @@ pub async fn create_profile(
         .await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "name": b.name, "provider": b.provider, "params": params})),
+        Json(t::RuntimeProfile {
+            id,
+            name: b.name,
+            provider: b.provider,
+            params,
+            created_at: None,
+        }),
     ))
 }
 
-pub async fn list_profiles(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let items: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'name', name, 'provider', provider, 'params', params, 'created_at', created_at)
+pub async fn list_profiles(
+    State(s): State<AppState>,
+    auth: Auth,
+) -> ApiResult<Json<t::RuntimeProfileList>> {
+    let items: Vec<t::RuntimeProfile> = sqlx::query_as(
+        "SELECT id, name, provider, params, created_at
          FROM runtime_profiles WHERE workspace_id = $1 ORDER BY name",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewPool {
-    name: String,
-    max_concurrency: Option<i32>,
+    Ok(Json(t::RuntimeProfileList { items }))
 }
 
 pub async fn create_pool(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewPool>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::Pool>)> {
     check_name("name", &b.name)?;
     check_limit("max_concurrency", b.max_concurrency)?;
     let id = Uuid::now_v7();
@@ -436,43 +434,31 @@ pub async fn create_pool(
     .await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "name": b.name, "max_concurrency": b.max_concurrency})),
+        Json(t::Pool {
+            id,
+            name: b.name,
+            max_concurrency: b.max_concurrency,
+            created_at: None,
+        }),
     ))
 }
 
-pub async fn list_pools(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let items: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'name', name, 'max_concurrency', max_concurrency, 'created_at', created_at)
+pub async fn list_pools(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::PoolList>> {
+    let items: Vec<t::Pool> = sqlx::query_as(
+        "SELECT id, name, max_concurrency, created_at
          FROM pools WHERE workspace_id = $1 ORDER BY name",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewBinding {
-    agent_id: Uuid,
-    pool_id: Uuid,
-    runtime_profile_id: Option<Uuid>,
-    #[serde(default)]
-    required_capabilities: Vec<String>,
-    max_concurrency: Option<i32>,
-    max_attempts: Option<i32>,
-    retry_backoff_ms: Option<i64>,
-    #[serde(default)]
-    fallback_providers: Vec<String>,
+    Ok(Json(t::PoolList { items }))
 }
 
 pub async fn create_binding(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewBinding>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::Binding>)> {
     check_limit("max_concurrency", b.max_concurrency)?;
     check_limit("max_attempts", b.max_attempts)?;
     if b.retry_backoff_ms
@@ -528,84 +514,84 @@ pub async fn create_binding(
     Ok((StatusCode::CREATED, Json(binding_by_id(&s, id).await?)))
 }
 
-async fn binding_by_id(s: &AppState, id: Uuid) -> ApiResult<Value> {
-    let (v,): (Value,) = sqlx::query_as(&format!("{BINDING_SELECT} WHERE id = $1"))
+async fn binding_by_id(s: &AppState, id: Uuid) -> ApiResult<t::Binding> {
+    Ok(sqlx::query_as(&format!("{BINDING_SELECT} WHERE id = $1"))
         .bind(id)
         .fetch_one(&s.db)
-        .await?;
-    Ok(v)
+        .await?)
 }
 
 const BINDING_SELECT: &str =
-    "SELECT json_build_object('id', id, 'agent_id', agent_id, 'pool_id', pool_id,
-    'runtime_profile_id', runtime_profile_id, 'required_capabilities', required_capabilities,
-    'max_concurrency', max_concurrency, 'max_attempts', max_attempts,
-    'retry_backoff_ms', retry_backoff_ms, 'fallback_providers', fallback_providers) FROM bindings";
+    "SELECT id, agent_id, pool_id, runtime_profile_id, required_capabilities,
+    max_concurrency, max_attempts, retry_backoff_ms, fallback_providers FROM bindings";
 
-pub async fn list_bindings(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let items: Vec<(Value,)> = sqlx::query_as(&format!(
+pub async fn list_bindings(
+    State(s): State<AppState>,
+    auth: Auth,
+) -> ApiResult<Json<t::BindingList>> {
+    let items: Vec<t::Binding> = sqlx::query_as(&format!(
         "{BINDING_SELECT} WHERE workspace_id = $1 ORDER BY created_at"
     ))
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::BindingList { items }))
 }
 
-fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<Value> {
+fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<t::Host> {
     let age_ms: f64 = r.try_get("age_ms")?;
     let online = age_ms <= offline_after_ms as f64;
-    let reported: Value = r.try_get("checks")?;
+    let reported: Vec<t::HostCheck> = from_json(r.try_get::<Value, _>("checks")?)?;
     let find = |name: &str| {
         reported
-            .as_array()
-            .and_then(|a| a.iter().find(|c| c["name"] == name))
+            .iter()
+            .find(|c| c.name.as_deref() == Some(name))
             .cloned()
-            .unwrap_or_else(|| json!({"ok": false, "detail": "not reported"}))
+            .unwrap_or_else(|| t::HostCheck::failed("not reported"))
     };
     // Connectivity is judged from the heartbeat's age as well as what the host reports.
     let mut connectivity = find("connectivity");
     if !online {
-        connectivity =
-            json!({"ok": false, "detail": format!("no heartbeat for {:.0} s", age_ms / 1000.0)});
+        connectivity = t::HostCheck::failed(format!("no heartbeat for {:.0} s", age_ms / 1000.0));
     }
     // An offline host's last heartbeat is history: no running count and no readiness from it.
     let dispatch = if online {
         find("dispatch_readiness")
     } else {
-        json!({"ok": false, "detail": format!("offline: no heartbeat for {:.0} s; it accepts no work", age_ms / 1000.0)})
+        t::HostCheck::failed(format!(
+            "offline: no heartbeat for {:.0} s; it accepts no work",
+            age_ms / 1000.0
+        ))
     };
     let running = if online {
-        json!(r.try_get::<i32, _>("running")?)
+        Some(r.try_get::<i32, _>("running")?)
     } else {
-        Value::Null
+        None
     };
-    Ok(json!({
-        "id": r.try_get::<Uuid, _>("id")?,
-        "name": r.try_get::<String, _>("name")?,
-        "pool": r.try_get::<String, _>("pool_name")?,
-        "pool_id": r.try_get::<Option<Uuid>, _>("pool_id")?,
-        "capacity": r.try_get::<i32, _>("capacity")?,
-        "running": running,
-        "capabilities": r.try_get::<Vec<String>, _>("capabilities")?,
-        "providers": r.try_get::<Value, _>("providers")?,
-        "version": r.try_get::<String, _>("version")?,
-        "online": online,
-        "last_seen_at": r.try_get::<chrono::DateTime<chrono::Utc>, _>("last_seen_at")?,
-        "checks": {
-            "connectivity": connectivity,
-            "provider_discovery": find("provider_discovery"),
-            "dispatch_readiness": dispatch,
+    Ok(t::Host {
+        id: r.try_get("id")?,
+        name: r.try_get("name")?,
+        pool: r.try_get("pool_name")?,
+        pool_id: r.try_get("pool_id")?,
+        capacity: r.try_get("capacity")?,
+        running,
+        capabilities: r.try_get("capabilities")?,
+        providers: r.try_get("providers")?,
+        version: r.try_get("version")?,
+        online,
+        last_seen_at: r.try_get("last_seen_at")?,
+        checks: t::HostChecks {
+            connectivity,
+            provider_discovery: find("provider_discovery"),
+            dispatch_readiness: dispatch,
         },
-    }))
+    })
 }
 
 const HOST_SELECT: &str = "SELECT id, name, pool_name, pool_id, capacity, running, capabilities, providers, version,
     last_seen_at, checks, EXTRACT(EPOCH FROM (now() - last_seen_at))::float8 * 1000 AS age_ms FROM hosts";
 
-pub async fn list_hosts(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+pub async fn list_hosts(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::HostList>> {
     let rows = sqlx::query(&format!(
         "{HOST_SELECT} WHERE workspace_id = $1 ORDER BY name, id"
     ))
@@ -616,10 +602,14 @@ pub async fn list_hosts(State(s): State<AppState>, auth: Auth) -> ApiResult<Json
         .iter()
         .map(|r| host_json(r, s.config.host_offline_after_ms))
         .collect::<ApiResult<Vec<_>>>()?;
-    Ok(Json(json!({"items": items})))
+    Ok(Json(t::HostList { items }))
 }
 
-pub async fn get_host(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn get_host(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<t::Host>> {
     let row = sqlx::query(&format!(
         "{HOST_SELECT} WHERE workspace_id = $1 AND id = $2"
     ))

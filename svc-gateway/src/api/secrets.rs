@@ -4,19 +4,12 @@
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body};
+use agentscope_api as t;
+use agentscope_api::NewSecret;
 use agentscope_domain::vault::{Keyring, Sealed};
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewSecret {
-    name: String,
-    value: String,
-}
 
 fn keyring(s: &AppState) -> ApiResult<Keyring> {
     Keyring::parse(&s.config.vault_keys.0)
@@ -35,7 +28,7 @@ pub async fn put(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewSecret>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::SecretStored>)> {
     let valid_name = !b.name.is_empty()
         && b.name.len() <= 128
         && b.name
@@ -73,25 +66,26 @@ pub async fn put(
     .await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"name": b.name, "key_id": sealed.key_id})),
+        Json(t::SecretStored {
+            name: b.name,
+            key_id: sealed.key_id,
+        }),
     ))
 }
 
-pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('name', name, 'key_id', key_id, 'created_at', created_at, 'updated_at', updated_at)
+pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::SecretList>> {
+    let items: Vec<t::Secret> = sqlx::query_as(
+        "SELECT name, key_id, created_at, updated_at
          FROM vault_secrets WHERE workspace_id = $1 ORDER BY name",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": rows.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::SecretList { items }))
 }
 
 /// Key rotation: re-seals every secret of the workspace under the current (first) key.
-pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
+pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::Rotated>> {
     let keys = keyring(&s)?;
     let ws = auth.workspace_id.to_string();
     let mut tx = s.db.begin().await?;
@@ -124,7 +118,8 @@ pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Val
         }
     }
     tx.commit().await?;
-    Ok(Json(
-        json!({"resealed": moved, "key_id": keys.current_key_id()}),
-    ))
+    Ok(Json(t::Rotated {
+        resealed: moved,
+        key_id: keys.current_key_id().to_string(),
+    }))
 }

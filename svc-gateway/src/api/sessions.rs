@@ -3,48 +3,21 @@
 //! dataplane replicas; their state, outcomes and events are read back from PostgreSQL.
 
 use crate::AppState;
+use crate::api::from_json;
 use crate::api::resources::check_name;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body, Id};
+use agentscope_api as t;
+use agentscope_api::{NewInput, NewSession};
 use agentscope_domain::MANAGED_PROVIDER;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde::Deserialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 /// Longest input text accepted.
 const MAX_INPUT: usize = 256 * 1024;
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewSession {
-    agent_id: Uuid,
-    #[serde(default)]
-    environment: Option<String>,
-    /// The self-hosted Worker (by name) of a `self_hosted` session.
-    #[serde(default)]
-    worker: Option<String>,
-    /// The Issue the session works on (its comment and upload tools write there).
-    #[serde(default)]
-    issue_id: Option<Uuid>,
-    input: String,
-    #[serde(default)]
-    idempotency_key: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewInput {
-    text: String,
-    #[serde(default)]
-    idempotency_key: Option<String>,
-    /// What to do when the session waits for an Approval: `reject` (the default), `enqueue`
-    /// (run after the current work) or `interrupt` (deny the pending request, then run).
-    #[serde(default)]
-    when_awaiting_approval: Option<String>,
-}
 
 /// What makes two inputs the same request (everything but the key).
 fn input_hash(text: &str, when_awaiting_approval: &str) -> String {
@@ -104,7 +77,7 @@ pub async fn create(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewSession>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::Session>)> {
     check_input(&b.input)?;
     let environment = b.environment.unwrap_or_else(|| "sandbox".into());
     if !["local", "sandbox", "remote", "self_hosted"].contains(&environment.as_str()) {
@@ -237,7 +210,7 @@ pub async fn submit(
     auth: Auth,
     Id(id): Id,
     Body(b): Body<NewInput>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::InputAccepted>)> {
     check_input(&b.text)?;
     if let Some(k) = &b.idempotency_key {
         check_name("idempotency_key", k)?;
@@ -260,7 +233,10 @@ pub async fn submit(
     {
         return Ok((
             StatusCode::OK,
-            Json(json!({"id": input_id, "session_id": id})),
+            Json(t::InputAccepted {
+                id: input_id,
+                session_id: id,
+            }),
         ));
     }
     let (waiting, pending): (bool, Vec<Uuid>) = {
@@ -299,7 +275,7 @@ pub async fn submit(
     }
     if waiting && policy == "interrupt" {
         for approval in &pending {
-            let body = crate::api::approvals::DecisionBody {
+            let body = agentscope_api::Decision {
                 reason: Some("interrupted by new input".into()),
                 always_for_task: false,
             };
@@ -345,7 +321,13 @@ pub async fn submit(
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(json!({"id": input_id, "session_id": id}))))
+    Ok((
+        status,
+        Json(t::InputAccepted {
+            id: input_id,
+            session_id: id,
+        }),
+    ))
 }
 
 async fn own_session(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
@@ -360,7 +342,7 @@ async fn own_session(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
         .ok_or_else(|| ApiError::not_found("session"))
 }
 
-async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<Value> {
+async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Session> {
     let row: Option<(Value,)> = sqlx::query_as(
         "SELECT json_build_object('id', s.id, 'agent_id', s.agent_id, 'environment', s.environment,
             'worker', s.worker, 'issue_id', s.issue_id,
@@ -382,24 +364,25 @@ async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<Value> {
     .bind(auth.workspace_id)
     .fetch_optional(&s.db)
     .await?;
-    row.map(|r| r.0)
-        .ok_or_else(|| ApiError::not_found("session"))
+    let (v,) = row.ok_or_else(|| ApiError::not_found("session"))?;
+    from_json(v)
 }
 
-pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn get(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<t::Session>> {
     Ok(Json(session_json(&s, auth, id).await?))
 }
 
-pub async fn events(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn events(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<t::SessionEventList>> {
     own_session(&s, auth, id).await?;
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('seq', seq, 'kind', kind, 'payload', payload, 'at', at)
-         FROM session_events WHERE session_id = $1 ORDER BY seq",
+    let items: Vec<t::SessionEvent> = sqlx::query_as(
+        "SELECT seq, kind, payload, at FROM session_events WHERE session_id = $1 ORDER BY seq",
     )
     .bind(id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": rows.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::SessionEventList { items }))
 }

@@ -5,15 +5,15 @@
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Body, TaskAuth};
+use agentscope_api as t;
+use agentscope_api::NewTaskComment;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
 use sqlx::Row;
 use uuid::Uuid;
 
-pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Json<Value>> {
+pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Json<t::TaskContext>> {
     let row = sqlx::query(
         "SELECT t.repository, t.branch, t.input, a.number, i.title, i.body
          FROM tasks t JOIN attempts a ON a.id = $2 LEFT JOIN issues i ON i.id = t.issue_id
@@ -23,15 +23,15 @@ pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Jso
     .bind(task.attempt_id)
     .fetch_one(&s.db)
     .await?;
-    let comments: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'author', author, 'body', body, 'created_at', created_at)
+    let comments: Vec<t::Comment> = sqlx::query_as(
+        "SELECT id, author, body, created_at
          FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
     )
     .bind(task.issue_id)
     .fetch_all(&s.db)
     .await?;
-    let artifacts: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'name', name, 'content_type', content_type, 'size_bytes', size_bytes, 'task_id', task_id)
+    let artifacts: Vec<t::ContextArtifact> = sqlx::query_as(
+        "SELECT id, name, content_type, size_bytes, task_id
          FROM artifacts WHERE workspace_id = $1 AND (issue_id = $2 OR task_id = $3) ORDER BY created_at, id",
     )
     .bind(task.workspace_id)
@@ -40,35 +40,31 @@ pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Jso
     .fetch_all(&s.db)
     .await?;
     let issue = match task.issue_id {
-        Some(id) => {
-            json!({"id": id, "title": row.try_get::<Option<String>, _>("title")?, "body": row.try_get::<Option<String>, _>("body")?})
-        }
-        None => Value::Null,
+        Some(id) => Some(t::ContextIssue {
+            id,
+            title: row.try_get("title")?,
+            body: row.try_get("body")?,
+        }),
+        None => None,
     };
-    Ok(Json(json!({
-        "task_id": task.task_id,
-        "attempt_id": task.attempt_id,
-        "attempt_number": row.try_get::<i32, _>("number")?,
-        "repository": row.try_get::<Option<String>, _>("repository")?,
-        "branch": row.try_get::<Option<String>, _>("branch")?,
-        "input": row.try_get::<String, _>("input")?,
-        "issue": issue,
-        "comments": comments.into_iter().map(|r| r.0).collect::<Vec<_>>(),
-        "artifacts": artifacts.into_iter().map(|r| r.0).collect::<Vec<_>>(),
-    })))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewComment {
-    body: String,
+    Ok(Json(t::TaskContext {
+        task_id: task.task_id,
+        attempt_id: task.attempt_id,
+        attempt_number: row.try_get("number")?,
+        repository: row.try_get("repository")?,
+        branch: row.try_get("branch")?,
+        input: row.try_get("input")?,
+        issue,
+        comments,
+        artifacts,
+    }))
 }
 
 pub async fn comment(
     State(s): State<AppState>,
     task: TaskAuth,
-    Body(b): Body<NewComment>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+    Body(b): Body<NewTaskComment>,
+) -> ApiResult<(StatusCode, Json<t::Comment>)> {
     if b.body.trim().is_empty() || b.body.len() > 64 * 1024 {
         return Err(ApiError::bad_request(
             "invalid_field",
@@ -94,6 +90,12 @@ pub async fn comment(
     tracing::info!(comment_id = %id, task_id = %task.task_id, attempt_id = %task.attempt_id, "executor commented");
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "issue_id": issue, "author": author, "body": b.body})),
+        Json(t::Comment {
+            id,
+            issue_id: Some(issue),
+            author,
+            body: b.body,
+            created_at: None,
+        }),
     ))
 }

@@ -4,6 +4,8 @@ use crate::AppState;
 use crate::api::resources::check_name;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body, Id};
+use agentscope_api as t;
+use agentscope_api::{CancelTask, NewComment, NewIssue, NewTask, TaskFilter};
 use agentscope_bus::subjects;
 use agentscope_domain::{AttemptStatus, task_status};
 use agentscope_schemas::Message;
@@ -11,24 +13,9 @@ use agentscope_schemas::v1::{CancelRequest, TaskSubmitted};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::json;
 use sqlx::Row;
 use uuid::Uuid;
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewIssue {
-    title: String,
-    #[serde(default)]
-    body: String,
-    assignee_agent_id: Option<Uuid>,
-    /// With an assignee: where the task's work happens.
-    repository: Option<String>,
-    branch: Option<String>,
-    #[serde(default)]
-    input: String,
-}
 
 fn check_source(repository: &Option<String>, branch: &Option<String>) -> ApiResult<()> {
     if let Some(r) = repository
@@ -63,7 +50,7 @@ pub async fn create_issue(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewIssue>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::IssueCreated>)> {
     check_name("title", &b.title)?;
     check_source(&b.repository, &b.branch)?;
     if b.body.len() > 256 * 1024 || b.input.len() > 256 * 1024 {
@@ -122,42 +109,42 @@ pub async fn create_issue(
     }
     Ok((
         StatusCode::CREATED,
-        Json(
-            json!({"id": id, "title": b.title, "body": b.body, "assignee_agent_id": b.assignee_agent_id, "task_id": task_id}),
-        ),
+        Json(t::IssueCreated {
+            id,
+            title: b.title,
+            body: b.body,
+            assignee_agent_id: b.assignee_agent_id,
+            task_id,
+        }),
     ))
 }
 
-pub async fn list_issues(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<Value>> {
-    let items: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'title', title, 'status', status, 'assignee_agent_id', assignee_agent_id, 'created_at', created_at)
+pub async fn list_issues(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::IssueList>> {
+    let items: Vec<t::IssueSummary> = sqlx::query_as(
+        "SELECT id, title, status, assignee_agent_id, created_at
          FROM issues WHERE workspace_id = $1 ORDER BY created_at DESC LIMIT 500",
     )
     .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::IssueList { items }))
 }
 
 pub async fn get_issue(
     State(s): State<AppState>,
     auth: Auth,
     Id(id): Id,
-) -> ApiResult<Json<Value>> {
-    let row: Option<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', i.id, 'title', i.title, 'body', i.body, 'status', i.status,
-            'assignee_agent_id', i.assignee_agent_id, 'created_at', i.created_at,
-            'tasks', COALESCE((SELECT json_agg(t.id ORDER BY t.created_at) FROM tasks t WHERE t.issue_id = i.id), '[]'::json))
+) -> ApiResult<Json<t::Issue>> {
+    let row: Option<t::Issue> = sqlx::query_as(
+        "SELECT i.id, i.title, i.body, i.status, i.assignee_agent_id, i.created_at,
+            ARRAY(SELECT t.id FROM tasks t WHERE t.issue_id = i.id ORDER BY t.created_at) AS tasks
          FROM issues i WHERE i.workspace_id = $1 AND i.id = $2",
     )
     .bind(auth.workspace_id)
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    row.map(|r| Json(r.0))
-        .ok_or_else(|| ApiError::not_found("issue"))
+    Ok(Json(row.ok_or_else(|| ApiError::not_found("issue"))?))
 }
 
 async fn own_issue(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
@@ -170,23 +157,12 @@ async fn own_issue(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
     own.map(|_| ()).ok_or_else(|| ApiError::not_found("issue"))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewComment {
-    body: String,
-    /// Ignored: the author is the credential's (`token:<id>`), never the body's. Still accepted
-    /// so that older clients keep working; the response shows the recorded author.
-    #[serde(default)]
-    #[allow(dead_code)]
-    author: Option<String>,
-}
-
 pub async fn create_comment(
     State(s): State<AppState>,
     auth: Auth,
     Id(issue): Id,
     Body(b): Body<NewComment>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::Comment>)> {
     if b.body.trim().is_empty() || b.body.len() > 64 * 1024 {
         return Err(ApiError::bad_request(
             "invalid_field",
@@ -209,7 +185,13 @@ pub async fn create_comment(
         .await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"id": id, "issue_id": issue, "author": author, "body": b.body})),
+        Json(t::Comment {
+            id,
+            issue_id: Some(issue),
+            author,
+            body: b.body,
+            created_at: None,
+        }),
     ))
 }
 
@@ -217,36 +199,22 @@ pub async fn list_comments(
     State(s): State<AppState>,
     auth: Auth,
     Id(issue): Id,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::CommentList>> {
     own_issue(&s, auth, issue).await?;
-    let items: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', id, 'author', author, 'body', body, 'created_at', created_at)
-         FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+    let items: Vec<t::Comment> = sqlx::query_as(
+        "SELECT id, author, body, created_at FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
     )
     .bind(issue)
     .fetch_all(&s.db)
     .await?;
-    Ok(Json(
-        json!({"items": items.into_iter().map(|r| r.0).collect::<Vec<_>>()}),
-    ))
+    Ok(Json(t::CommentList { items }))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewTask {
-    agent_id: Uuid,
-    issue_id: Option<Uuid>,
-    repository: Option<String>,
-    branch: Option<String>,
-    #[serde(default)]
-    input: String,
-    timeout_secs: Option<i32>,
-    /// Submitting twice with the same key creates one task; the same key with another request
-    /// is `409 idempotency_conflict`.
-    idempotency_key: Option<String>,
+trait RequestHash {
+    fn request_hash(&self) -> String;
 }
 
-impl NewTask {
+impl RequestHash for NewTask {
     /// What makes two submissions the same request (everything but the key).
     fn request_hash(&self) -> String {
         crate::api::request_hash(&json!({
@@ -332,7 +300,7 @@ pub async fn create_task(
     State(s): State<AppState>,
     auth: Auth,
     Body(b): Body<NewTask>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::Task>)> {
     check_source(&b.repository, &b.branch)?;
     if b.input.len() > 256 * 1024 {
         return Err(ApiError::bad_request(
@@ -397,20 +365,20 @@ pub async fn create_task(
     // What was just stored; its first attempt is the scheduler's to create (GET shows it).
     Ok((
         StatusCode::CREATED,
-        Json(json!({
-            "id": id,
-            "status": task_status(None),
-            "issue_id": b.issue_id,
-            "agent_id": b.agent_id,
-            "repository": b.repository,
-            "branch": b.branch,
-            "input": b.input,
-            "timeout_secs": b.timeout_secs,
-            "idempotency_key": b.idempotency_key,
-            "cancel_requested_at": Option::<chrono::DateTime<chrono::Utc>>::None,
-            "created_at": created_at,
-            "attempts": [],
-        })),
+        Json(t::Task {
+            id,
+            status: task_status(None).to_string(),
+            issue_id: b.issue_id,
+            agent_id: b.agent_id,
+            repository: b.repository,
+            branch: b.branch,
+            input: b.input,
+            timeout_secs: b.timeout_secs,
+            idempotency_key: b.idempotency_key,
+            cancel_requested_at: None,
+            created_at,
+            attempts: vec![],
+        }),
     ))
 }
 
@@ -433,20 +401,21 @@ async fn existing_task(s: &AppState, auth: Auth, key: &str, hash: &str) -> ApiRe
     }
 }
 
-const ATTEMPT_JSON: &str = "json_build_object('id', a.id, 'task_id', a.task_id, 'number', a.number, 'status', a.status,
-    'provider', a.provider, 'host_id', a.host_id, 'lease_token', a.lease_token, 'agent_version_id', a.agent_version_id,
-    'created_at', a.created_at, 'not_before', a.not_before, 'claimed_at', a.claimed_at, 'started_at', a.started_at,
-    'finished_at', a.finished_at, 'failure_class', a.failure_class, 'failure_detail', a.failure_detail,
-    'exit_code', a.exit_code, 'provider_session_id', a.provider_session_id, 'events', a.last_seq)";
+const ATTEMPT_COLUMNS: &str =
+    "a.id, a.task_id, a.number, a.status, a.provider, a.host_id, a.lease_token,
+    a.agent_version_id, a.created_at, a.not_before, a.claimed_at, a.started_at, a.finished_at,
+    a.failure_class, a.failure_detail, a.exit_code, a.provider_session_id, a.last_seq AS events";
 
-fn with_remedy(mut a: Value) -> Value {
-    if let Some(c) = a["failure_class"].as_str() {
-        a["remedy"] = json!(agentscope_domain::FailureClass::parse(c).remedy());
-    }
+fn with_remedy(mut a: t::Attempt) -> t::Attempt {
+    a.remedy = a.failure_class.as_deref().map(|c| {
+        agentscope_domain::FailureClass::parse(c)
+            .remedy()
+            .to_string()
+    });
     a
 }
 
-pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<Value> {
+pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Task> {
     let row = sqlx::query(
         "SELECT id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key,
                 cancel_requested_at, created_at FROM tasks WHERE workspace_id = $1 AND id = $2",
@@ -456,55 +425,50 @@ pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<V
     .fetch_optional(&s.db)
     .await?
     .ok_or_else(|| ApiError::not_found("task"))?;
-    let attempts: Vec<(Value,)> = sqlx::query_as(&format!(
-        "SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"
+    let attempts: Vec<t::Attempt> = sqlx::query_as(&format!(
+        "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"
     ))
     .bind(id)
     .fetch_all(&s.db)
     .await?;
-    let attempts: Vec<Value> = attempts.into_iter().map(|r| with_remedy(r.0)).collect();
+    let attempts: Vec<t::Attempt> = attempts.into_iter().map(with_remedy).collect();
     let newest = attempts
         .last()
-        .and_then(|a| a["status"].as_str())
-        .and_then(AttemptStatus::parse);
-    Ok(json!({
-        "id": id,
-        "status": task_status(newest),
-        "issue_id": row.try_get::<Option<Uuid>, _>("issue_id")?,
-        "agent_id": row.try_get::<Uuid, _>("agent_id")?,
-        "repository": row.try_get::<Option<String>, _>("repository")?,
-        "branch": row.try_get::<Option<String>, _>("branch")?,
-        "input": row.try_get::<String, _>("input")?,
-        "timeout_secs": row.try_get::<Option<i32>, _>("timeout_secs")?,
-        "idempotency_key": row.try_get::<Option<String>, _>("idempotency_key")?,
-        "cancel_requested_at": row.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("cancel_requested_at")?,
-        "created_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
-        "attempts": attempts,
-    }))
+        .and_then(|a| AttemptStatus::parse(&a.status));
+    Ok(t::Task {
+        id,
+        status: task_status(newest).to_string(),
+        issue_id: row.try_get("issue_id")?,
+        agent_id: row.try_get("agent_id")?,
+        repository: row.try_get("repository")?,
+        branch: row.try_get("branch")?,
+        input: row.try_get("input")?,
+        timeout_secs: row.try_get("timeout_secs")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        cancel_requested_at: row.try_get("cancel_requested_at")?,
+        created_at: row.try_get("created_at")?,
+        attempts,
+    })
 }
 
-pub async fn get_task(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Json<Value>> {
+pub async fn get_task(
+    State(s): State<AppState>,
+    auth: Auth,
+    Id(id): Id,
+) -> ApiResult<Json<t::Task>> {
     Ok(Json(task_json(&s, auth, id).await?))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TaskFilter {
-    status: Option<String>,
-    limit: Option<i64>,
 }
 
 pub async fn list_tasks(
     State(s): State<AppState>,
     auth: Auth,
     q: Result<Query<TaskFilter>, axum::extract::rejection::QueryRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<t::TaskList>> {
     let Query(q) = q?;
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let rows: Vec<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', t.id, 'issue_id', t.issue_id, 'agent_id', t.agent_id,
-            'created_at', t.created_at, 'newest_attempt', a.number, 'attempt_status', a.status,
-            'failure_class', a.failure_class)
+    let rows: Vec<t::TaskSummary> = sqlx::query_as(
+        "SELECT t.id, t.issue_id, t.agent_id, t.created_at, a.number AS newest_attempt,
+            a.status AS attempt_status, a.failure_class
          FROM tasks t LEFT JOIN LATERAL (SELECT number, status, failure_class FROM attempts
              WHERE task_id = t.id ORDER BY number DESC LIMIT 1) a ON true
          WHERE t.workspace_id = $1 ORDER BY t.created_at DESC LIMIT $2",
@@ -514,21 +478,14 @@ pub async fn list_tasks(
     .fetch_all(&s.db)
     .await?;
     let mut items = Vec::new();
-    for (mut v,) in rows {
-        let st = task_status(v["attempt_status"].as_str().and_then(AttemptStatus::parse));
-        v["status"] = json!(st);
+    for mut v in rows {
+        let st = task_status(v.attempt_status.as_deref().and_then(AttemptStatus::parse));
         if q.status.as_deref().is_none_or(|f| f == st) {
+            v.status = st.to_string();
             items.push(v);
         }
     }
-    Ok(Json(json!({"items": items})))
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct CancelBody {
-    #[serde(default)]
-    reason: Option<String>,
+    Ok(Json(t::TaskList { items }))
 }
 
 /// Records the request durably, then tells the scheduler. Idempotent.
@@ -537,9 +494,9 @@ pub async fn cancel_task(
     auth: Auth,
     Id(id): Id,
     body: axum::body::Bytes,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<t::Task>)> {
     // The body is optional here.
-    let body: CancelBody = crate::extract::optional_body(&body, "cancel request")?;
+    let body: CancelTask = crate::extract::optional_body(&body, "cancel request")?;
     let reason = body
         .reason
         .unwrap_or_else(|| "cancelled through the API".into());
@@ -581,14 +538,14 @@ pub async fn get_attempt(
     State(s): State<AppState>,
     auth: Auth,
     Id(id): Id,
-) -> ApiResult<Json<Value>> {
-    let row: Option<(Value,)> = sqlx::query_as(&format!(
-        "SELECT {ATTEMPT_JSON} FROM attempts a WHERE a.workspace_id = $1 AND a.id = $2"
+) -> ApiResult<Json<t::Attempt>> {
+    let row: Option<t::Attempt> = sqlx::query_as(&format!(
+        "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.workspace_id = $1 AND a.id = $2"
     ))
     .bind(auth.workspace_id)
     .bind(id)
     .fetch_optional(&s.db)
     .await?;
-    row.map(|r| Json(with_remedy(r.0)))
-        .ok_or_else(|| ApiError::not_found("attempt"))
+    let a = row.ok_or_else(|| ApiError::not_found("attempt"))?;
+    Ok(Json(with_remedy(a)))
 }
