@@ -649,6 +649,32 @@ pub fn resolve_program(name: &str, path: &std::ffi::OsStr, cwd: &Path) -> Option
 
 // ------------------------------------------------------------------------- permissions
 
+/// Makes the `agentscope` CLI next to svc-host reachable by every attempt's uid: a hard link
+/// (a copy across file systems) in `<state>/bin`, which is world-traversable like the state
+/// directory. `None` when there is no CLI next to svc-host (executors then get the plain path).
+pub fn publish_cli(state_dir: &Path) -> std::io::Result<Option<PathBuf>> {
+    let Some(src) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("agentscope")))
+        .filter(|p| p.is_file())
+    else {
+        return Ok(None);
+    };
+    let dir = state_dir.join("bin");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+    let dst = dir.join("agentscope");
+    match std::fs::remove_file(&dst) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    if std::fs::hard_link(&src, &dst).is_err() {
+        std::fs::copy(&src, &dst)?;
+    }
+    std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))?;
+    Ok(Some(dir))
+}
+
 /// The host's state: the state directory and the task directories' parent are traversable but
 /// not listable by others (0711: a task reaches its own directory by its path and cannot find
 /// the others'); the journal (assignments with task credentials) and the identity are the

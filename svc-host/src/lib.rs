@@ -214,7 +214,7 @@ pub struct App {
 }
 
 impl App {
-    pub async fn build(config: Config) -> anyhow::Result<App> {
+    pub async fn build(mut config: Config) -> anyhow::Result<App> {
         let state_dir = PathBuf::from(&config.state_dir);
         let host_id = journal::identity(&state_dir).context("load host identity")?;
         let journal = journal::Journal::open(&state_dir)?;
@@ -223,6 +223,15 @@ impl App {
             .with_context(|| format!("create {}", tasks_dir.display()))?;
         isolation::secure_state(&state_dir, &tasks_dir).context("secure the state directory")?;
         let identities = identities(&config, host_id)?;
+        if identities.is_some() && config.cli_dir.is_empty() {
+            // Executors run under their own uids: the CLI they call must be reachable by them
+            // wherever svc-host is installed (a build directory under a 0700 home is not).
+            if let Some(dir) = isolation::publish_cli(&state_dir)
+                .context("publish the agentscope CLI for executors")?
+            {
+                config.cli_dir = dir.to_string_lossy().into_owned();
+            }
+        }
         let sentinel = isolation::sentinel_path();
         anyhow::ensure!(
             sentinel.is_file(),
