@@ -31,6 +31,36 @@ fn code(v: &Value) -> &str {
     v["error"]["code"].as_str().unwrap_or("<no error code>")
 }
 
+/// Found by schemathesis: a number near f64's limit stored in a version's JSON reads back from
+/// PostgreSQL's exact decimal as out of range, and every later read of the agent's versions
+/// failed with a 500. Such versions are refused; the agent stays readable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_whose_json_would_not_read_back_is_refused_and_the_agent_stays_readable() {
+    let stack = Stack::start("jsonnumbers", StackOptions::default())
+        .await
+        .unwrap();
+    let api = &stack.api;
+    let agent = api
+        .post(
+            "/v1/agents",
+            json!({"name": "a", "provider": "command", "instructions": "x"}),
+        )
+        .await
+        .unwrap();
+    let id = agent["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/agents/{id}/versions");
+    for body in [
+        r#"{"instructions":"x","provider":"command","capability_files":{"a":1.7976931348623157e308}}"#,
+        r#"{"instructions":"x","provider":"command","capability_files":{"a":{"b":"c"}}}"#,
+        r#"{"instructions":"x","provider":"command","policy":{"x":[1.7976931348623157e308]}}"#,
+    ] {
+        let (st, v) = post_raw(api, &path, body).await;
+        assert_eq!((st, code(&v)), (400, "invalid_field"), "{body}: {v}");
+    }
+    let versions = api.get(&path).await.unwrap();
+    assert_eq!(versions["items"].as_array().unwrap().len(), 1, "{versions}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_that_do_not_fit_their_type_are_refused_with_422_naming_the_field() {
     let stack = Stack::start("typedbody", StackOptions::default())

@@ -177,6 +177,14 @@ fn check_version(v: &NewVersion) -> ApiResult<()> {
             "`policy` must be an object",
         ));
     }
+    if v.policy.as_ref().is_some_and(|c| !storable_numbers(c)) {
+        // PostgreSQL keeps a JSON number's exact decimal; one near f64's limits would not read
+        // back into a JSON value, and every later read of the version would fail.
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            "`policy` holds a number beyond ±1e300",
+        ));
+    }
     let names = |t: &Value| t.as_array().is_some_and(|a| a.iter().all(Value::is_string));
     if v.tools.as_ref().is_some_and(|t| !names(t)) {
         return Err(ApiError::bad_request(
@@ -184,13 +192,27 @@ fn check_version(v: &NewVersion) -> ApiResult<()> {
             "`tools` must be an array of tool names",
         ));
     }
-    if v.capability_files.as_ref().is_some_and(|c| !c.is_object()) {
+    let files = |c: &Value| {
+        c.as_object()
+            .is_some_and(|o| o.values().all(Value::is_string))
+    };
+    if v.capability_files.as_ref().is_some_and(|c| !files(c)) {
         return Err(ApiError::bad_request(
             "invalid_field",
-            "`capability_files` must be an object of file name to content",
+            "`capability_files` must be an object of file name to text content",
         ));
     }
     Ok(())
+}
+
+/// Whether every number in `v` reads back from PostgreSQL's exact decimal into an `f64`.
+fn storable_numbers(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => n.as_f64().is_some_and(|f| f.abs() < 1e300),
+        Value::Array(a) => a.iter().all(storable_numbers),
+        Value::Object(o) => o.values().all(storable_numbers),
+        _ => true,
+    }
 }
 
 async fn insert_version(
