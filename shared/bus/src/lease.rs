@@ -144,7 +144,7 @@ impl Lease {
             let wait = if failures == 0 {
                 self.renew_every()
             } else {
-                (self.renew_every() / 2).max(Duration::from_millis(50))
+                (self.renew_every() / 8).max(Duration::from_millis(50))
             };
             let until_deadline = deadline.saturating_sub(last_ok.elapsed());
             tokio::select! {
@@ -154,9 +154,14 @@ impl Lease {
             if last_ok.elapsed() >= deadline {
                 return Some(Lost::Unrenewable(last_error));
             }
-            // A renewal must not outlive the deadline either.
+            // One try is short: a request lost across a reconnect must not hold the next try
+            // back until the deadline (the client's own request timeout is seconds). Nor may a
+            // try outlive the deadline.
             let left = deadline.saturating_sub(last_ok.elapsed());
-            match tokio::time::timeout(left, self.renew()).await {
+            let try_for = (self.renew_every() / 4)
+                .max(Duration::from_millis(250))
+                .min(left);
+            match tokio::time::timeout(try_for, self.renew()).await {
                 Ok(Ok(())) => {
                     if failures > 0 {
                         tracing::info!(key = %self.key, failures, "lease renewed again");
@@ -173,8 +178,11 @@ impl Lease {
                     last_error = e;
                 }
                 Err(_) => {
+                    if failures == 0 {
+                        tracing::warn!(key = %self.key, "lease renewal did not answer; retrying until the renew deadline");
+                    }
                     failures += 1;
-                    last_error = "the renewal did not answer before the deadline".into();
+                    last_error = "no renewal answered before the deadline".into();
                 }
             }
         }
