@@ -861,10 +861,13 @@ async fn claim_loop(
     let poll = Duration::from_millis(ctx.config.poll_interval_ms);
     let mut next_poll = tokio::time::Instant::now();
     let mut claim_now = true;
+    // The last claim's answer: more work waits than it could take.
+    let mut work_waiting = false;
     loop {
         if claim_now && slots.available_permits() > 0 {
             next_poll = tokio::time::Instant::now() + poll;
             let (got, waiting) = claim_once(&ctx, &slots, &attempts).await;
+            work_waiting = waiting > 0;
             if got > 0 && waiting > 0 && slots.available_permits() > 0 {
                 continue;
             }
@@ -914,7 +917,8 @@ async fn claim_loop(
                     nudges = None;
                 }
             }
-            _ = ctx.slot_freed.notified() => {}
+            // A slot freed while work waits: claim it now rather than wait for a nudge.
+            _ = ctx.slot_freed.notified() => claim_now = work_waiting,
             _ = tokio::time::sleep_until(next_poll) => {
                 claim_now = true;
                 next_poll = tokio::time::Instant::now() + poll;
