@@ -1336,9 +1336,10 @@ mod tests {
             0 => format!("{before} && {inner}"),
             1 => format!("{before}; {inner}"),
             2 => format!("{before} | {inner}"),
-            3 => format!("({inner})"),
+            // Spaced here and below: `((` and `$((` open arithmetic, not nested subshells.
+            3 => format!("( {inner} )"),
             4 => format!("{{ {inner}; }}"),
-            5 => format!("{before} \"$({inner})\""),
+            5 => format!("{before} \"$( {inner} )\""),
             6 => format!("{before} `{inner}`"),
             7 => format!("sh -c '{inner}'"),
             8 => format!("env A=1 {inner}"),
@@ -1346,7 +1347,7 @@ mod tests {
             10 => format!("timeout 5 {inner}"),
             11 => format!("{before} || {inner}"),
             12 => format!("if {before}; then {inner}; fi"),
-            _ => format!("{before} <({inner})"),
+            _ => format!("{before} <( {inner} )"),
         }
     }
 
