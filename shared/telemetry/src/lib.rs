@@ -2,6 +2,7 @@
 //! by the standard `OTEL_*` variables.
 
 pub mod health;
+pub mod supervisor;
 pub mod throttle;
 
 pub use throttle::{Suppressed, Throttle};
