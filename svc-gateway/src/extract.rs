@@ -68,13 +68,47 @@ pub fn optional_body<T: DeserializeOwned + Default>(
     typed(v)
 }
 
-/// PostgreSQL cannot store NUL (`\u0000`) in text or JSON, and no field of the API means one:
-/// a request carrying it in any string, keys included, is refused with `422 invalid_field`
-/// naming the JSON path of the first one (`input.files[2]`, `params.<key>`).
+/// What PostgreSQL would not keep, or not give back: a NUL (`\u0000`) it cannot store in text
+/// or JSON (and no field of the API means one), in any string, keys included; and a number
+/// beyond ±1e300, which `jsonb` keeps as its exact decimal, so that reading it back into a
+/// JSON value overflows and every later read of the record would fail. A request carrying
+/// either is refused naming the JSON path of the first one (`input.files[2]`, `params.<key>`):
+/// a NUL with `422 invalid_field`, a number with `400 invalid_field` (a value out of range).
 pub fn refuse_nul(v: &Value) -> Result<(), ApiError> {
-    match nul_path(v, String::new()) {
-        None => Ok(()),
-        Some(path) => Err(nul_error(if path.is_empty() { "(body)" } else { &path })),
+    if let Some(path) = nul_path(v, String::new()) {
+        return Err(nul_error(if path.is_empty() { "(body)" } else { &path }));
+    }
+    if let Some(path) = huge_number_path(v, String::new()) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            format!("`{path}` is a number beyond ±1e300, which cannot be stored"),
+        ));
+    }
+    Ok(())
+}
+
+/// The JSON path of the first number in `v` whose magnitude is 1e300 or more.
+fn huge_number_path(v: &Value, at: String) -> Option<String> {
+    let join = |key: &str| {
+        if at.is_empty() {
+            key.to_string()
+        } else {
+            format!("{at}.{key}")
+        }
+    };
+    match v {
+        Value::Number(n) => n
+            .as_f64()
+            .is_none_or(|f| f.abs() >= 1e300)
+            .then(|| if at.is_empty() { "(body)".into() } else { at }),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, item)| huge_number_path(item, format!("{at}[{i}]"))),
+        Value::Object(map) => map
+            .iter()
+            .find_map(|(k, item)| huge_number_path(item, join(k))),
+        _ => None,
     }
 }
 
@@ -328,6 +362,29 @@ mod tests {
             Some("params.k\\u0000")
         );
         assert_eq!(nul_path(&json!("\0"), String::new()).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn the_first_number_beyond_1e300_is_named_by_its_json_path() {
+        assert_eq!(
+            huge_number_path(&json!({"params": {"n": 1e299, "m": -5}}), String::new()),
+            None
+        );
+        assert_eq!(
+            huge_number_path(&json!({"params": {"n": 1.7e308}}), String::new()).as_deref(),
+            Some("params.n")
+        );
+        assert_eq!(
+            huge_number_path(&json!({"policy": {"limits": [1, -1e300]}}), String::new()).as_deref(),
+            Some("policy.limits[1]")
+        );
+        match refuse_nul(&json!({"params": {"x": 1e305}})) {
+            Err(ApiError::Client { status, code, .. }) => {
+                assert_eq!(status, StatusCode::BAD_REQUEST);
+                assert_eq!(code, "invalid_field");
+            }
+            other => panic!("not refused: {other:?}"),
+        }
     }
 
     #[test]

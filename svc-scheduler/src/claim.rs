@@ -81,8 +81,8 @@ struct Candidate {
     agent_limit: Option<i32>,
 }
 
-/// The host's row, its pool's and workspace's limits, its active count (unlocked: a first
-/// look), whether attempts claimed for it are missing from what it holds (a lost claim reply),
+/// The host's row, its pool's and workspace's limits, its active count and how many of those
+/// the host says already ended (unlocked: a first look), whether attempts claimed for it are missing from what it holds (a lost claim reply),
 /// and how many queued attempts it could run now (up to 100).
 const PLAN: &str = r#"
     WITH h AS (
@@ -96,6 +96,8 @@ const PLAN: &str = r#"
     SELECT h.pool_id, h.capacity, h.capabilities, h.pool_limit, h.workspace_limit, h.ready,
            COALESCE((SELECT c.active FROM attempt_counts c WHERE c.scope = 'host' AND c.id = h.id), 0)::bigint
                AS host_active,
+           (SELECT count(*) FROM attempts a WHERE a.host_id = h.id AND a.status IN ('claimed', 'running')
+                   AND a.id::text = ANY($4)) AS ended_active,
            EXISTS (SELECT 1 FROM attempts a WHERE a.host_id = h.id AND a.status = 'claimed'
                    AND NOT (a.id::text = ANY($3))) AS lost_offers,
            (SELECT count(*) FROM (
@@ -148,6 +150,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         .bind(host_id)
         .bind(workspace_id)
         .bind(&req.held_attempts)
+        .bind(&req.ended_attempts)
         .fetch_optional(&mut *tx)
         .await?
     else {
@@ -171,8 +174,11 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     } else {
         Vec::new()
     };
-    let want = (req.free_slots as i64 - assignments.len() as i64)
-        .min(capacity - plan.try_get::<i64, _>("host_active")?);
+    // The host's capacity counts what runs there: not the attempts it says ended whose ends
+    // are not recorded yet (its free slots already say so).
+    let host_active =
+        plan.try_get::<i64, _>("host_active")? - plan.try_get::<i64, _>("ended_active")?;
+    let want = (req.free_slots as i64 - assignments.len() as i64).min(capacity - host_active);
     if want <= 0 || waiting_before == 0 {
         tx.commit().await?;
         if assignments.is_empty() {
@@ -260,7 +266,22 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     let count = |scope: &str, id: Uuid| -> i64 {
         counts.get(&(scope.to_string(), id)).copied().unwrap_or(0)
     };
-    let mut slots = want.min(capacity - count("host", host_id));
+    // Exact now that the host's counter is locked: an end the recorder committed before the
+    // lock is out of both the counter and this count; one it is committing waits on the lock
+    // and is still in both.
+    let ended_active = if req.ended_attempts.is_empty() {
+        0
+    } else {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM attempts a WHERE a.host_id = $1
+               AND a.status IN ('claimed', 'running') AND a.id::text = ANY($2)",
+        )
+        .bind(host_id)
+        .bind(&req.ended_attempts)
+        .fetch_one(&mut *tx)
+        .await?
+    };
+    let mut slots = want.min(capacity - (count("host", host_id) - ended_active));
     let mut in_workspace = count("workspace", workspace_id);
     let mut in_pool = count("pool", pool_id);
     let mut per_agent: HashMap<Uuid, i64> = limited_agents
