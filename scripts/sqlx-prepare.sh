@@ -14,7 +14,12 @@ cd "$(dirname "$0")/.."
 base="${AGENTSCOPE_PREPARE_PG:-postgres://postgres@127.0.0.1:5432}"
 db="agentscope_sqlx_prepare_$$"
 psql "$base/postgres" -qAt -c "CREATE DATABASE $db" >/dev/null
-trap 'psql "$base/postgres" -qAt -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null' EXIT
+new=""
+cleanup() {
+    if [ -n "$new" ]; then rm -rf "$new"; fi
+    psql "$base/postgres" -qAt -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null
+}
+trap cleanup EXIT
 for f in shared/store/migrations/*.sql; do
     psql "$base/$db" -q -v ON_ERROR_STOP=1 -f "$f" >/dev/null
 done
@@ -39,7 +44,6 @@ for dir in "${dirs[@]}"; do
     echo "sqlx-prepare: $name ($dir/.sqlx)"
     if ! SQLX_OFFLINE=false DATABASE_URL="$base/$db" SQLX_OFFLINE_DIR="$PWD/$new" \
         cargo check --quiet --locked -p "$name" --all-targets; then
-        rm -rf "$new"
         echo "sqlx-prepare: $name does not check; $dir/.sqlx left as it was" >&2
         exit 1
     fi
