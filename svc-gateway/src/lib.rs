@@ -150,8 +150,8 @@ pub fn router(state: AppState) -> Router {
             if s.nats.connection_state() != async_nats::connection::State::Connected {
                 return Err("nats: not connected".into());
             }
-            sqlx::query("SELECT 1")
-                .execute(&s.db)
+            sqlx::query_scalar!("SELECT 1 AS one")
+                .fetch_one(&s.db)
                 .await
                 .map_err(|e| format!("postgres: {e}"))?;
             Ok(())

@@ -237,8 +237,8 @@ pub(crate) async fn readiness(db: &PgPool, nats: &async_nats::Client) -> Result<
     if nats.connection_state() != async_nats::connection::State::Connected {
         return Err("nats: not connected".into());
     }
-    sqlx::query("SELECT 1")
-        .execute(db)
+    sqlx::query_scalar!("SELECT 1 AS one")
+        .fetch_one(db)
         .await
         .map_err(|e| format!("postgres: {e}"))?;
     Ok(())
@@ -357,13 +357,13 @@ pub(crate) async fn reject(ctx: &Ctx, subject: &str, consumer: &str, reason: &st
     );
     tracing::warn!(subject, consumer, reason, "bus message rejected");
     let excerpt = &payload[..payload.len().min(64 * 1024)];
-    if let Err(e) = sqlx::query(
+    if let Err(e) = sqlx::query!(
         "INSERT INTO rejected_messages (subject, consumer, reason, payload) VALUES ($1, $2, $3, $4)",
+        subject,
+        consumer,
+        reason,
+        excerpt,
     )
-    .bind(subject)
-    .bind(consumer)
-    .bind(reason)
-    .bind(excerpt)
     .execute(&ctx.db)
     .await
     {
