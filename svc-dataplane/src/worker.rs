@@ -31,7 +31,8 @@ use uuid::Uuid;
 /// The id of Worker `name` in `workspace_id`.
 pub use agentscope_domain::worker_id;
 
-/// Answers Worker registrations (any replica; queue group `dataplane`).
+/// Answers Worker registrations (any replica; queue group `dataplane`) until `cancel` fires; an
+/// error when the subscription cannot be made or ends.
 pub async fn serve_registrations(
     db: sqlx::PgPool,
     nats: async_nats::Client,
@@ -48,7 +49,10 @@ pub async fn serve_registrations(
     loop {
         let msg = tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
+            m = sub.next() => match m {
+                Some(m) => m,
+                None => anyhow::bail!("the subscription to worker registrations ended"),
+            },
         };
         let Some(reply) = msg.reply.clone() else {
             continue;

@@ -189,7 +189,10 @@ impl Supervisor {
 fn flatten(joined: Result<Outcome, tokio::task::JoinError>) -> Outcome {
     match joined {
         Ok(outcome) => outcome,
-        Err(e) => ("?", Err(anyhow::anyhow!("task panicked or was aborted: {e}"))),
+        Err(e) => (
+            "?",
+            Err(anyhow::anyhow!("task panicked or was aborted: {e}")),
+        ),
     }
 }
 

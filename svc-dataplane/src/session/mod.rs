@@ -25,6 +25,7 @@ pub use lease::lease_key;
 
 use crate::Config;
 use crate::env::{SandboxSpec, UidRange};
+use agentscope_telemetry::supervisor::Work;
 use async_nats::jetstream::kv;
 use serde_json::json;
 use std::collections::HashSet;
@@ -52,10 +53,12 @@ pub struct Runner {
     pub config: Arc<Config>,
     pub replica: String,
     active: Mutex<HashSet<Uuid>>,
-    /// Fired on SIGTERM: sessions stop at their next await point and hand their lease back.
-    pub stopping: CancellationToken,
-    /// Every session this replica works on, awaited (within a grace period) at shutdown.
-    pub sessions: tokio_util::task::TaskTracker,
+    /// Fired when the replica stops: sessions stop at their next await point and hand their
+    /// lease back.
+    stopping: CancellationToken,
+    /// Where every session this replica works on is spawned: the supervisor's work, awaited
+    /// (within its grace period) at shutdown.
+    sessions: Work,
     /// The bubblewrap sandbox's settings (shared by every sandbox session).
     sandbox: Arc<SandboxSpec>,
     uids: UidRange,
@@ -89,6 +92,7 @@ impl Runner {
         config: Arc<Config>,
         replica: String,
         limit_mode: crate::env::LimitMode,
+        sessions: Work,
     ) -> Arc<Self> {
         // One connection pool for the model and E2B.
         let http = reqwest::Client::new();
@@ -124,8 +128,8 @@ impl Runner {
             config,
             replica,
             active: Mutex::new(HashSet::new()),
-            stopping: CancellationToken::new(),
-            sessions: tokio_util::task::TaskTracker::new(),
+            stopping: sessions.stopping(),
+            sessions,
         })
     }
 
