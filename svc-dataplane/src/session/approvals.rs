@@ -1,11 +1,12 @@
 //! A call the policy says to ask about: the tool request published for the scheduler to record
 //! as an Approval, the wait for its decision, then the call run or the deny reported.
 
-use super::journal::Batch;
+use super::journal::{Batch, CallStatus};
 use super::pinned::Pinned;
 use super::{Runner, Session, Stop};
 use crate::model::ToolCallReq;
-use crate::tools::ToolOutput;
+use crate::tools::{ToolError, ToolOutput};
+use agentscope_domain::SessionStatus;
 use serde_json::json;
 use std::time::Duration;
 use uuid::Uuid;
@@ -86,19 +87,21 @@ impl Session<'_> {
         if allowed {
             return self.execute(p, input_id, call, Some(decided)).await;
         }
-        let out = ToolOutput {
-            output: format!(
-                "tool_denied: the approval was {status}{}",
-                reason
-                    .as_deref()
-                    .map(|r| format!(": {r}"))
-                    .unwrap_or_default()
-            ),
-            is_error: true,
-        };
+        let out = ToolError::ToolDenied.output(format!(
+            "the approval was {status}{}",
+            reason
+                .as_deref()
+                .map(|r| format!(": {r}"))
+                .unwrap_or_default()
+        ));
         let mut b = Batch::of(input_id);
-        b.ended = Some((call.id.clone(), "denied", out.output.clone(), true));
-        b.status("running", "");
+        b.ended = Some((
+            call.id.clone(),
+            CallStatus::Denied,
+            out.output.clone(),
+            true,
+        ));
+        b.status(SessionStatus::Running, "");
         b.result(call, &out);
         b.event("approval_decided", decided);
         b.event(

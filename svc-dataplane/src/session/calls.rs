@@ -2,12 +2,13 @@
 //! it runs and its end with the result message after; a call found `started` on takeover is
 //! reported interrupted (or its Worker's result recovered), never run again.
 
-use super::journal::{Batch, Ended};
+use super::journal::{Batch, CallStatus, Ended};
 use super::pinned::Pinned;
 use super::{Runner, Session, Stop};
 use crate::model::ToolCallReq;
 use crate::policy::Decision;
-use crate::tools::{self, ToolOutput};
+use crate::tools::{self, ToolError, ToolOutput};
+use agentscope_domain::SessionStatus;
 use agentscope_schemas::v1::issue_write::What;
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -23,9 +24,9 @@ impl Runner {
             return Ok(Ok(vec![]));
         }
         let Some(vault) = &self.vault else {
-            return Ok(Err(
-                "vault_not_configured: this agent uses Vault secrets but the dataplane has no vault keys".into(),
-            ));
+            return Ok(Err(ToolError::VaultNotConfigured.message(
+                "this agent uses Vault secrets but the dataplane has no vault keys",
+            )));
         };
         let rows: Vec<(String, String, Vec<u8>, Vec<u8>)> = sqlx::query_as(
             "SELECT name, key_id, nonce, ciphertext FROM vault_secrets WHERE workspace_id = $1 AND name = ANY($2)",
@@ -37,7 +38,9 @@ impl Runner {
         let mut out = vec![];
         for name in names {
             let Some((_, key_id, nonce, ciphertext)) = rows.iter().find(|r| &r.0 == name) else {
-                return Ok(Err(format!("secret_missing: no Vault secret named {name}")));
+                return Ok(Err(
+                    ToolError::SecretMissing.message(format!("no Vault secret named {name}"))
+                ));
             };
             let sealed = agentscope_domain::vault::Sealed {
                 key_id: key_id.clone(),
@@ -46,7 +49,11 @@ impl Runner {
             };
             match vault.open(&workspace_id.to_string(), name, &sealed) {
                 Ok(v) => out.push((name.clone(), String::from_utf8_lossy(&v).into_owned())),
-                Err(e) => return Ok(Err(format!("secret_unavailable: {name}: {e}"))),
+                Err(e) => {
+                    return Ok(Err(
+                        ToolError::SecretUnavailable.message(format!("{name}: {e}"))
+                    ));
+                }
             }
         }
         Ok(Ok(out))
@@ -68,28 +75,28 @@ impl Session<'_> {
         .bind(&call.id)
         .fetch_optional(&self.r.db)
         .await?;
+        let existing = existing
+            .map(|(status, output, is_error)| (CallStatus::parse(&status), output, is_error));
         if existing
             .as_ref()
-            .is_some_and(|e| e.0 == "awaiting_approval")
+            .is_some_and(|e| e.0 == Some(CallStatus::AwaitingApproval))
         {
             return self.await_decision(p, input_id, call).await;
         }
         if let Some((status, output, is_error)) = existing {
             // Seen before this replica: a `started` call may have run; it is never run again.
             // A Worker that ran it (or still runs it) is asked for its result.
-            let recovered = if status == "started" {
+            let started = status == Some(CallStatus::Started);
+            let recovered = if started {
                 self.recover(p, call).await?
             } else {
                 None
             };
             let (out, kind) = if let Some(out) = recovered {
                 (out, "tool_result")
-            } else if status == "started" {
+            } else if started {
                 (
-                    ToolOutput {
-                        output: "interrupted: the dataplane replica running this tool stopped before it reported; the tool was not run again, its effects (if any) are unknown".into(),
-                        is_error: true,
-                    },
+                    ToolError::Interrupted.output("the dataplane replica running this tool stopped before it reported; the tool was not run again, its effects (if any) are unknown"),
                     "tool_interrupted",
                 )
             } else {
@@ -102,11 +109,11 @@ impl Session<'_> {
                 )
             };
             let mut b = Batch::of(input_id);
-            if status == "started" {
+            if started {
                 let done = if kind == "tool_result" {
-                    "completed"
+                    CallStatus::Completed
                 } else {
-                    "interrupted"
+                    CallStatus::Interrupted
                 };
                 b.ended = Some((call.id.clone(), done, out.output.clone(), out.is_error));
             }
@@ -116,16 +123,16 @@ impl Session<'_> {
                 json!({"call_id": call.id, "tool": call.name, "output": out.output, "is_error": out.is_error}),
             );
             self.write(b).await?;
-            return Ok((out, status == "denied"));
+            return Ok((out, status == Some(CallStatus::Denied)));
         }
         let (decision, why) = p.policy.decide(&call.name, &call.input);
         let known = tools::ALL.contains(&call.name.as_str())
             && (p.enabled.is_empty() || p.enabled.contains(&call.name));
         if known && decision == Decision::Ask {
             let mut b = Batch::of(input_id);
-            b.journal(call, "awaiting_approval", None);
+            b.journal(call, CallStatus::AwaitingApproval, None);
             b.status(
-                "awaiting_approval",
+                SessionStatus::AwaitingApproval,
                 &format!("tool `{}` waits for an approval", call.name),
             );
             b.event(
@@ -136,22 +143,17 @@ impl Session<'_> {
             return self.await_decision(p, input_id, call).await;
         }
         if decision != Decision::Allow || !known {
-            let reason = if !known {
-                format!(
-                    "unknown_tool: `{}` is not one of this agent's tools",
-                    call.name
-                )
+            let out = if !known {
+                ToolError::UnknownTool
+                    .output(format!("`{}` is not one of this agent's tools", call.name))
             } else if decision == Decision::Deny {
-                format!("tool_denied: the agent's tool policy denies this call ({why})")
+                ToolError::ToolDenied
+                    .output(format!("the agent's tool policy denies this call ({why})"))
             } else {
                 unreachable!("ask is handled above")
             };
-            let out = ToolOutput {
-                output: reason,
-                is_error: true,
-            };
             let mut b = Batch::of(input_id);
-            b.journal(call, "denied", Some(&out));
+            b.journal(call, CallStatus::Denied, Some(&out));
             b.result(call, &out);
             b.event(
                 "tool_denied",
@@ -177,7 +179,7 @@ impl Session<'_> {
         let approved = decided.is_some();
         if let Some(decided) = decided {
             b.event("approval_decided", decided);
-            b.status("running", "");
+            b.status(SessionStatus::Running, "");
         }
         if let Some(link) = &p.worker
             && !call.name.starts_with("memory_")
@@ -192,7 +194,7 @@ impl Session<'_> {
         if approved {
             b.started = Some(call.id.clone());
         } else {
-            b.journal(call, "started", None);
+            b.journal(call, CallStatus::Started, None);
         }
         b.event(
             "tool_call",
@@ -234,10 +236,7 @@ impl Session<'_> {
                         .issue_write(p, self.id, What::Comment(text.to_string()))
                         .await
                 }
-                None => ToolOutput {
-                    output: "bad_arguments: `text` (a string) is required".into(),
-                    is_error: true,
-                },
+                None => ToolError::BadArguments.output("`text` (a string) is required"),
             },
             (Ok(values), "upload_artifact") => self.upload(p, &limits, call, values).await?,
             (Ok(env), name) => {
@@ -261,7 +260,7 @@ impl Session<'_> {
         let mut b = Batch::of(input_id);
         b.ended = Some((
             call.id.clone(),
-            "completed",
+            CallStatus::Completed,
             out.output.clone(),
             out.is_error,
         ));

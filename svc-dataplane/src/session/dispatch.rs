@@ -6,7 +6,8 @@ use super::pinned::Pinned;
 use super::{Runner, Session, Stop};
 use crate::env::Limits;
 use crate::model::ToolCallReq;
-use crate::tools::{self, ToolOutput};
+use crate::tools::{self, ToolError, ToolOutput};
+use agentscope_domain::SessionStatus;
 use agentscope_schemas::v1::issue_write::What;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -47,12 +48,9 @@ impl Runner {
                 output: format!("{}: {}", r.error_code, r.message),
                 is_error: true,
             },
-            None => ToolOutput {
-                output: format!(
-                    "unavailable: the gateway did not confirm the {kind}; it was not retried"
-                ),
-                is_error: true,
-            },
+            None => ToolError::Unavailable.output(format!(
+                "the gateway did not confirm the {kind}; it was not retried"
+            )),
         }
     }
 }
@@ -139,7 +137,8 @@ impl Session<'_> {
     ) -> Result<(), Stop> {
         if !*reported {
             let detail = format!("worker `{}` is not answering; waiting for it", link.name);
-            self.set_status("worker_offline", &detail).await?;
+            self.set_status(SessionStatus::WorkerOffline, &detail)
+                .await?;
             self.event(
                 "diagnostic",
                 json!({"code": "worker_offline", "message": detail}),
@@ -156,7 +155,7 @@ impl Session<'_> {
         reported: bool,
     ) -> Result<(), Stop> {
         if reported {
-            self.set_status("running", "").await?;
+            self.set_status(SessionStatus::Running, "").await?;
             self.event("diagnostic", json!({"code": "worker_online", "message": format!("worker `{}` is back", link.name)}))
                 .await?;
         }
@@ -173,10 +172,7 @@ impl Session<'_> {
         secrets: &[(String, String)],
     ) -> Result<ToolOutput, Stop> {
         let Some(path) = call.input.get("path").and_then(Value::as_str) else {
-            return Ok(ToolOutput {
-                output: "bad_arguments: `path` (a string) is required".into(),
-                is_error: true,
-            });
+            return Ok(ToolError::BadArguments.output("`path` (a string) is required"));
         };
         let read = ToolCallReq {
             id: call.id.clone(),
@@ -223,10 +219,7 @@ impl Session<'_> {
         env: &[(String, String)],
     ) -> ToolOutput {
         let Some(e2b) = &self.r.e2b else {
-            return ToolOutput {
-                output: "sandbox_unavailable: no E2B backend is configured".into(),
-                is_error: true,
-            };
+            return ToolError::SandboxUnavailable.output("no E2B backend is configured");
         };
         let sandbox = {
             let mut boxes = self.r.sandboxes.lock().await;
@@ -291,13 +284,10 @@ impl Session<'_> {
                 Err(crate::worker::LinkError::Lost(e)) => {
                     self.report_online(link, reported).await?;
                     tracing::warn!(session_id = %self.id, worker = %link.name, %operation_id, error = %e, "worker operation lost");
-                    return Ok(ToolOutput {
-                        output: format!(
-                            "worker_offline: worker `{}` stopped answering during this call ({e}); it was not retried, its effects are unknown",
-                            link.name
-                        ),
-                        is_error: true,
-                    });
+                    return Ok(ToolError::WorkerOffline.output(format!(
+                        "worker `{}` stopped answering during this call ({e}); it was not retried, its effects are unknown",
+                        link.name
+                    )));
                 }
             }
         }

@@ -5,6 +5,7 @@
 use super::{Session, Stop};
 use crate::model::{Message, ToolCallReq};
 use crate::tools::ToolOutput;
+use agentscope_domain::{InputOutcome, SessionStatus};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -17,15 +18,54 @@ pub(super) struct Batch {
     pub(super) events: Vec<(&'static str, Value)>,
     pub(super) messages: Vec<Value>,
     /// New tool-call journal rows: call, status, output.
-    pub(super) journal: Vec<(String, String, Value, &'static str, String, bool)>,
+    pub(super) journal: Vec<(String, String, Value, CallStatus, String, bool)>,
     /// A call moved from `awaiting_approval` to `started`: nothing is written unless it waited.
     pub(super) started: Option<String>,
     /// The end of a journaled call: call id, status, output, is_error.
-    pub(super) ended: Option<(String, &'static str, String, bool)>,
+    pub(super) ended: Option<(String, CallStatus, String, bool)>,
     /// The session's status and detail.
-    pub(super) status: Option<(String, String)>,
+    pub(super) status: Option<(SessionStatus, String)>,
     /// The input's outcome: status, detail, iterations.
-    pub(super) outcome: Option<(&'static str, String, i32)>,
+    pub(super) outcome: Option<(InputOutcome, String, i32)>,
+}
+
+/// Where a tool call is in the journal (`session_tool_calls.status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CallStatus {
+    /// Waits for an Approval; not run yet.
+    AwaitingApproval,
+    /// About to run or running: once committed, never run again.
+    Started,
+    /// Ran; its output is the result.
+    Completed,
+    /// Denied by policy, by an Approval, or not one of the agent's tools; never run.
+    Denied,
+    /// Found `started` on takeover and reported interrupted to the model.
+    Interrupted,
+}
+
+impl CallStatus {
+    pub(super) const ALL: [CallStatus; 5] = [
+        Self::AwaitingApproval,
+        Self::Started,
+        Self::Completed,
+        Self::Denied,
+        Self::Interrupted,
+    ];
+
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Self::AwaitingApproval => "awaiting_approval",
+            Self::Started => "started",
+            Self::Completed => "completed",
+            Self::Denied => "denied",
+            Self::Interrupted => "interrupted",
+        }
+    }
+
+    pub(super) fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.as_str() == s)
+    }
 }
 
 /// Applies a [`Batch`] in one statement. `fence` takes the session's row (`FOR UPDATE` by its
@@ -88,7 +128,7 @@ impl Batch {
     pub(super) fn journal(
         &mut self,
         call: &ToolCallReq,
-        status: &'static str,
+        status: CallStatus,
         out: Option<&ToolOutput>,
     ) {
         self.journal.push((
@@ -101,8 +141,8 @@ impl Batch {
         ));
     }
 
-    pub(super) fn status(&mut self, status: &str, detail: &str) {
-        self.status = Some((status.to_string(), detail.to_string()));
+    pub(super) fn status(&mut self, status: SessionStatus, detail: &str) {
+        self.status = Some((status, detail.to_string()));
     }
 
     /// The result message of `call`.
@@ -115,19 +155,14 @@ impl Batch {
     }
 
     /// The input's outcome, the session's status and the `outcome` event.
-    pub(super) fn finish(&mut self, status: &'static str, detail: &str, iterations: u32) {
+    pub(super) fn finish(&mut self, status: InputOutcome, detail: &str, iterations: u32) {
         let input_id = self.input_id;
         // Finishing a turn is an outcome, never the acceptance of the Issue.
-        let shown = if status == "completed" {
-            "completed_awaiting_acceptance"
-        } else {
-            status
-        };
-        self.status(shown, detail);
+        self.status(status.session_status(), detail);
         self.outcome = Some((status, detail.to_string(), iterations as i32));
         self.event(
             "outcome",
-            json!({"input_id": input_id, "status": status, "detail": detail, "iterations": iterations}),
+            json!({"input_id": input_id, "status": status.as_str(), "detail": detail, "iterations": iterations}),
         );
     }
 }
@@ -156,17 +191,17 @@ impl Session<'_> {
             j.0.push(call_id);
             j.1.push(tool);
             j.2.push(input);
-            j.3.push(status);
+            j.3.push(status.as_str());
             j.4.push(output);
             j.5.push(is_error);
         }
-        let (status, detail) = b.status.unzip();
+        let (status, detail) = b.status.map(|(s, d)| (s.as_str(), d)).unzip();
         let (ended_id, ended_status, ended_output, ended_error) = match b.ended {
-            Some((id, s, o, e)) => (Some(id), Some(s), Some(o), Some(e)),
+            Some((id, s, o, e)) => (Some(id), Some(s.as_str()), Some(o), Some(e)),
             None => (None, None, None, None),
         };
         let (outcome, outcome_detail, iterations) = match b.outcome {
-            Some((s, d, n)) => (Some(s), Some(d), Some(n)),
+            Some((s, d, n)) => (Some(s.as_str()), Some(d), Some(n)),
             None => (None, None, None),
         };
         let row: Option<(i64,)> = sqlx::query_as(WRITE)
@@ -218,7 +253,7 @@ impl Session<'_> {
         self.write(b).await
     }
 
-    pub(super) async fn set_status(&self, status: &str, detail: &str) -> Result<(), Stop> {
+    pub(super) async fn set_status(&self, status: SessionStatus, detail: &str) -> Result<(), Stop> {
         let mut b = Batch::default();
         b.status(status, detail);
         self.write(b).await
@@ -242,7 +277,7 @@ impl Session<'_> {
     pub(super) async fn refuse(&self, reason: &str) -> Result<(), Stop> {
         // The status and its diagnostic commit together.
         let mut b = Batch::default();
-        b.status("environment_not_allowed", reason);
+        b.status(SessionStatus::EnvironmentNotAllowed, reason);
         b.event(
             "diagnostic",
             json!({"code": "environment_not_allowed", "message": reason}),

@@ -25,6 +25,7 @@ pub use lease::lease_key;
 
 use crate::Config;
 use crate::env::{SandboxSpec, UidRange};
+use agentscope_domain::SessionStatus;
 use agentscope_telemetry::supervisor::Work;
 use async_nats::jetstream::kv;
 use serde_json::json;
@@ -160,7 +161,8 @@ impl Runner {
         .await?;
         if ["local", "remote"].contains(&environment.as_str())
             && !self.config.allow_local_environment
-            && status.as_deref() == Some("environment_not_allowed")
+            && status.as_deref().and_then(SessionStatus::parse)
+                == Some(SessionStatus::EnvironmentNotAllowed)
         {
             return Ok(());
         }

@@ -5,7 +5,7 @@ use super::{Runner, Stop};
 use crate::env::{Environment, Limits};
 use crate::model::{self, ModelConfig};
 use crate::policy::{Decision, Policy};
-use crate::tools;
+use crate::tools::{self, ToolError};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,9 +59,9 @@ impl Runner {
         let refused = (["local", "remote"].contains(&environment.as_str())
             && !self.config.allow_local_environment)
             .then(|| {
-                format!(
-                    "environment_not_allowed: the `{environment}` environment runs tools unsandboxed on the dataplane's machine and this deployment does not enable it (AGENTSCOPE_ALLOW_LOCAL_ENVIRONMENT); use `sandbox`"
-                )
+                ToolError::EnvironmentNotAllowed.message(format!(
+                    "the `{environment}` environment runs tools unsandboxed on the dataplane's machine and this deployment does not enable it (AGENTSCOPE_ALLOW_LOCAL_ENVIRONMENT); use `sandbox`"
+                ))
             });
         let (root, identity) = if refused.is_some() {
             (base.join(session_id.to_string()), None)

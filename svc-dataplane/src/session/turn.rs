@@ -1,12 +1,13 @@
 //! One input of a session: model turns and tool calls until the model answers without tools,
 //! `max_iters` is reached, or the model cannot be reached.
 
-use super::journal::{Batch, Ended};
+use super::journal::{Batch, CallStatus, Ended};
 use super::pinned::Pinned;
 use super::{Session, Stop};
 use crate::model::{self, Message, ModelError, ToolCallReq};
 use crate::policy::Decision;
 use crate::tools;
+use agentscope_domain::{InputOutcome, SessionStatus};
 use serde_json::json;
 use std::collections::HashSet;
 use uuid::Uuid;
@@ -48,7 +49,7 @@ impl Session<'_> {
         }
         drop(history);
         let mut b = Batch::of(input_id);
-        b.status("running", "");
+        b.status(SessionStatus::Running, "");
         if !has_input {
             let m = Message::User {
                 text: text.to_string(),
@@ -90,7 +91,7 @@ impl Session<'_> {
                 }
                 let detail = format!("stopped after {iterations} model turns (max_iters)");
                 let mut b = Batch::of(input_id);
-                b.finish("max_iterations", &detail, iterations);
+                b.finish(InputOutcome::MaxIterations, &detail, iterations);
                 return self.write(b).await;
             }
             // The model already has the result; the turn is written only after it is.
@@ -116,7 +117,7 @@ impl Session<'_> {
                         "diagnostic",
                         json!({"code": "model_connection", "message": detail}),
                     );
-                    b.finish("model_connection", &detail, iterations);
+                    b.finish(InputOutcome::ModelConnection, &detail, iterations);
                     return self.write(b).await;
                 }
             };
@@ -142,11 +143,11 @@ impl Session<'_> {
             if tool_calls.is_empty() {
                 let (status, detail) = if denied {
                     (
-                        "tool_denied",
+                        InputOutcome::ToolDenied,
                         "the turn ended after a tool was denied by policy",
                     )
                 } else {
-                    ("completed", "")
+                    (InputOutcome::Completed, "")
                 };
                 b.finish(status, detail, iterations);
                 return self.write(b).await;
@@ -154,7 +155,7 @@ impl Session<'_> {
             if let Some(first) = tool_calls.first()
                 && self.starts_at_once(p, first, &known_calls)
             {
-                b.journal(first, "started", None);
+                b.journal(first, CallStatus::Started, None);
                 b.event(
                     "tool_call",
                     json!({"call_id": first.id, "tool": first.name, "input": first.input}),
