@@ -181,13 +181,13 @@ pub async fn memory_write(
         return Ok(ToolError::BadArguments.output("`text` must be 1 byte to 16 KiB"));
     }
     let id = Uuid::now_v7();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO memory_entries (id, workspace_id, text, session_id) VALUES ($1, $2, $3, $4)",
+        id,
+        workspace_id,
+        text,
+        session_id,
     )
-    .bind(id)
-    .bind(workspace_id)
-    .bind(text)
-    .bind(session_id)
     .execute(&mut **tx)
     .await?;
     Ok(ToolOutput::ok(format!("remembered (memory {id})")))
@@ -202,13 +202,13 @@ pub async fn memory_search(
     let Some(query) = input.get("query").and_then(Value::as_str) else {
         return Ok(ToolError::BadArguments.output("`query` (a string) is required"));
     };
-    let rows: Vec<(String,)> = sqlx::query_as(
+    let rows: Vec<String> = sqlx::query_scalar!(
         "SELECT text FROM memory_entries
          WHERE workspace_id = $1 AND tsv @@ websearch_to_tsquery('english', $2)
          ORDER BY ts_rank(tsv, websearch_to_tsquery('english', $2)) DESC, created_at DESC LIMIT 10",
+        workspace_id,
+        query,
     )
-    .bind(workspace_id)
-    .bind(query)
     .fetch_all(db)
     .await?;
     Ok(if rows.is_empty() {
@@ -216,7 +216,7 @@ pub async fn memory_search(
     } else {
         ToolOutput::ok(
             rows.into_iter()
-                .map(|r| format!("- {}", r.0))
+                .map(|r| format!("- {r}"))
                 .collect::<Vec<_>>()
                 .join("\n"),
         )

@@ -89,14 +89,14 @@ async fn register(
     {
         return refused("not a worker token (agw_...)");
     }
-    let found: Result<Option<(Uuid,)>, _> = sqlx::query_as(
+    let found: Result<Option<Uuid>, _> = sqlx::query_scalar!(
         "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'worker' AND revoked_at IS NULL",
+        agentscope_domain::hash_token(&r.worker_token),
     )
-    .bind(agentscope_domain::hash_token(&r.worker_token))
     .fetch_optional(db)
     .await;
     match found {
-        Ok(Some((ws,))) => {
+        Ok(Some(ws)) => {
             let id = worker_id(&ws.to_string(), &r.name);
             tracing::info!(worker_id = %id, name = %r.name, workspace_id = %ws, "worker registered");
             WorkerRegistered {

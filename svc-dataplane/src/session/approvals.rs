@@ -64,13 +64,14 @@ impl Session<'_> {
             let news = self.r.news.notified();
             tokio::pin!(news);
             news.as_mut().enable();
-            let row: Option<(String, Option<String>, Option<String>)> = sqlx::query_as(
+            let row = sqlx::query!(
                 "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2",
+                self.id.to_string(),
+                &call.id,
             )
-            .bind(self.id.to_string())
-            .bind(&call.id)
             .fetch_optional(&self.r.db)
-            .await?;
+            .await?
+            .map(|r| (r.status, r.reason, r.decided_by));
             match row {
                 Some((status, reason, by)) if status != "pending" => break (status, reason, by),
                 Some(_) => {}

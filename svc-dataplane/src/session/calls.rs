@@ -28,24 +28,24 @@ impl Runner {
                 "this agent uses Vault secrets but the dataplane has no vault keys",
             )));
         };
-        let rows: Vec<(String, String, Vec<u8>, Vec<u8>)> = sqlx::query_as(
+        let rows = sqlx::query!(
             "SELECT name, key_id, nonce, ciphertext FROM vault_secrets WHERE workspace_id = $1 AND name = ANY($2)",
+            workspace_id,
+            names,
         )
-        .bind(workspace_id)
-        .bind(names)
         .fetch_all(&self.db)
         .await?;
         let mut out = vec![];
         for name in names {
-            let Some((_, key_id, nonce, ciphertext)) = rows.iter().find(|r| &r.0 == name) else {
+            let Some(row) = rows.iter().find(|r| &r.name == name) else {
                 return Ok(Err(
                     ToolError::SecretMissing.message(format!("no Vault secret named {name}"))
                 ));
             };
             let sealed = agentscope_domain::vault::Sealed {
-                key_id: key_id.clone(),
-                nonce: nonce.clone(),
-                ciphertext: ciphertext.clone(),
+                key_id: row.key_id.clone(),
+                nonce: row.nonce.clone(),
+                ciphertext: row.ciphertext.clone(),
             };
             match vault.open(&workspace_id.to_string(), name, &sealed) {
                 Ok(v) => out.push((name.clone(), String::from_utf8_lossy(&v).into_owned())),
@@ -68,15 +68,14 @@ impl Session<'_> {
         input_id: Uuid,
         call: &ToolCallReq,
     ) -> Result<(ToolOutput, bool), Stop> {
-        let existing: Option<(String, Option<String>, bool)> = sqlx::query_as(
+        let existing = sqlx::query!(
             "SELECT status, output, is_error FROM session_tool_calls WHERE session_id = $1 AND call_id = $2",
+            self.id,
+            &call.id,
         )
-        .bind(self.id)
-        .bind(&call.id)
         .fetch_optional(&self.r.db)
-        .await?;
-        let existing = existing
-            .map(|(status, output, is_error)| (CallStatus::parse(&status), output, is_error));
+        .await?
+        .map(|r| (CallStatus::parse(&r.status), r.output, r.is_error));
         if existing
             .as_ref()
             .is_some_and(|e| e.0 == Some(CallStatus::AwaitingApproval))

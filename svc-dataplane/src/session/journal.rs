@@ -1,5 +1,5 @@
 //! The session's journal: every durable step (messages, tool-call rows, events, status, an
-//! input's outcome) is one [`Batch`], written by one statement ([`WRITE`]) that first checks this
+//! input's outcome) is one [`Batch`], written by one statement (in [`Session::write_on`]) that first checks this
 //! replica's fencing token, so a fenced replica writes nothing.
 
 use super::{Session, Stop};
@@ -9,7 +9,7 @@ use agentscope_domain::{InputOutcome, SessionStatus};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-/// The rows of one durable step, written by one statement ([`WRITE`]): one round trip and one
+/// The rows of one durable step, written by one statement (in [`Session::write_on`]): one round trip and one
 /// transaction that first checks the replica's fencing token and writes all of them, or nothing.
 #[derive(Default)]
 pub(super) struct Batch {
@@ -67,46 +67,6 @@ impl CallStatus {
         Self::ALL.into_iter().find(|v| v.as_str() == s)
     }
 }
-
-/// Applies a [`Batch`] in one statement. `fence` takes the session's row (`FOR UPDATE` by its
-/// update) only if this replica's token still holds it (and, for an approved call, only if the
-/// call still waits), and reserves the events' sequence numbers; every other part reads `fence`,
-/// so a fenced replica writes nothing. Data-modifying CTEs run once, in one snapshot and one
-/// transaction.
-const WRITE: &str = r#"WITH fence AS (
-    UPDATE session_state SET last_seq = last_seq + cardinality($3::text[]),
-        status = COALESCE($13::text, status), detail = COALESCE($14::text, detail), updated_at = now()
-    WHERE session_id = $1 AND lease_token = $2
-      AND ($15::text IS NULL OR EXISTS (SELECT 1 FROM session_tool_calls
-          WHERE session_id = $1 AND call_id = $15::text AND status = 'awaiting_approval'))
-    RETURNING last_seq - cardinality($3::text[]) AS base
-), events AS (
-    INSERT INTO session_events (session_id, seq, kind, payload)
-    SELECT $1, fence.base + e.n, e.kind, e.payload
-    FROM fence, unnest($3::text[], $4::jsonb[]) WITH ORDINALITY AS e(kind, payload, n)
-), messages AS (
-    INSERT INTO session_messages (session_id, seq, input_id, message)
-    SELECT $1, (SELECT COALESCE(max(seq), 0) FROM session_messages WHERE session_id = $1) + m.n, $5::uuid, m.message
-    FROM fence, unnest($6::jsonb[]) WITH ORDINALITY AS m(message, n)
-), journal AS (
-    INSERT INTO session_tool_calls (session_id, call_id, input_id, tool, input, status, output, is_error, finished_at)
-    SELECT $1, j.call_id, $5::uuid, j.tool, j.input, j.status,
-        CASE WHEN j.status IN ('started', 'awaiting_approval') THEN NULL ELSE j.output END, j.is_error,
-        CASE WHEN j.status = 'started' THEN NULL ELSE now() END
-    FROM fence, unnest($7::text[], $8::text[], $9::jsonb[], $10::text[], $11::text[], $12::bool[])
-        AS j(call_id, tool, input, status, output, is_error)
-), started AS (
-    UPDATE session_tool_calls c SET status = 'started' FROM fence
-    WHERE c.session_id = $1 AND c.call_id = $15::text AND c.status = 'awaiting_approval'
-), ended AS (
-    UPDATE session_tool_calls c SET status = $16::text, output = $17::text, is_error = $18::bool, finished_at = now()
-    FROM fence WHERE c.session_id = $1 AND c.call_id = $19::text
-), outcome AS (
-    INSERT INTO session_outcomes (input_id, session_id, status, detail, iterations)
-    SELECT $5::uuid, $1, $20::text, $21::text, $22::int4 FROM fence WHERE $20::text IS NOT NULL
-    ON CONFLICT (input_id) DO NOTHING
-)
-SELECT base FROM fence"#;
 
 impl Batch {
     pub(super) fn of(input_id: Uuid) -> Batch {
@@ -204,31 +164,71 @@ impl Session<'_> {
             Some((s, d, n)) => (Some(s.as_str()), Some(d), Some(n)),
             None => (None, None, None),
         };
-        let row: Option<(i64,)> = sqlx::query_as(WRITE)
-            .bind(self.id)
-            .bind(self.token)
-            .bind(kinds)
-            .bind(payloads)
-            .bind(b.input_id)
-            .bind(b.messages)
-            .bind(j.0)
-            .bind(j.1)
-            .bind(j.2)
-            .bind(j.3)
-            .bind(j.4)
-            .bind(j.5)
-            .bind(status)
-            .bind(detail)
-            .bind(b.started)
-            .bind(ended_status)
-            .bind(ended_output)
-            .bind(ended_error)
-            .bind(ended_id)
-            .bind(outcome)
-            .bind(outcome_detail)
-            .bind(iterations)
-            .fetch_optional(on)
-            .await?;
+        // Applies a the batch in one statement. `fence` takes the session's row (`FOR UPDATE` by its
+        // update) only if this replica's token still holds it (and, for an approved call, only if the
+        // call still waits), and reserves the events' sequence numbers; every other part reads `fence`,
+        // so a fenced replica writes nothing. Data-modifying CTEs run once, in one snapshot and one
+        // transaction.
+        let row = sqlx::query_scalar!(
+            r#"WITH fence AS (
+    UPDATE session_state SET last_seq = last_seq + cardinality($3::text[]),
+        status = COALESCE($13::text, status), detail = COALESCE($14::text, detail), updated_at = now()
+    WHERE session_id = $1 AND lease_token = $2
+      AND ($15::text IS NULL OR EXISTS (SELECT 1 FROM session_tool_calls
+          WHERE session_id = $1 AND call_id = $15::text AND status = 'awaiting_approval'))
+    RETURNING last_seq - cardinality($3::text[]) AS base
+), events AS (
+    INSERT INTO session_events (session_id, seq, kind, payload)
+    SELECT $1, fence.base + e.n, e.kind, e.payload
+    FROM fence, unnest($3::text[], $4::jsonb[]) WITH ORDINALITY AS e(kind, payload, n)
+), messages AS (
+    INSERT INTO session_messages (session_id, seq, input_id, message)
+    SELECT $1, (SELECT COALESCE(max(seq), 0) FROM session_messages WHERE session_id = $1) + m.n, $5::uuid, m.message
+    FROM fence, unnest($6::jsonb[]) WITH ORDINALITY AS m(message, n)
+), journal AS (
+    INSERT INTO session_tool_calls (session_id, call_id, input_id, tool, input, status, output, is_error, finished_at)
+    SELECT $1, j.call_id, $5::uuid, j.tool, j.input, j.status,
+        CASE WHEN j.status IN ('started', 'awaiting_approval') THEN NULL ELSE j.output END, j.is_error,
+        CASE WHEN j.status = 'started' THEN NULL ELSE now() END
+    FROM fence, unnest($7::text[], $8::text[], $9::jsonb[], $10::text[], $11::text[], $12::bool[])
+        AS j(call_id, tool, input, status, output, is_error)
+), started AS (
+    UPDATE session_tool_calls c SET status = 'started' FROM fence
+    WHERE c.session_id = $1 AND c.call_id = $15::text AND c.status = 'awaiting_approval'
+), ended AS (
+    UPDATE session_tool_calls c SET status = $16::text, output = $17::text, is_error = $18::bool, finished_at = now()
+    FROM fence WHERE c.session_id = $1 AND c.call_id = $19::text
+), outcome AS (
+    INSERT INTO session_outcomes (input_id, session_id, status, detail, iterations)
+    SELECT $5::uuid, $1, $20::text, $21::text, $22::int4 FROM fence WHERE $20::text IS NOT NULL
+    ON CONFLICT (input_id) DO NOTHING
+)
+SELECT base FROM fence"#,
+            self.id,
+            self.token,
+            &kinds as &[&str],
+            &payloads as &[Value],
+            b.input_id,
+            &b.messages as &[Value],
+            &j.0 as &[String],
+            &j.1 as &[String],
+            &j.2 as &[Value],
+            &j.3 as &[&str],
+            &j.4 as &[String],
+            &j.5 as &[bool],
+            status,
+            detail,
+            b.started,
+            ended_status,
+            ended_output,
+            ended_error,
+            ended_id,
+            outcome,
+            outcome_detail,
+            iterations,
+        )
+        .fetch_optional(on)
+        .await?;
         match row {
             Some(_) => Ok(()),
             None => Err(Stop::Fenced),
@@ -260,15 +260,19 @@ impl Session<'_> {
     }
 
     pub(super) async fn history(&self) -> Result<Vec<(Uuid, Message)>, Stop> {
-        let rows: Vec<(Uuid, Value)> = sqlx::query_as(
+        let rows = sqlx::query!(
             "SELECT input_id, message FROM session_messages WHERE session_id = $1 ORDER BY seq",
+            self.id,
         )
-        .bind(self.id)
         .fetch_all(&self.r.db)
         .await?;
         Ok(rows
             .into_iter()
-            .filter_map(|(i, v)| serde_json::from_value(v).ok().map(|m| (i, m)))
+            .filter_map(|r| {
+                serde_json::from_value(r.message)
+                    .ok()
+                    .map(|m| (r.input_id, m))
+            })
             .collect())
     }
 

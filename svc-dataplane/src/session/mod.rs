@@ -136,13 +136,12 @@ impl Runner {
 
     /// Sessions with an input that has no outcome yet.
     pub async fn sessions_with_work(&self) -> Result<Vec<Uuid>, sqlx::Error> {
-        let rows: Vec<(Uuid,)> = sqlx::query_as(
+        sqlx::query_scalar!(
             "SELECT DISTINCT i.session_id FROM session_inputs i
              WHERE NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id) LIMIT 500",
         )
         .fetch_all(&self.db)
-        .await?;
-        Ok(rows.into_iter().map(|r| r.0).collect())
+        .await
     }
 
     /// Returns on news for any session, or after `at_most`.
@@ -153,12 +152,13 @@ impl Runner {
     /// Takes the session over under `token`, then works through its inputs in order.
     async fn run(&self, session_id: Uuid, token: i64) -> Result<(), Stop> {
         // A session refused here was already told so: leave it (and its events) alone.
-        let (environment, status): (String, Option<String>) = sqlx::query_as(
-            "SELECT s.environment, st.status FROM sessions s LEFT JOIN session_state st ON st.session_id = s.id WHERE s.id = $1",
+        let row = sqlx::query!(
+            r#"SELECT s.environment, st.status AS "status?" FROM sessions s LEFT JOIN session_state st ON st.session_id = s.id WHERE s.id = $1"#,
+            session_id,
         )
-        .bind(session_id)
         .fetch_one(&self.db)
         .await?;
+        let (environment, status) = (row.environment, row.status);
         if ["local", "remote"].contains(&environment.as_str())
             && !self.config.allow_local_environment
             && status.as_deref().and_then(SessionStatus::parse)
@@ -166,19 +166,19 @@ impl Runner {
         {
             return Ok(());
         }
-        let taken: Option<(i64,)> = sqlx::query_as(
+        let taken: Option<i64> = sqlx::query_scalar!(
             "INSERT INTO session_state (session_id, status, lease_token, replica) VALUES ($1, 'running', $2, $3)
              ON CONFLICT (session_id) DO UPDATE SET lease_token = EXCLUDED.lease_token, replica = EXCLUDED.replica,
                  status = 'running', detail = '', updated_at = now()
              WHERE session_state.lease_token < EXCLUDED.lease_token
              RETURNING last_seq",
+            session_id,
+            token,
+            &self.replica,
         )
-        .bind(session_id)
-        .bind(token)
-        .bind(&self.replica)
         .fetch_optional(&self.db)
         .await?;
-        let Some((last_seq,)) = taken else {
+        let Some(last_seq) = taken else {
             return Err(Stop::Fenced);
         };
         let s = Session {
@@ -199,17 +199,18 @@ impl Runner {
         }
         s.materialize(&pinned).await?;
         loop {
-            let next: Option<(Uuid, String)> = sqlx::query_as(
+            let next = sqlx::query!(
                 "SELECT i.id, i.text FROM session_inputs i WHERE i.session_id = $1
                  AND NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id)
                  ORDER BY i.id LIMIT 1",
+                session_id,
             )
-            .bind(session_id)
             .fetch_optional(&self.db)
             .await?;
-            let Some((input_id, text)) = next else {
+            let Some(next) = next else {
                 return Ok(());
             };
+            let (input_id, text) = (next.id, next.text);
             s.work(&pinned, input_id, &text).await?;
         }
     }

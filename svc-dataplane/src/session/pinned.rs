@@ -6,7 +6,6 @@ use crate::env::{Environment, Limits};
 use crate::model::{self, ModelConfig};
 use crate::policy::{Decision, Policy};
 use crate::tools::{self, ToolError};
-use serde_json::Value;
 use std::path::PathBuf;
 use std::time::Duration;
 use uuid::Uuid;
@@ -32,24 +31,34 @@ pub(super) struct Pinned {
 
 impl Runner {
     pub(super) async fn pinned(&self, session_id: Uuid) -> Result<Pinned, Stop> {
-        type Row = (
-            Uuid,
-            String,
-            String,
-            Option<String>,
-            Value,
-            Value,
-            Option<i32>,
-            Value,
-            Option<String>,
-        );
-        let (workspace_id, environment, instructions, model, tools, policy, max_iters, files, worker): Row = sqlx::query_as(
+        let row = sqlx::query!(
             "SELECT s.workspace_id, s.environment, v.instructions, v.model, v.tools, v.policy, v.max_iters, v.capability_files, s.worker
              FROM sessions s JOIN agent_versions v ON v.id = s.agent_version_id WHERE s.id = $1",
+            session_id,
         )
-        .bind(session_id)
         .fetch_one(&self.db)
         .await?;
+        let (
+            workspace_id,
+            environment,
+            instructions,
+            model,
+            tools,
+            policy,
+            max_iters,
+            files,
+            worker,
+        ) = (
+            row.workspace_id,
+            row.environment,
+            row.instructions,
+            row.model,
+            row.tools,
+            row.policy,
+            row.max_iters,
+            row.capability_files,
+            row.worker,
+        );
         let base = match (environment.as_str(), self.config.remote_dir.as_str()) {
             ("remote", "") => PathBuf::from(&self.config.sessions_dir).join("remote"),
             ("remote", shared) => PathBuf::from(shared),
