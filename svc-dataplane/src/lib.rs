@@ -80,7 +80,7 @@ fn running_as_root() -> bool {
 /// continues them at once instead of after the lease's TTL).
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
-/// How long a core task that failed waits before it is started again.
+/// The core tasks whose end is a lost subscription: started again a second after a failure.
 const RESTART_BACKOFF: Policy = Policy::Restart {
     backoff: Duration::from_secs(1),
 };
@@ -217,7 +217,9 @@ impl App {
         shutdown: impl std::future::Future<Output = ()>,
     ) -> anyhow::Result<()> {
         let res = self.sup.run(shutdown).await;
-        let _ = self.nats.flush().await;
+        if let Err(e) = self.nats.flush().await {
+            tracing::warn!(error = %e, "flush NATS at shutdown");
+        }
         tracing::info!("svc-dataplane stopped");
         res
     }

@@ -61,7 +61,10 @@ pub async fn serve_registrations(
             Err(_) => refused("malformed WorkerRegistration"),
             Ok(r) => register(&db, &r, heartbeat_ms).await,
         };
-        let _ = nats.publish(reply, answer.encode_to_vec().into()).await;
+        if let Err(e) = nats.publish(reply, answer.encode_to_vec().into()).await {
+            // The Worker asks again when its request times out.
+            tracing::warn!(error = %e, "answer a worker registration");
+        }
     }
 }
 

@@ -164,11 +164,11 @@ impl Session<'_> {
             Some((s, d, n)) => (Some(s.as_str()), Some(d), Some(n)),
             None => (None, None, None),
         };
-        // Applies a the batch in one statement. `fence` takes the session's row (`FOR UPDATE` by its
-        // update) only if this replica's token still holds it (and, for an approved call, only if the
-        // call still waits), and reserves the events' sequence numbers; every other part reads `fence`,
-        // so a fenced replica writes nothing. Data-modifying CTEs run once, in one snapshot and one
-        // transaction.
+        // The batch in one statement. `fence` takes the session's row (`FOR UPDATE` by its
+        // update) only if this replica's token still holds it (and, for an approved call, only
+        // if the call still waits), and reserves the events' sequence numbers; every other part
+        // reads `fence`, so a fenced replica writes nothing. Data-modifying CTEs run once, in
+        // one snapshot and one transaction.
         let row = sqlx::query_scalar!(
             r#"WITH fence AS (
     UPDATE session_state SET last_seq = last_seq + cardinality($3::text[]),

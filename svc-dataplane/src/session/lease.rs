@@ -82,7 +82,9 @@ impl Runner {
             Err(Stop::Db(e)) => tracing::error!(%session_id, error = %e, "session stopped"),
         }
         done.cancel();
-        let _ = keeper.await;
+        if let Err(e) = keeper.await {
+            tracing::error!(%session_id, error = %e, "session lease keeper panicked");
+        }
         if !lost.is_cancelled() {
             lease.release().await;
         }
