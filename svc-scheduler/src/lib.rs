@@ -156,38 +156,19 @@ impl App {
         let mut sup = Supervisor::new("svc-scheduler", self.cancel.clone(), STOP_GRACE);
         let ctx = &self.ctx;
         let critical = Policy::Critical;
-        let c = ctx.clone();
-        sup.spawn("register", critical, move |stop| {
-            hosts::serve_register(c.clone(), stop)
-        });
-        let c = ctx.clone();
-        sup.spawn(
-            "presence",
-            Policy::Restart {
-                backoff: Duration::from_secs(1),
-            },
-            move |stop| hosts::watch_presence(c.clone(), stop),
-        );
-        let c = ctx.clone();
-        sup.spawn("claim", critical, move |stop| claim::serve(c.clone(), stop));
-        let c = ctx.clone();
-        sup.spawn("intake", critical, move |stop| intake::run(c.clone(), stop));
-        let c = ctx.clone();
-        sup.spawn("recorder", critical, move |stop| {
-            recorder::run(c.clone(), stop)
-        });
-        let c = ctx.clone();
-        sup.spawn("sweeper", critical, move |stop| {
-            sweeper::run(c.clone(), stop)
-        });
-        let c = ctx.clone();
-        sup.spawn("approval-requests", critical, move |stop| {
-            approvals::consume_requests(c.clone(), stop)
-        });
-        let c = ctx.clone();
-        sup.spawn("approval-decisions", critical, move |stop| {
-            approvals::serve_decisions(c.clone(), stop)
-        });
+        sup.spawn("register", critical, with(ctx, hosts::serve_register));
+        let restart = Policy::Restart {
+            backoff: Duration::from_secs(1),
+        };
+        sup.spawn("presence", restart, with(ctx, hosts::watch_presence));
+        sup.spawn("claim", critical, with(ctx, claim::serve));
+        sup.spawn("intake", critical, with(ctx, intake::run));
+        sup.spawn("recorder", critical, with(ctx, recorder::run));
+        sup.spawn("sweeper", critical, with(ctx, sweeper::run));
+        let requests = with(ctx, approvals::consume_requests);
+        sup.spawn("approval-requests", critical, requests);
+        let decisions = with(ctx, approvals::serve_decisions);
+        sup.spawn("approval-decisions", critical, decisions);
         match self.callout_issuer()? {
             Some(issuer) => {
                 tracing::info!(
@@ -215,6 +196,15 @@ impl App {
 
 /// How long the scheduler's tasks get to finish what they hold at shutdown.
 const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// A core task's maker: `task` started with its own copy of the context.
+fn with<F, Fut>(ctx: &Ctx, task: F) -> impl Fn(CancellationToken) -> Fut + Send + 'static
+where
+    F: Fn(Ctx, CancellationToken) -> Fut + Send + 'static,
+{
+    let ctx = ctx.clone();
+    move |stop| task(ctx.clone(), stop)
+}
 
 /// The newest event the host has published for an attempt, as the stream holds it (the
 /// recorder may not have caught up): its seq and the host's timestamp (ms). None when the host
