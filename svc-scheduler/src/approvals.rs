@@ -45,17 +45,11 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
         concurrency: 1,
     };
     let ctx = &ctx;
+    // It would not decode on any redelivery either: recorded and terminated.
     let malformed = |msg: Arc<JsMessage>, e: DecodeError| async move {
-        crate::retry_or_reject(
-            ctx,
-            &msg,
-            CONSUMER_APPROVALS,
-            &e.to_string(),
-            false,
-            Duration::from_millis(500),
-            crate::redelivery_max(ctx),
-        )
-        .await
+        let reason = e.to_string();
+        crate::reject(ctx, &msg.subject, CONSUMER_APPROVALS, &reason, &msg.payload).await;
+        AckKind::Term
     };
     agentscope_bus::consume_decoded(
         messages,
