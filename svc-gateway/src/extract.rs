@@ -219,13 +219,15 @@ impl FromRequestParts<AppState> for Auth {
             return Err(ApiError::unauthorized());
         }
         let hash = agentscope_domain::hash_token(token);
-        let row: Option<(Uuid, Uuid)> = sqlx::query_as(
+        let row = sqlx::query!(
             "SELECT workspace_id, id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
+            hash,
         )
-        .bind(hash)
         .fetch_optional(&state.db)
         .await?;
-        let (workspace_id, token_id) = row.ok_or_else(ApiError::unauthorized)?;
+        let (workspace_id, token_id) = row
+            .map(|r| (r.workspace_id, r.id))
+            .ok_or_else(ApiError::unauthorized)?;
         tracing::Span::current().record("workspace_id", tracing::field::display(workspace_id));
         Ok(Auth {
             workspace_id,
@@ -283,15 +285,17 @@ impl FromRequestParts<AppState> for TaskAuth {
         if !token.starts_with(agentscope_domain::TokenKind::Task.prefix()) || token.len() > 256 {
             return Err(refused());
         }
-        let row: Option<(Uuid, Uuid, Uuid, Option<Uuid>, Uuid)> = sqlx::query_as(
+        let row = sqlx::query!(
             "SELECT a.workspace_id, a.task_id, a.id, t.issue_id, a.agent_id FROM attempts a
              JOIN tasks t ON t.id = a.task_id
              WHERE a.task_token_hash = $1 AND a.status IN ('claimed', 'running')",
+            agentscope_domain::hash_token(token),
         )
-        .bind(agentscope_domain::hash_token(token))
         .fetch_optional(&state.db)
         .await?;
-        let (workspace_id, task_id, attempt_id, issue_id, agent_id) = row.ok_or_else(refused)?;
+        let (workspace_id, task_id, attempt_id, issue_id, agent_id) = row
+            .map(|r| (r.workspace_id, r.task_id, r.id, r.issue_id, r.agent_id))
+            .ok_or_else(refused)?;
         let span = tracing::Span::current();
         span.record("workspace_id", tracing::field::display(workspace_id));
         Ok(TaskAuth {

@@ -46,15 +46,16 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
     else {
         return refused("invalid_id", "workspace_id and session_id must be UUIDs");
     };
-    let issue: Result<Option<(Option<Uuid>,)>, _> =
-        sqlx::query_as("SELECT issue_id FROM sessions WHERE id = $1 AND workspace_id = $2")
-            .bind(session)
-            .bind(ws)
-            .fetch_optional(&s.db)
-            .await;
+    let issue = sqlx::query_scalar!(
+        "SELECT issue_id FROM sessions WHERE id = $1 AND workspace_id = $2",
+        session,
+        ws,
+    )
+    .fetch_optional(&s.db)
+    .await;
     let issue = match issue {
-        Ok(Some((Some(i),))) => i,
-        Ok(Some((None,))) => return refused("no_issue", "this session works on no Issue"),
+        Ok(Some(Some(i))) => i,
+        Ok(Some(None)) => return refused("no_issue", "this session works on no Issue"),
         Ok(None) => return refused("not_found", "session not found"),
         Err(e) => {
             tracing::warn!(error = %e, "session issue write");
@@ -79,14 +80,16 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
                     "`body` contains a NUL character (\\u0000), which no text field accepts",
                 );
             }
-            sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
-                .bind(id)
-                .bind(ws)
-                .bind(issue)
-                .bind(&author)
-                .bind(&body)
-                .execute(&s.db)
-                .await
+            sqlx::query!(
+                "INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)",
+                id,
+                ws,
+                issue,
+                &author,
+                &body,
+            )
+            .execute(&s.db)
+            .await
         }
         Some(What::Artifact(a)) => {
             let name_ok = !a.name.is_empty()
@@ -111,20 +114,20 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
             }
             use sha2::Digest;
             let sha = hex::encode(sha2::Sha256::digest(&a.content));
-            sqlx::query(
+            sqlx::query!(
                 "INSERT INTO artifacts (id, workspace_id, issue_id, session_id, name, content_type, size_bytes, sha256, content, author)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                id,
+                ws,
+                issue,
+                session,
+                &a.name,
+                &a.content_type,
+                a.content.len() as i64,
+                &sha,
+                &a.content[..],
+                &author,
             )
-            .bind(id)
-            .bind(ws)
-            .bind(issue)
-            .bind(session)
-            .bind(&a.name)
-            .bind(&a.content_type)
-            .bind(a.content.len() as i64)
-            .bind(&sha)
-            .bind(&a.content)
-            .bind(&author)
             .execute(&s.db)
             .await
         }

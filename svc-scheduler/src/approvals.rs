@@ -111,24 +111,11 @@ async fn record_request(ctx: &Ctx, subject: &str, req: ToolRequest) -> Result<()
     };
     // A hosted attempt's request, or a managed session's (svc-dataplane); each is fenced by its
     // holder's lease token: only the current holder may ask.
-    let (owner, query) = if req.attempt_id.is_empty() && !req.session_id.is_empty() {
-        (
-            &req.session_id,
-            r#"INSERT INTO approvals (id, workspace_id, session_id, request_id, tool_name, input, expires_at)
-               SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
-               FROM sessions s JOIN session_state st ON st.session_id = s.id
-               WHERE s.id = $2 AND st.lease_token = $7
-               ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
-        )
+    let managed = req.attempt_id.is_empty() && !req.session_id.is_empty();
+    let owner = if managed {
+        &req.session_id
     } else {
-        (
-            &req.attempt_id,
-            r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
-               SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
-               FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
-                 AND a.host_id = $8
-               ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
-        )
+        &req.attempt_id
     };
     let owner_id = Uuid::parse_str(owner)
         .map_err(|_| Error::Rejected("attempt_id or session_id is not a UUID".into()))?;
@@ -140,17 +127,43 @@ async fn record_request(ctx: &Ctx, subject: &str, req: ToolRequest) -> Result<()
     } else {
         req.timeout_ms
     } as f64;
-    let inserted = sqlx::query(query)
-        .bind(Uuid::now_v7())
-        .bind(owner_id)
-        .bind(&req.request_id)
-        .bind(crate::storable(&req.tool_name).as_ref())
-        .bind(&input)
-        .bind(timeout_ms)
-        .bind(req.lease_token as i64)
-        .bind(subject_host)
+    let tool_name = crate::storable(&req.tool_name);
+    let inserted = if managed {
+        sqlx::query!(
+            r#"INSERT INTO approvals (id, workspace_id, session_id, request_id, tool_name, input, expires_at)
+               SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6::float8 / 1000.0)
+               FROM sessions s JOIN session_state st ON st.session_id = s.id
+               WHERE s.id = $2 AND st.lease_token = $7
+               ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
+            Uuid::now_v7(),
+            owner_id,
+            &req.request_id,
+            tool_name.as_ref(),
+            &input,
+            timeout_ms,
+            req.lease_token as i64,
+        )
         .execute(&ctx.db)
-        .await?;
+        .await?
+    } else {
+        sqlx::query!(
+            r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
+               SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6::float8 / 1000.0)
+               FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
+                 AND a.host_id = $8
+               ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
+            Uuid::now_v7(),
+            owner_id,
+            &req.request_id,
+            tool_name.as_ref(),
+            &input,
+            timeout_ms,
+            req.lease_token as i64,
+            subject_host,
+        )
+        .execute(&ctx.db)
+        .await?
+    };
     if inserted.rows_affected() == 1 {
         ctx.metrics.inc("agentscope_approvals_requested_total", &[]);
         tracing::info!(owner = %owner_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested");
@@ -242,20 +255,20 @@ async fn decide(
     // row lock of the update applies it once) and the replica holding the session is nudged at
     // once. Anything else (a replay, another workspace, a hosted attempt's request, an unknown
     // id) takes the transaction below.
-    let session: Option<(String,)> = sqlx::query_as(
-        "UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '')
+    let session = sqlx::query_scalar!(
+        r#"UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '')
          WHERE id = $1 AND status = 'pending' AND attempt_id IS NULL AND session_id IS NOT NULL
            AND ($5::uuid IS NULL OR workspace_id = $5)
-         RETURNING session_id",
+         RETURNING session_id AS "session_id!""#,
+        id,
+        status,
+        &d.decided_by,
+        &d.reason,
+        ws,
     )
-    .bind(id)
-    .bind(status)
-    .bind(&d.decided_by)
-    .bind(&d.reason)
-    .bind(ws)
     .fetch_optional(&ctx.db)
     .await?;
-    if let Some((session,)) = session {
+    if let Some(session) = session {
         let _ = ctx
             .nats
             .publish(subjects::SESSIONS_NUDGE, session.into())
@@ -271,16 +284,22 @@ async fn decide(
     }
     let mut tx = ctx.db.begin().await?;
     // status, attempt (hosted) or session (managed), request, workspace.
-    type Row = (String, Option<Uuid>, String, Uuid, Option<String>);
-    let row: Option<Row> = sqlx::query_as(
+    let row = sqlx::query!(
         "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id, ap.session_id FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
+        id,
     )
-    .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((current, attempt_id, request_id, workspace, session_id)) = row else {
+    let Some(row) = row else {
         return Ok(refused("not_found", "approval not found", ""));
     };
+    let (current, attempt_id, request_id, workspace, session_id) = (
+        row.status,
+        row.attempt_id,
+        row.request_id,
+        row.workspace_id,
+        row.session_id,
+    );
     if ws.is_some_and(|w| w != workspace) {
         return Ok(refused("not_found", "approval not found", ""));
     }
@@ -311,8 +330,7 @@ async fn decide(
             return Ok(refused("not_found", "approval not found", ""));
         };
         if !a.status.is_active() {
-            sqlx::query("UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform', reason = 'the attempt had ended' WHERE id = $1")
-                .bind(id)
+            sqlx::query!("UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform', reason = 'the attempt had ended' WHERE id = $1", id)
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await?;
@@ -324,13 +342,15 @@ async fn decide(
         }
         host = a.host_id.map(|h| (h, attempt_id));
     }
-    sqlx::query("UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1")
-        .bind(id)
-        .bind(status)
-        .bind(&d.decided_by)
-        .bind(&d.reason)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1",
+        id,
+        status,
+        &d.decided_by,
+        &d.reason,
+    )
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     if let Some((host, attempt_id)) = host {
         let cmd = HostCommand {
@@ -377,12 +397,12 @@ async fn decide(
 
 /// Pending approvals past their deadline become denies with the class `approval_timeout`.
 pub(crate) async fn expire(ctx: &Ctx) -> Result<(), Error> {
-    let due: Vec<(Uuid,)> = sqlx::query_as(
+    let due = sqlx::query_scalar!(
         "SELECT id FROM approvals WHERE status = 'pending' AND expires_at < now() LIMIT 100",
     )
     .fetch_all(&ctx.db)
     .await?;
-    for (id,) in due {
+    for id in due {
         let d = DecideApproval {
             approval_id: id.to_string(),
             allow: false,

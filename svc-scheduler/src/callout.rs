@@ -74,14 +74,14 @@ async fn decide(ctx: &Ctx, req: &AuthRequest) -> Result<Decision, Error> {
     } else {
         return Ok(Err("unknown credential"));
     };
-    let found: Option<(Uuid,)> = sqlx::query_as(
+    let found = sqlx::query_scalar!(
         "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = $2 AND revoked_at IS NULL",
+        agentscope_domain::hash_token(&req.password),
+        kind,
     )
-    .bind(agentscope_domain::hash_token(&req.password))
-    .bind(kind)
     .fetch_optional(&ctx.db)
     .await?;
-    let Some((workspace_id,)) = found else {
+    let Some(workspace_id) = found else {
         return Ok(Err("unknown or revoked token"));
     };
     if kind == "worker" {
@@ -101,11 +101,10 @@ async fn decide(ctx: &Ctx, req: &AuthRequest) -> Result<Decision, Error> {
         return Ok(Err("a host connects with its host id (a UUID) as the user"));
     };
     // A host id belongs to the workspace that first registered it.
-    let owner: Option<(Uuid,)> = sqlx::query_as("SELECT workspace_id FROM hosts WHERE id = $1")
-        .bind(host_id)
+    let owner = sqlx::query_scalar!("SELECT workspace_id FROM hosts WHERE id = $1", host_id)
         .fetch_optional(&ctx.db)
         .await?;
-    if owner.is_some_and(|(w,)| w != workspace_id) {
+    if owner.is_some_and(|w| w != workspace_id) {
         return Ok(Err("this host id is registered in another workspace"));
     }
     Ok(Ok((

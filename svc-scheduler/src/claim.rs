@@ -11,7 +11,6 @@ use crate::{Ctx, Error};
 use agentscope_bus::{Endpoint, Request, SCHEDULER_QUEUE, lease_key, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord, TaskSpec};
-use sqlx::Row;
 use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -77,10 +76,49 @@ struct Candidate {
     agent_limit: Option<i32>,
 }
 
-/// The host's row, its pool's and workspace's limits, its active count (unlocked: a first
-/// look), whether attempts claimed for it are missing from what it holds (a lost claim reply),
-/// and how many queued attempts it could run now (up to 100).
-const PLAN: &str = r#"
+/// Locks the counters of the given scopes, in the order given (workspace, pool, agents by id,
+/// host: the order the attempts trigger uses), creating missing ones at zero, and returns their
+/// values. The row locks make the check-then-claim exact across concurrent claims and
+/// schedulers: whoever changes one of these counters waits for this transaction.
+async fn lock_counters(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    keys: &[(&'static str, Uuid)],
+) -> Result<HashMap<(String, Uuid), i64>, Error> {
+    let scopes: Vec<&str> = keys.iter().map(|k| k.0).collect();
+    let ids: Vec<Uuid> = keys.iter().map(|k| k.1).collect();
+    let rows = sqlx::query!(
+        "INSERT INTO attempt_counts (scope, id, active)
+         SELECT s, i, 0 FROM unnest($1::text[], $2::uuid[]) WITH ORDINALITY AS k(s, i, n) ORDER BY n
+         ON CONFLICT (scope, id) DO UPDATE SET active = attempt_counts.active
+         RETURNING scope, id, active",
+        // The scopes are static names; text[] takes them as &str (the check expects String).
+        &scopes as &[&str],
+        &ids,
+    )
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| ((r.scope, r.id), r.active as i64))
+        .collect())
+}
+
+async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
+    let Some(workspace_id) = crate::hosts::verify_host_token(ctx, &req.host_token).await? else {
+        return Ok(refused("unauthorized", "host token is unknown or revoked"));
+    };
+    let Ok(host_id) = Uuid::parse_str(&req.host_id) else {
+        return Ok(refused("invalid_host_id", "host_id must be a UUID"));
+    };
+    if req.free_slots == 0 {
+        return Ok(ClaimOffer::default());
+    }
+    let mut tx = ctx.db.begin().await?;
+    // The host's row, its pool's and workspace's limits, its active count (unlocked: a first
+    // look), whether attempts claimed for it are missing from what it holds (a lost claim reply),
+    // and how many queued attempts it could run now (up to 100).
+    let Some(plan) = sqlx::query!(
+        r#"
     WITH h AS (
         SELECT h.id, h.workspace_id, h.pool_id, h.capacity, h.capabilities,
                p.max_concurrency AS pool_limit, w.max_concurrency AS workspace_limit,
@@ -101,64 +139,29 @@ const PLAN: &str = r#"
                   AND a.provider = ANY(h.ready)
                 LIMIT 100) q) AS waiting
     FROM h
-"#;
-
-/// Locks the counters of the given scopes, in the order given (workspace, pool, agents by id,
-/// host: the order the attempts trigger uses), creating missing ones at zero, and returns their
-/// values. The row locks make the check-then-claim exact across concurrent claims and
-/// schedulers: whoever changes one of these counters waits for this transaction.
-async fn lock_counters(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    keys: &[(&'static str, Uuid)],
-) -> Result<HashMap<(String, Uuid), i64>, Error> {
-    let scopes: Vec<&str> = keys.iter().map(|k| k.0).collect();
-    let ids: Vec<Uuid> = keys.iter().map(|k| k.1).collect();
-    let rows: Vec<(String, Uuid, i32)> = sqlx::query_as(
-        "INSERT INTO attempt_counts (scope, id, active)
-         SELECT s, i, 0 FROM unnest($1::text[], $2::uuid[]) WITH ORDINALITY AS k(s, i, n) ORDER BY n
-         ON CONFLICT (scope, id) DO UPDATE SET active = attempt_counts.active
-         RETURNING scope, id, active",
+"#,
+        host_id,
+        workspace_id,
+        &req.held_attempts,
     )
-    .bind(&scopes)
-    .bind(&ids)
-    .fetch_all(&mut **tx)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|(s, i, n)| ((s, i), n as i64))
-        .collect())
-}
-
-async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
-    let Some(workspace_id) = crate::hosts::verify_host_token(ctx, &req.host_token).await? else {
-        return Ok(refused("unauthorized", "host token is unknown or revoked"));
-    };
-    let Ok(host_id) = Uuid::parse_str(&req.host_id) else {
-        return Ok(refused("invalid_host_id", "host_id must be a UUID"));
-    };
-    if req.free_slots == 0 {
-        return Ok(ClaimOffer::default());
-    }
-    let mut tx = ctx.db.begin().await?;
-    let Some(plan) = sqlx::query(PLAN)
-        .bind(host_id)
-        .bind(workspace_id)
-        .bind(&req.held_attempts)
-        .fetch_optional(&mut *tx)
-        .await?
+    .fetch_optional(&mut *tx)
+    .await?
     else {
         return Ok(refused("not_registered", "register before claiming"));
     };
-    let Some(pool_id) = plan.try_get::<Option<Uuid>, _>("pool_id")? else {
+    let Some(pool_id) = plan.pool_id else {
         return Ok(ClaimOffer::default());
     };
-    let capacity = plan.try_get::<i32, _>("capacity")? as i64;
-    let capabilities: Vec<String> = plan.try_get("capabilities")?;
-    let ready: Vec<String> = plan.try_get("ready")?;
-    let pool_limit: Option<i32> = plan.try_get("pool_limit")?;
-    let workspace_limit: Option<i32> = plan.try_get("workspace_limit")?;
-    let waiting_before = plan.try_get::<i64, _>("waiting")?;
-    let lost_offers: bool = plan.try_get("lost_offers")?;
+    let capacity = plan.capacity as i64;
+    let capabilities: Vec<String> = plan.capabilities;
+    let pool_limit: Option<i32> = plan.pool_limit;
+    let workspace_limit: Option<i32> = plan.workspace_limit;
+    // Computed columns that are never NULL (ARRAY(...), count(*), EXISTS, COALESCE), though
+    // Postgres reports them nullable; the statement's text stays as it is, so no `!` override.
+    let ready: Vec<String> = plan.ready.unwrap_or_default();
+    let waiting_before: i64 = plan.waiting.unwrap_or(0);
+    let lost_offers: bool = plan.lost_offers.unwrap_or(false);
+    let host_active: i64 = plan.host_active.unwrap_or(0);
 
     // Attempts leased to this host whose claim reply never arrived: offer them again, under
     // the same lease, instead of letting the lease lapse into a retry.
@@ -167,8 +170,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     } else {
         Vec::new()
     };
-    let want = (req.free_slots as i64 - assignments.len() as i64)
-        .min(capacity - plan.try_get::<i64, _>("host_active")?);
+    let want = (req.free_slots as i64 - assignments.len() as i64).min(capacity - host_active);
     if want <= 0 || waiting_before == 0 {
         tx.commit().await?;
         if assignments.is_empty() {
@@ -191,7 +193,8 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
 
     // Candidates, locked: concurrent claims skip them and take the next ones. A few more than
     // wanted, for those an agent limit turns down.
-    let rows = sqlx::query(
+    let candidates = sqlx::query_as!(
+        Candidate,
         r#"
         SELECT a.id, a.task_id, a.number, a.agent_id, a.spec, b.max_concurrency AS agent_limit
         FROM attempts a LEFT JOIN bindings b ON b.id = a.binding_id
@@ -201,27 +204,14 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         LIMIT $5
         FOR UPDATE OF a SKIP LOCKED
         "#,
+        workspace_id,
+        pool_id,
+        &capabilities,
+        &ready,
+        (want + 8).min(64),
     )
-    .bind(workspace_id)
-    .bind(pool_id)
-    .bind(&capabilities)
-    .bind(&ready)
-    .bind((want + 8).min(64))
     .fetch_all(&mut *tx)
     .await?;
-    let candidates = rows
-        .iter()
-        .map(|r| {
-            Ok(Candidate {
-                id: r.try_get("id")?,
-                task_id: r.try_get("task_id")?,
-                number: r.try_get("number")?,
-                agent_id: r.try_get("agent_id")?,
-                spec: r.try_get("spec")?,
-                agent_limit: r.try_get("agent_limit")?,
-            })
-        })
-        .collect::<Result<Vec<_>, sqlx::Error>>()?;
     if candidates.is_empty() {
         tx.commit().await?;
         note_waiting(pool_id, 0);
@@ -340,16 +330,16 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         if !ids.is_empty() {
             // One statement for the whole batch; the trigger on `attempts` moves the counters
             // locked above.
-            sqlx::query(
+            sqlx::query!(
                 "UPDATE attempts a SET status = 'claimed', host_id = $2, lease_token = x.token,
                      claimed_at = clock_timestamp(), task_token_hash = x.hash
                  FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS x(id, token, hash)
                  WHERE a.id = x.id AND a.status = 'queued'",
+                &ids,
+                host_id,
+                &revisions,
+                &hashes,
             )
-            .bind(&ids)
-            .bind(host_id)
-            .bind(&revisions)
-            .bind(&hashes)
             .execute(&mut *tx)
             .await?;
         }
@@ -391,18 +381,19 @@ async fn reoffer(
     workspace_id: Uuid,
     held: &[String],
 ) -> Result<Vec<AttemptAssignment>, Error> {
-    let rows = sqlx::query(
+    let rows = sqlx::query!(
         "SELECT id, task_id, number, spec, lease_token FROM attempts
          WHERE host_id = $1 AND status = 'claimed' AND NOT (id::text = ANY($2)) FOR UPDATE",
+        host_id,
+        // A slice of the request's ids: text[] (the check expects an owned Vec<String>).
+        held as &[String],
     )
-    .bind(host_id)
-    .bind(held)
     .fetch_all(&mut **tx)
     .await?;
     let mut out = Vec::new();
     for r in rows {
-        let id: Uuid = r.try_get("id")?;
-        let token: Option<i64> = r.try_get("lease_token")?;
+        let id: Uuid = r.id;
+        let token: Option<i64> = r.lease_token;
         // The host got the first offer if it reported anything; never run an attempt twice.
         if crate::last_published(ctx, host_id, id).await?.is_some() {
             continue;
@@ -423,17 +414,19 @@ async fn reoffer(
         tracing::warn!(attempt_id = %id, %host_id, "claim reply was lost; offering the attempt again");
         // Only its hash is stored, so the re-offer carries a fresh credential.
         let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
-        sqlx::query("UPDATE attempts SET task_token_hash = $2 WHERE id = $1")
-            .bind(id)
-            .bind(agentscope_domain::hash_token(&task_token))
-            .execute(&mut **tx)
-            .await?;
-        let spec: serde_json::Value = r.try_get("spec")?;
+        sqlx::query!(
+            "UPDATE attempts SET task_token_hash = $2 WHERE id = $1",
+            id,
+            agentscope_domain::hash_token(&task_token),
+        )
+        .execute(&mut **tx)
+        .await?;
+        let spec: serde_json::Value = r.spec;
         out.push(AttemptAssignment {
             attempt_id: id.to_string(),
-            task_id: r.try_get::<Uuid, _>("task_id")?.to_string(),
+            task_id: r.task_id.to_string(),
             workspace_id: workspace_id.to_string(),
-            attempt_number: r.try_get::<i32, _>("number")? as u32,
+            attempt_number: r.number as u32,
             lease_key: key,
             lease_token: token.unwrap_or_default() as u64,
             lease_revision: entry.revision,

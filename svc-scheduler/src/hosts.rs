@@ -30,15 +30,15 @@ pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<U
     {
         return Ok(Some(ws));
     }
-    let ws: Option<(Uuid,)> = sqlx::query_as(
+    let ws = sqlx::query_scalar!(
         "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'host' AND revoked_at IS NULL",
+        &hash,
     )
-    .bind(&hash)
     .fetch_optional(&ctx.db)
     .await?;
     let mut cache = cache.lock().expect("token cache");
     match ws {
-        Some((w,)) => {
+        Some(w) => {
             if cache.len() > 10_000 {
                 cache.retain(|_, (_, at)| at.elapsed() < TOKEN_CACHE_TTL);
             }
@@ -98,17 +98,17 @@ async fn register(ctx: &Ctx, reg: HostRegistration) -> Result<HostRegistered, Er
     let Ok(host_id) = Uuid::parse_str(&reg.host_id) else {
         return Ok(refused("invalid_host_id", "host_id must be a UUID"));
     };
-    let pool: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM pools WHERE workspace_id = $1 AND name = $2")
-            .bind(workspace_id)
-            .bind(&reg.pool)
-            .fetch_optional(&ctx.db)
-            .await?;
-    let pool_id = pool.map(|p| p.0);
+    let pool_id = sqlx::query_scalar!(
+        "SELECT id FROM pools WHERE workspace_id = $1 AND name = $2",
+        workspace_id,
+        &reg.pool,
+    )
+    .fetch_optional(&ctx.db)
+    .await?;
     let providers = providers_json(&reg.providers);
     let checks = checks_json(&reg.checks);
     // A host id belongs to the workspace that first registered it; another token cannot take it.
-    let row: Option<(Uuid,)> = sqlx::query_as(
+    let row = sqlx::query_scalar!(
         r#"
         INSERT INTO hosts (id, workspace_id, pool_id, pool_name, name, capacity, providers,
             capabilities, checks, version, last_seen_at)
@@ -120,17 +120,17 @@ async fn register(ctx: &Ctx, reg: HostRegistration) -> Result<HostRegistered, Er
         WHERE hosts.workspace_id = EXCLUDED.workspace_id
         RETURNING id
         "#,
+        host_id,
+        workspace_id,
+        pool_id,
+        &reg.pool,
+        &reg.name,
+        reg.capacity as i32,
+        providers,
+        &reg.capabilities,
+        checks,
+        &reg.version,
     )
-    .bind(host_id)
-    .bind(workspace_id)
-    .bind(pool_id)
-    .bind(&reg.pool)
-    .bind(&reg.name)
-    .bind(reg.capacity as i32)
-    .bind(providers)
-    .bind(&reg.capabilities)
-    .bind(checks)
-    .bind(&reg.version)
     .fetch_optional(&ctx.db)
     .await?;
     if row.is_none() {
@@ -196,13 +196,13 @@ pub(crate) async fn watch_presence(ctx: Ctx, cancel: CancellationToken) -> anyho
         let Ok(host_id) = Uuid::parse_str(&hb.host_id) else {
             continue;
         };
-        let res = sqlx::query(
+        let res = sqlx::query!(
             "UPDATE hosts SET last_seen_at = now(), running = $2, checks = $3, providers = $4 WHERE id = $1",
+            host_id,
+            hb.running as i32,
+            checks_json(&hb.checks),
+            providers_json(&hb.providers),
         )
-        .bind(host_id)
-        .bind(hb.running as i32)
-        .bind(checks_json(&hb.checks))
-        .bind(providers_json(&hb.providers))
         .execute(&ctx.db)
         .await;
         if let Err(e) = res {

@@ -97,12 +97,13 @@ fn parse_id(s: &str) -> Result<Uuid, Error> {
 /// Cancels the newest attempt of a task: a queued one at once, an active one through its host.
 pub(crate) async fn cancel_task(ctx: &Ctx, task_id: Uuid, reason: &str) -> Result<(), Error> {
     let mut tx = ctx.db.begin().await?;
-    let newest: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1")
-            .bind(task_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let Some((attempt_id,)) = newest else {
+    let newest = sqlx::query_scalar!(
+        "SELECT id FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+        task_id,
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(attempt_id) = newest else {
         // No attempt yet: creation sees cancel_requested_at and creates it cancelled.
         return Ok(());
     };

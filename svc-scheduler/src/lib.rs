@@ -319,13 +319,13 @@ pub(crate) async fn reject(ctx: &Ctx, subject: &str, consumer: &str, reason: &st
     );
     tracing::warn!(subject, consumer, reason, "bus message rejected");
     let excerpt = &payload[..payload.len().min(64 * 1024)];
-    if let Err(e) = sqlx::query(
+    if let Err(e) = sqlx::query!(
         "INSERT INTO rejected_messages (subject, consumer, reason, payload) VALUES ($1, $2, $3, $4)",
+        subject,
+        consumer,
+        reason,
+        excerpt,
     )
-    .bind(subject)
-    .bind(consumer)
-    .bind(reason)
-    .bind(excerpt)
     .execute(&ctx.db)
     .await
     {

@@ -33,8 +33,8 @@ pub fn nats_and_postgres(nats: async_nats::Client, db: sqlx::PgPool) -> Probe {
             if nats.connection_state() != async_nats::connection::State::Connected {
                 return Err("nats: not connected".into());
             }
-            sqlx::query("SELECT 1")
-                .execute(&db)
+            sqlx::query_scalar!("SELECT 1 AS one")
+                .fetch_one(&db)
                 .await
                 .map_err(|e| format!("postgres: {e}"))?;
             Ok(())
