@@ -2,41 +2,34 @@
 //! only writer of comments and Artifacts) writes them on the session's Issue.
 
 use crate::AppState;
-use agentscope_schemas::Message as _;
 use agentscope_schemas::v1::{IssueWrite, IssueWriteReply, issue_write::What};
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// Largest Artifact a session may upload (it travels in one NATS message).
 pub const MAX_SESSION_ARTIFACT: usize = 256 * 1024;
 
-pub async fn serve(s: AppState, cancel: CancellationToken) {
-    let mut sub = match s
-        .nats
-        .queue_subscribe(agentscope_bus::subjects::ISSUE_WRITE, "gateway".into())
-        .await
-    {
-        Ok(sub) => sub,
-        Err(e) => {
-            tracing::error!(error = %e, "subscribe to session issue writes");
-            return;
-        }
+/// Answers the dataplane's issue writes, one at a time, until `cancel`.
+pub async fn serve(s: AppState, cancel: CancellationToken) -> anyhow::Result<()> {
+    let at = agentscope_bus::Endpoint {
+        subject: agentscope_bus::subjects::ISSUE_WRITE,
+        queue_group: "gateway",
+        concurrency: 1,
     };
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = sub.next() => match m { Some(m) => m, None => return },
-        };
-        let Some(reply) = msg.reply.clone() else {
-            continue;
-        };
-        let answer = match IssueWrite::decode(msg.payload.as_ref()) {
-            Ok(w) => write(&s, w).await,
-            Err(_) => refused("malformed", "malformed IssueWrite"),
-        };
-        let _ = s.nats.publish(reply, answer.encode_to_vec().into()).await;
-    }
+    let state = &s;
+    agentscope_bus::serve(
+        &s.nats,
+        at,
+        cancel,
+        |req: agentscope_bus::Request<IssueWrite>| async move {
+            match req.body {
+                Ok(w) => write(state, w).await,
+                Err(_) => refused("malformed", "malformed IssueWrite"),
+            }
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!(e).context("subscribe to session issue writes"))
 }
 
 fn refused(code: &str, message: &str) -> IssueWriteReply {

@@ -1,16 +1,18 @@
-//! Approvals (H13, M9): a provider's tool request becomes an Approval record; a decision is
+//! Approvals: a provider's tool request becomes an Approval record; a decision is
 //! applied exactly once and sent to the host holding the attempt; an undecided request turns
 //! into a deny with the class `approval_timeout` when its policy deadline passes.
 
 use crate::{Ctx, Error, attempts};
-use agentscope_bus::{CONSUMER_APPROVALS, SCHEDULER_QUEUE, STREAM_APPROVALS, subjects};
-use agentscope_schemas::Message;
+use agentscope_bus::{
+    CONSUMER_APPROVALS, Consume, Endpoint, Request, SCHEDULER_QUEUE, STREAM_APPROVALS, subjects,
+};
 use agentscope_schemas::v1::{
     ApprovalDecision, DecideApproval, DecideApprovalReply, HostCommand, ToolRequest, host_command,
 };
-use async_nats::jetstream::AckKind;
+use agentscope_schemas::{DecodeError, Message};
 use async_nats::jetstream::consumer::{AckPolicy, pull};
-use futures::StreamExt;
+use async_nats::jetstream::{AckKind, Message as JsMessage};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -37,44 +39,52 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
         })
         .await
         .map_err(Error::bus)?;
-    let mut messages = consumer.messages().await.map_err(Error::bus)?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = messages.next() => match m {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => { tracing::warn!(error = ?e, "approvals consumer"); continue }
-                None => return Ok(()),
-            },
-        };
-        let subject = msg.subject.to_string();
-        let ack = match record_request(&ctx, &subject, &msg.payload).await {
-            Ok(()) => AckKind::Ack,
-            Err(e) => {
-                if e.retryable()
-                    && let Some(more) = RETRY_WARNING.check()
-                {
-                    tracing::warn!(error = ?e, %subject, "record tool request failed; will retry{more}");
+    let messages = consumer.messages().await.map_err(Error::bus)?;
+    let how = Consume {
+        name: CONSUMER_APPROVALS,
+        concurrency: 1,
+    };
+    let ctx = &ctx;
+    // It would not decode on any redelivery either: recorded and terminated.
+    let malformed = |msg: Arc<JsMessage>, e: DecodeError| async move {
+        let reason = e.to_string();
+        crate::reject(ctx, &msg.subject, CONSUMER_APPROVALS, &reason, &msg.payload).await;
+        AckKind::Term
+    };
+    agentscope_bus::consume_decoded(
+        messages,
+        how,
+        cancel,
+        |msg: Arc<JsMessage>, req: ToolRequest| async move {
+            let subject = msg.subject.to_string();
+            match record_request(ctx, &subject, req).await {
+                Ok(()) => AckKind::Ack,
+                Err(e) => {
+                    if e.retryable()
+                        && let Some(more) = RETRY_WARNING.check()
+                    {
+                        tracing::warn!(error = ?e, %subject, "record tool request failed; will retry{more}");
+                    }
+                    crate::retry_or_reject(
+                        ctx,
+                        &msg,
+                        CONSUMER_APPROVALS,
+                        &crate::describe(&e),
+                        e.retryable(),
+                        Duration::from_millis(500),
+                        crate::redelivery_max(ctx),
+                    )
+                    .await
                 }
-                crate::retry_or_reject(
-                    &ctx,
-                    &msg,
-                    CONSUMER_APPROVALS,
-                    &crate::describe(&e),
-                    e.retryable(),
-                    Duration::from_millis(500),
-                    crate::redelivery_max(&ctx),
-                )
-                .await
             }
-        };
-        let _ = msg.ack_with(ack).await;
-    }
+        },
+        malformed,
+    )
+    .await;
+    Ok(())
 }
 
-async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), Error> {
-    let req = ToolRequest::decode(payload)
-        .map_err(|_| Error::Rejected("malformed ToolRequest payload".into()))?;
+async fn record_request(ctx: &Ctx, subject: &str, req: ToolRequest) -> Result<(), Error> {
     // The request id is what the decision is matched by: it cannot be altered, so a NUL in it
     // refuses the request. The tool's name and input are free text, stored with U+FFFD.
     if req.request_id.contains('\0') {
@@ -163,50 +173,46 @@ async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), 
 
 /// Answers decisions from the gateway, and applies each one exactly once.
 pub(crate) async fn serve_decisions(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
-    let sub = ctx
-        .nats
-        .queue_subscribe(subjects::APPROVAL_DECIDE, SCHEDULER_QUEUE.into())
-        .await
-        .map_err(Error::bus)?;
-    sub.take_until(cancel.cancelled_owned())
-        .for_each_concurrent(8, |msg| {
-            let ctx = ctx.clone();
-            async move {
-                let Some(reply) = msg.reply.clone() else {
-                    return;
-                };
-                let answer = match DecideApproval::decode(msg.payload.as_ref()) {
-                    // Every decision from the bus names the workspace it was made in; only the
-                    // sweeper's timeouts (in-process) decide without one.
-                    Ok(d) if Uuid::parse_str(&d.workspace_id).is_err() => {
-                        refused("not_found", "approval not found", "")
-                    }
-                    Ok(d) if nul_field(&d).is_some() => refused(
-                        "invalid_field",
-                        &format!(
-                            "`{}` contains a NUL character (\\u0000)",
-                            nul_field(&d).unwrap_or_default()
-                        ),
-                        "",
+    let at = Endpoint {
+        subject: subjects::APPROVAL_DECIDE,
+        queue_group: SCHEDULER_QUEUE,
+        concurrency: 8,
+    };
+    agentscope_bus::serve(&ctx.nats, at, cancel, |msg: Request<DecideApproval>| {
+        let ctx = ctx.clone();
+        async move {
+            match msg.body {
+                // Every decision from the bus names the workspace it was made in; only the
+                // sweeper's timeouts (in-process) decide without one.
+                Ok(d) if Uuid::parse_str(&d.workspace_id).is_err() => {
+                    refused("not_found", "approval not found", "")
+                }
+                Ok(d) if nul_field(&d).is_some() => refused(
+                    "invalid_field",
+                    &format!(
+                        "`{}` contains a NUL character (\\u0000)",
+                        nul_field(&d).unwrap_or_default()
                     ),
-                    Ok(d) => match decide(&ctx, d, "allowed", "denied").await {
-                        Ok(r) => r,
-                        // The same decision would fail the same way: refused, not "retry".
-                        Err(e) if !e.retryable() => {
-                            tracing::warn!(error = ?e, "decision refused by the database");
-                            refused("invalid_field", &crate::describe(&e), "")
-                        }
-                        Err(e) => {
-                            tracing::error!(error = ?e, "decide approval");
-                            refused("internal", "the decision could not be recorded; retry", "")
-                        }
-                    },
-                    Err(_) => refused("malformed", "DecideApproval payload does not decode", ""),
-                };
-                let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
+                    "",
+                ),
+                Ok(d) => match decide(&ctx, d, "allowed", "denied").await {
+                    Ok(r) => r,
+                    // The same decision would fail the same way: refused, not "retry".
+                    Err(e) if !e.retryable() => {
+                        tracing::warn!(error = ?e, "decision refused by the database");
+                        refused("invalid_field", &crate::describe(&e), "")
+                    }
+                    Err(e) => {
+                        tracing::error!(error = ?e, "decide approval");
+                        refused("internal", "the decision could not be recorded; retry", "")
+                    }
+                },
+                Err(_) => refused("malformed", "DecideApproval payload does not decode", ""),
             }
-        })
-        .await;
+        }
+    })
+    .await
+    .map_err(Error::bus)?;
     Ok(())
 }
 

@@ -338,7 +338,7 @@ pub(crate) async fn finish(
     Ok(a.pool_id)
 }
 
-/// Cross-backend fresh fallback (H18): a new attempt on the binding's next untried fallback
+/// Cross-backend fresh fallback: a new attempt on the binding's next untried fallback
 /// provider, whose input is a context pack rebuilt from the platform's records.
 async fn fallback(tx: &mut Tx<'_>, a: &Active) -> Result<Option<Uuid>, Error> {
     let row = sqlx::query!(

@@ -8,10 +8,9 @@
 //! more are waiting.
 
 use crate::{Ctx, Error};
-use agentscope_bus::{SCHEDULER_QUEUE, lease_key, subjects};
+use agentscope_bus::{Endpoint, Request, SCHEDULER_QUEUE, lease_key, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord, TaskSpec};
-use futures::StreamExt;
 use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -21,45 +20,42 @@ static LEASE_SKIP_WARNING: agentscope_telemetry::Throttle =
     agentscope_telemetry::Throttle::new(std::time::Duration::from_secs(5));
 
 pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
-    let sub = ctx
-        .nats
-        .queue_subscribe(subjects::HOST_CLAIM_ALL, SCHEDULER_QUEUE.into())
-        .await
-        .map_err(Error::bus)?;
     // Claims run concurrently; they meet only on the counter rows of the limits they check
     // (held from the check to the commit) and skip each other's candidates.
-    sub.take_until(cancel.cancelled_owned())
-        .for_each_concurrent(16, |msg| {
-            let ctx = ctx.clone();
-            async move {
-                let Some(reply) = msg.reply.clone() else {
-                    return;
-                };
-                let offer = match ClaimRequest::decode(msg.payload.as_ref()) {
-                    // The subject's host id is the one NATS authorized: a host claims only as
-                    // itself.
-                    Ok(req) if subjects::token(&msg.subject, 2) != Some(req.host_id.as_str()) => {
-                        refused("forbidden", "host_id does not match the claim subject")
-                    }
-                    Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
-                        tracing::error!(error = ?e, "claim failed");
-                        refused("internal", "claim failed; retry")
-                    }),
-                    Err(_) => refused("malformed", "ClaimRequest payload does not decode"),
-                };
-                let result = if !offer.error_code.is_empty() {
-                    "refused"
-                } else if offer.assignments.is_empty() {
-                    "empty"
-                } else {
-                    "offered"
-                };
-                ctx.metrics
-                    .inc("agentscope_claim_requests_total", &[("result", result)]);
-                let _ = ctx.nats.publish(reply, offer.encode_to_vec().into()).await;
-            }
-        })
-        .await;
+    let at = Endpoint {
+        subject: subjects::HOST_CLAIM_ALL,
+        queue_group: SCHEDULER_QUEUE,
+        concurrency: 16,
+    };
+    agentscope_bus::serve(&ctx.nats, at, cancel, |msg: Request<ClaimRequest>| {
+        let ctx = ctx.clone();
+        async move {
+            let offer = match msg.body {
+                // The subject's host id is the one NATS authorized: a host claims only as
+                // itself.
+                Ok(req) if subjects::token(&msg.subject, 2) != Some(req.host_id.as_str()) => {
+                    refused("forbidden", "host_id does not match the claim subject")
+                }
+                Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
+                    tracing::error!(error = ?e, "claim failed");
+                    refused("internal", "claim failed; retry")
+                }),
+                Err(_) => refused("malformed", "ClaimRequest payload does not decode"),
+            };
+            let result = if !offer.error_code.is_empty() {
+                "refused"
+            } else if offer.assignments.is_empty() {
+                "empty"
+            } else {
+                "offered"
+            };
+            ctx.metrics
+                .inc("agentscope_claim_requests_total", &[("result", result)]);
+            offer
+        }
+    })
+    .await
+    .map_err(Error::bus)?;
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! Host registration (request/reply) and presence (KV watch).
 
 use crate::{Ctx, Error};
-use agentscope_bus::{SCHEDULER_QUEUE, subjects};
+use agentscope_bus::{Endpoint, Request, SCHEDULER_QUEUE, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{HostHeartbeat, HostRegistered, HostRegistration};
 use futures::StreamExt;
@@ -52,33 +52,34 @@ pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<U
     }
 }
 
+/// Answers host registrations, one at a time.
 pub(crate) async fn serve_register(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
-    let mut sub = ctx
-        .nats
-        .queue_subscribe(subjects::HOST_REGISTER_ALL, SCHEDULER_QUEUE.into())
-        .await
-        .map_err(Error::bus)?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
-        };
-        let Some(reply) = msg.reply.clone() else {
-            continue;
-        };
-        let answer = match HostRegistration::decode(msg.payload.as_ref()) {
-            Ok(reg) if subjects::token(&msg.subject, 2) != Some(reg.host_id.as_str()) => refused(
-                "forbidden",
-                "host_id does not match the registration subject",
-            ),
-            Ok(reg) => register(&ctx, reg).await.unwrap_or_else(|e| {
-                tracing::error!(error = ?e, "host registration failed");
-                refused("internal", "registration failed; retry")
-            }),
-            Err(_) => refused("malformed", "HostRegistration payload does not decode"),
-        };
-        let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
-    }
+    let at = Endpoint {
+        subject: subjects::HOST_REGISTER_ALL,
+        queue_group: SCHEDULER_QUEUE,
+        concurrency: 1,
+    };
+    agentscope_bus::serve(&ctx.nats, at, cancel, |msg: Request<HostRegistration>| {
+        let ctx = ctx.clone();
+        async move {
+            match msg.body {
+                Ok(reg) if subjects::token(&msg.subject, 2) != Some(reg.host_id.as_str()) => {
+                    refused(
+                        "forbidden",
+                        "host_id does not match the registration subject",
+                    )
+                }
+                Ok(reg) => register(&ctx, reg).await.unwrap_or_else(|e| {
+                    tracing::error!(error = ?e, "host registration failed");
+                    refused("internal", "registration failed; retry")
+                }),
+                Err(_) => refused("malformed", "HostRegistration payload does not decode"),
+            }
+        }
+    })
+    .await
+    .map_err(Error::bus)?;
+    Ok(())
 }
 
 fn refused(code: &str, message: &str) -> HostRegistered {
@@ -181,7 +182,8 @@ pub(crate) async fn watch_presence(ctx: Ctx, cancel: CancellationToken) -> anyho
             e = watch.next() => match e {
                 Some(Ok(e)) => e,
                 Some(Err(e)) => { tracing::warn!(error = ?e, "presence watch"); continue }
-                None => return Ok(()),
+                // Only the stop ends it; the supervisor starts it again.
+                None => anyhow::bail!("the presence watch ended"),
             },
         };
         if entry.operation != async_nats::jetstream::kv::Operation::Put {

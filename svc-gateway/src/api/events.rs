@@ -131,7 +131,9 @@ async fn events(
     // Frames go out pre-rendered, as many as are ready in one chunk (one write per batch, not
     // per event).
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
-    tokio::spawn(follow(s, scope, cursor, tx));
+    // Supervised work: at shutdown the stream says so and ends, and the gateway waits for it.
+    let work = s.work.clone();
+    work.spawn(follow(s, scope, cursor, tx));
     let stream = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
@@ -221,7 +223,8 @@ impl Feeds {
         }
         map.retain(|_, f| f.strong_count() > 0);
         let (tx, rx) = broadcast::channel(FEED_BUFFER);
-        let stop = CancellationToken::new();
+        // Stops when its last follower leaves, or when the gateway stops.
+        let stop = s.work.stopping().child_token();
         let ended = Arc::new(AtomicBool::new(false));
         let feed = Arc::new(Feed {
             tx: tx.clone(),
@@ -229,7 +232,7 @@ impl Feeds {
             _stop: stop.clone().drop_guard(),
         });
         map.insert(scope, Arc::downgrade(&feed));
-        tokio::spawn(read_feed(s.clone(), scope, tx, ended, stop));
+        s.work.spawn(read_feed(s.clone(), scope, tx, ended, stop));
         (feed, rx)
     }
 }
@@ -242,6 +245,9 @@ async fn read_feed(
     ended: Arc<AtomicBool>,
     stop: CancellationToken,
 ) {
+    if stop.is_cancelled() {
+        return;
+    }
     let mut wake = s.recorded.subscribe();
     // Followers catch up from the database themselves; the feed starts at the scope's end.
     let mut head = loop {

@@ -1,4 +1,4 @@
-//! `GET /v1/tasks/{id}/explain` (B1/H20): why a task waits, or why it failed.
+//! `GET /v1/tasks/{id}/explain`: why a task waits, or why it failed.
 //!
 //! A waiting task gets its task-level blockers and, for every host of the workspace, each
 //! predicate of the scheduler's claim (`svc-scheduler/src/claim.rs`) that keeps that host from

@@ -290,7 +290,7 @@ async fn submit(s: &AppState, workspace_id: Uuid, task_id: Uuid) {
     let metrics = s.metrics.clone();
     let res = match sent {
         Ok(ack) => {
-            tokio::spawn(async move {
+            s.work.spawn(async move {
                 match ack.await {
                     Ok(_) => metrics.inc("agentscope_tasks_submitted_total", &[]),
                     Err(e) => {
