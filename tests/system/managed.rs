@@ -1098,3 +1098,40 @@ async fn the_e2b_sandbox_backend_reports_an_unreachable_e2b_clearly() {
         "nothing ran locally instead"
     );
 }
+
+/// A replica woken for a session with nothing left to do leaves it alone (a nudge that comes
+/// after the outcome, as when two replicas hear one nudge), and a session's next input, taken by
+/// whichever replica is free, is not reported as a takeover: only continuing an input another
+/// replica began is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nudges_after_an_outcome_change_nothing_and_a_next_input_is_no_takeover() {
+    let script = json!({"turns": [], "final": "Nothing to do."});
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-idle-nudge", &script).await;
+    let agent = managed_agent(&stack, "idle", json!({})).await;
+    let id = start_session(&stack, &agent, "sandbox", "Say hello.").await;
+    wait_outcomes(&stack, &id, 1).await;
+    let nc = stack.nats.service_client("gateway").await.unwrap();
+    for _ in 0..5 {
+        nc.publish(agentscope_bus::subjects::SESSIONS_NUDGE, id.clone().into())
+            .await
+            .unwrap();
+    }
+    nc.flush().await.unwrap();
+    stack
+        .api
+        .post(
+            &format!("/v1/sessions/{id}/inputs"),
+            json!({"text": "Again."}),
+        )
+        .await
+        .unwrap();
+    let s = wait_outcomes(&stack, &id, 2).await;
+    let events = session_events(&stack, &id).await;
+    assert!(
+        !events.iter().any(|e| e["kind"] == "diagnostic"),
+        "no takeover was reported: {events:#?}"
+    );
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    assert_ne!(s["status"], "running", "{s:#}");
+}

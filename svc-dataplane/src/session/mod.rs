@@ -166,6 +166,12 @@ impl Runner {
         {
             return Ok(());
         }
+        // Nothing to do (a nudge or sweep that came after the last input's outcome): leave the
+        // session as it is. Taking it over would set it `running` with nothing running and tell
+        // its followers of a takeover that never happened.
+        let Some(first) = self.next_input(session_id).await? else {
+            return Ok(());
+        };
         let taken: Option<i64> = sqlx::query_scalar!(
             "INSERT INTO session_state (session_id, status, lease_token, replica) VALUES ($1, 'running', $2, $3)
              ON CONFLICT (session_id) DO UPDATE SET lease_token = EXCLUDED.lease_token, replica = EXCLUDED.replica,
@@ -186,7 +192,17 @@ impl Runner {
             id: session_id,
             token,
         };
-        if last_seq > 0 {
+        // A takeover continues an input another replica began; a session's next input, taken
+        // by whichever replica is free, is not one.
+        let continued = last_seq > 0
+            && sqlx::query_scalar!(
+                r#"SELECT EXISTS (SELECT 1 FROM session_messages WHERE session_id = $1 AND input_id = $2) AS "begun!""#,
+                session_id,
+                first,
+            )
+            .fetch_one(&self.db)
+            .await?;
+        if continued {
             s.event(
                 "diagnostic",
                 json!({"code": "taken_over", "message": format!("replica {} continues the session from its journal", self.replica)}),
@@ -199,20 +215,27 @@ impl Runner {
         }
         s.materialize(&pinned).await?;
         loop {
-            let next = sqlx::query!(
-                "SELECT i.id, i.text FROM session_inputs i WHERE i.session_id = $1
-                 AND NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id)
-                 ORDER BY i.id LIMIT 1",
-                session_id,
-            )
-            .fetch_optional(&self.db)
-            .await?;
-            let Some(next) = next else {
+            let Some(input_id) = self.next_input(session_id).await? else {
                 return Ok(());
             };
-            let (input_id, text) = (next.id, next.text);
+            let text =
+                sqlx::query_scalar!("SELECT text FROM session_inputs WHERE id = $1", input_id)
+                    .fetch_one(&self.db)
+                    .await?;
             s.work(&pinned, input_id, &text).await?;
         }
+    }
+
+    /// The session's first input without an outcome.
+    async fn next_input(&self, session_id: Uuid) -> Result<Option<Uuid>, sqlx::Error> {
+        sqlx::query_scalar!(
+            "SELECT i.id FROM session_inputs i WHERE i.session_id = $1
+             AND NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id)
+             ORDER BY i.id LIMIT 1",
+            session_id,
+        )
+        .fetch_optional(&self.db)
+        .await
     }
 }
 
