@@ -4,6 +4,7 @@
 use crate::Ctx;
 use crate::isolation;
 use crate::journal::Entry;
+use crate::process;
 use crate::provider::{self, RunAs, TaskDir};
 use agentscope_bus::subjects;
 use agentscope_domain::FailureClass;
@@ -1031,7 +1032,7 @@ async fn execute(
         let tx = tx.clone();
         tokio::spawn(async move {
             let mut r = BufReader::new(pipe);
-            while let Ok(Some((line, truncated))) = provider::read_line_bounded(&mut r, max).await {
+            while let Ok(Some((line, truncated))) = process::read_line_bounded(&mut r, max).await {
                 if tx.send((name, line, truncated)).await.is_err() {
                     break;
                 }
@@ -1050,12 +1051,12 @@ async fn execute(
         tokio::select! {
             biased;
             _ = stops.lease_lost.cancelled(), if stop.is_none() => {
-                let left = provider::stop_tree(pgid, None, &marker).await;
+                let left = process::stop_tree(pgid, None, &marker).await;
                 stop = Some(failed(FailureClass::LeaseLost, format!("lease lost; provider killed ({} left)", left.len())));
             }
             _ = stops.cancel.cancelled(), if stop.is_none() => {
                 sink.diag("info", "cancelling", format!("SIGTERM to process group {pgid}, SIGKILL after {} ms", grace.as_millis())).await;
-                let left = provider::stop_tree(pgid, Some(grace), &marker).await;
+                let left = process::stop_tree(pgid, Some(grace), &marker).await;
                 stop = Some(if left.is_empty() {
                     (AttemptState::Cancelled, Some(FailureClass::Cancelled), "cancelled; the provider's process tree is gone".into(), None)
                 } else {
@@ -1064,11 +1065,11 @@ async fn execute(
             }
             _ = stops.shutdown.cancelled(), if stop.is_none() => {
                 sink.diag("warn", "host_shutdown", "the host is shutting down; stopping the provider").await;
-                let left = provider::stop_tree(pgid, Some(grace), &marker).await;
+                let left = process::stop_tree(pgid, Some(grace), &marker).await;
                 stop = Some(failed(FailureClass::HostRestart, format!("the host shut down during the attempt ({} processes left)", left.len())));
             }
             _ = &mut deadline, if stop.is_none() => {
-                let left = provider::stop_tree(pgid, Some(grace), &marker).await;
+                let left = process::stop_tree(pgid, Some(grace), &marker).await;
                 stop = Some(failed(FailureClass::Timeout, format!("timed out after {} s: {limit} ({} processes left)", timeout.as_secs(), left.len())));
             }
             line = rx.recv(), if output_open => match line {
@@ -1095,7 +1096,7 @@ async fn execute(
                         if let Some((errors, secs)) = watch.connection_error(limit.0, limit.1) {
                             let detail = format!("the provider could not connect to its model endpoint {}: {errors} connection errors in a row over {secs} s, no response", adapter.model_endpoint());
                             sink.diag("error", FailureClass::ModelUnreachable.as_str(), detail.clone()).await;
-                            let left = provider::stop_tree(pgid, Some(grace), &marker).await;
+                            let left = process::stop_tree(pgid, Some(grace), &marker).await;
                             stop = Some(failed(FailureClass::ModelUnreachable, format!("{detail} ({} processes left)", left.len())));
                         }
                         continue;
@@ -1106,7 +1107,7 @@ async fn execute(
                             sink.emit(scope_ids(body, scope.as_deref())).await;
                         }
                         sink.diag("error", class.as_str(), detail.clone()).await;
-                        let left = provider::stop_tree(pgid, Some(grace), &marker).await;
+                        let left = process::stop_tree(pgid, Some(grace), &marker).await;
                         stop = Some(failed(class, format!("{detail} ({} processes left)", left.len())));
                         continue;
                     }
@@ -1168,7 +1169,7 @@ async fn execute(
     // needed); one that ended by a signal may have been killed before it could end the rest.
     *gone = status.as_ref().is_ok_and(|s| s.code().is_some());
     if !*gone {
-        provider::stop_tree(pgid, None, &marker).await;
+        process::stop_tree(pgid, None, &marker).await;
     }
     let turn_failed = launch.result_decides && !matches!(result_error, Some(None));
     if rejected && !fresh_only && (turn_failed || !status.as_ref().is_ok_and(|s| s.success())) {
@@ -1424,11 +1425,11 @@ async fn clone(
     let out = tokio::select! {
         out = child.wait_with_output() => out.map_err(|e| format!("run git: {e}"))?,
         _ = cancel.cancelled() => {
-            provider::kill_group(pgid).await;
+            process::kill_group(pgid).await;
             return Err("cancelled during git clone".into());
         }
         _ = tokio::time::sleep(Duration::from_secs(600)) => {
-            provider::kill_group(pgid).await;
+            process::kill_group(pgid).await;
             return Err("git clone timed out after 600 s".into());
         }
     };

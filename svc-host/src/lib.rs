@@ -2,11 +2,11 @@
 //! checks, claims work under KV leases, runs providers in fresh task directories and reports
 //! their events. Architecture invariant: the host talks only to NATS, never to Postgres.
 
-pub mod agents;
 pub mod attempt;
 mod config;
 pub mod isolation;
 pub mod journal;
+pub mod process;
 pub mod provider;
 pub mod providers;
 
@@ -255,11 +255,11 @@ impl App {
             .iter()
             .filter_map(|p| -> Option<Box<dyn Adapter>> {
                 match p.as_str() {
-                    "command" => Some(Box::new(provider::CommandProvider)),
-                    "claude-code" => Some(Box::new(agents::ClaudeCode)),
-                    "codex" => Some(Box::new(agents::Codex)),
-                    "opencode" => Some(Box::new(agents::Opencode)),
-                    "openclaw" => Some(Box::new(agents::Openclaw)),
+                    "command" => Some(Box::new(providers::command::CommandProvider)),
+                    "claude-code" => Some(Box::new(providers::claude_code::ClaudeCode)),
+                    "codex" => Some(Box::new(providers::codex::Codex)),
+                    "opencode" => Some(Box::new(providers::opencode::Opencode)),
+                    "openclaw" => Some(Box::new(providers::openclaw::Openclaw)),
                     _ => None,
                 }
             })
@@ -504,7 +504,7 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
     let mut resume = Vec::new();
     for mut e in entries {
         // The provider the previous run started may have outlived it.
-        provider::kill_marked(&format!("AGENTSCOPE_ATTEMPT_ID={}", e.attempt_id)).await;
+        process::kill_marked(&format!("AGENTSCOPE_ATTEMPT_ID={}", e.attempt_id)).await;
         e.last_seq = e.last_seq.max(published_seq(ctx, &e.attempt_id).await);
         if let Some(a) = resumable(ctx, &e).await {
             tracing::warn!(attempt_id = %e.attempt_id, session = %e.provider_session_id, "attempt interrupted by a host restart; resuming its provider session");

@@ -12,9 +12,9 @@
 //! - nothing here panics, whatever the input.
 
 pub mod acp;
-pub mod claude;
+pub mod claude_code;
 pub mod codex;
-pub mod codex_app;
+pub mod command;
 pub mod openclaw;
 pub mod opencode;
 
@@ -56,10 +56,10 @@ pub fn denied_message(tool: &str, reason: &str) -> String {
 /// (such as `command`).
 pub fn parser_for(provider: &str) -> Option<Box<dyn StreamParser>> {
     match provider {
-        claude::PROVIDER => Some(Box::new(claude::ClaudeParser::new())),
-        codex::PROVIDER => Some(Box::new(codex::CodexParser::new())),
-        opencode::PROVIDER => Some(Box::new(opencode::OpencodeParser::new())),
-        openclaw::PROVIDER => Some(Box::new(openclaw::OpenclawParser::new())),
+        claude_code::parser::PROVIDER => Some(Box::new(claude_code::parser::ClaudeParser::new())),
+        codex::parser::PROVIDER => Some(Box::new(codex::parser::CodexParser::new())),
+        opencode::parser::PROVIDER => Some(Box::new(opencode::parser::OpencodeParser::new())),
+        openclaw::parser::PROVIDER => Some(Box::new(openclaw::parser::OpenclawParser::new())),
         _ => None,
     }
 }

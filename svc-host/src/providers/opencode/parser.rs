@@ -15,7 +15,7 @@
 //!   seen, the last text, `turns` = finished steps;
 //! - everything else (`step_start`, `reasoning`, unknown types) → `Raw`.
 
-use super::{
+use crate::providers::{
     StreamParser, cap, count_of, json_line, json_text, number_of, obj_of, str_of, str_or_empty,
     turns,
 };

@@ -16,7 +16,7 @@
 //! - everything else (`turn.started`, `item.updated`, `reasoning`, `web_search`, `todo_list`,
 //!   `plan`, `collab_tool_call`, failed patches, …) → `Raw`.
 
-use super::{
+use crate::providers::{
     StreamParser, cap, count_of, json_line, json_text, obj_of, str_of, str_or_empty, turns,
 };
 use agentscope_schemas::v1::{
