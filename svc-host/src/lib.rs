@@ -253,16 +253,8 @@ impl App {
         let adapters: Vec<Box<dyn Adapter>> = config
             .provider_list()
             .iter()
-            .filter_map(|p| -> Option<Box<dyn Adapter>> {
-                match p.as_str() {
-                    "command" => Some(Box::new(providers::command::CommandProvider)),
-                    "claude-code" => Some(Box::new(providers::claude_code::ClaudeCode)),
-                    "codex" => Some(Box::new(providers::codex::Codex)),
-                    "opencode" => Some(Box::new(providers::opencode::Opencode)),
-                    "openclaw" => Some(Box::new(providers::openclaw::Openclaw)),
-                    _ => None,
-                }
-            })
+            .filter_map(|p| agentscope_domain::Provider::parse(p))
+            .map(providers::adapter)
             .collect();
         let ctx = Ctx {
             host_id,

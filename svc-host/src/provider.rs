@@ -3,7 +3,7 @@
 //! group, so that cancellation reaches the whole tree.
 
 use crate::providers::StreamParser;
-use agentscope_domain::FailureClass;
+use agentscope_domain::{FailureClass, Provider};
 use agentscope_schemas::v1::{ProviderDescriptor, TaskSpec};
 use serde_json::json;
 use std::collections::HashMap;
@@ -79,7 +79,12 @@ pub struct LaunchCtx<'a> {
 
 /// The interface every provider adapter implements.
 pub trait Adapter: Send + Sync {
-    fn name(&self) -> &'static str;
+    /// The provider this adapter runs.
+    fn provider(&self) -> Provider;
+    /// Its name, as in `TaskSpec.provider`.
+    fn name(&self) -> &'static str {
+        self.provider().as_str()
+    }
     /// Discovery: installed, version, logged in, streaming and resume support.
     fn discover(&self) -> ProviderDescriptor;
     /// Turns the task spec into a command line, environment and files in the task directory.

@@ -2,6 +2,7 @@
 
 use crate::provider::{Adapter, Launch, LaunchCtx, Refusal, base_env};
 use crate::providers::StreamParser;
+use agentscope_domain::Provider;
 use agentscope_schemas::v1::{Output, ProviderDescriptor, execution_event::Body};
 
 /// Runs a configured command line in the task directory; each output line is an event and the
@@ -27,13 +28,13 @@ impl StreamParser for CommandParser {
 }
 
 impl Adapter for CommandProvider {
-    fn name(&self) -> &'static str {
-        "command"
+    fn provider(&self) -> Provider {
+        Provider::Command
     }
 
     fn discover(&self) -> ProviderDescriptor {
         ProviderDescriptor {
-            name: "command".into(),
+            name: self.name().into(),
             installed: true,
             version: env!("CARGO_PKG_VERSION").into(),
             logged_in: true,

@@ -8,14 +8,15 @@ use crate::provider::{
     descriptor, extra_args, instructions, mcp_env, pass_through, prompt, rel,
 };
 use crate::providers::StreamParser;
+use agentscope_domain::Provider;
 use agentscope_schemas::v1::ProviderDescriptor;
 use serde_json::json;
 
 pub struct ClaudeCode;
 
 impl Adapter for ClaudeCode {
-    fn name(&self) -> &'static str {
-        parser::PROVIDER
+    fn provider(&self) -> Provider {
+        Provider::ClaudeCode
     }
 
     fn discover(&self) -> ProviderDescriptor {

@@ -19,7 +19,7 @@ use agentscope_schemas::v1::{
 };
 use serde_json::{Map, Value};
 
-pub const PROVIDER: &str = "claude-code";
+pub const PROVIDER: &str = agentscope_domain::Provider::ClaudeCode.as_str();
 
 #[derive(Debug, Default)]
 pub struct ClaudeParser {

@@ -29,7 +29,7 @@ use agentscope_schemas::v1::{
 };
 use serde_json::{Map, Value, json};
 
-pub const PROVIDER: &str = "codex";
+pub const PROVIDER: &str = agentscope_domain::Provider::Codex.as_str();
 
 /// The id of the host's `thread/start` or `thread/resume` request.
 pub const THREAD_REQUEST_ID: u64 = 2;

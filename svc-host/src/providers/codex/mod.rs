@@ -9,6 +9,7 @@ use crate::provider::{
     descriptor, extra_args, instructions, openai_base, pass_through, prompt, rel,
 };
 use crate::providers::{self, StreamParser};
+use agentscope_domain::Provider;
 use agentscope_schemas::v1::ProviderDescriptor;
 use serde_json::json;
 use std::path::Path;
@@ -50,8 +51,8 @@ impl Adapter for Codex {
         openai_base()
     }
 
-    fn name(&self) -> &'static str {
-        parser::PROVIDER
+    fn provider(&self) -> Provider {
+        Provider::Codex
     }
 
     fn discover(&self) -> ProviderDescriptor {

@@ -26,7 +26,7 @@ use agentscope_schemas::v1::{
 use serde_json::{Map, Value};
 use std::collections::HashSet;
 
-pub const PROVIDER: &str = "codex";
+pub const PROVIDER: &str = agentscope_domain::Provider::Codex.as_str();
 
 /// Tool items seen started and not yet completed; bounded so that a stream of starts without
 /// completions cannot grow memory without limit.

@@ -7,14 +7,15 @@ use crate::provider::{
     instructions, mcp_env, openai_base, prompt, rel,
 };
 use crate::providers::StreamParser;
+use agentscope_domain::Provider;
 use agentscope_schemas::v1::ProviderDescriptor;
 use serde_json::json;
 
 pub struct Openclaw;
 
 impl Adapter for Openclaw {
-    fn name(&self) -> &'static str {
-        parser::PROVIDER
+    fn provider(&self) -> Provider {
+        Provider::Openclaw
     }
 
     fn discover(&self) -> ProviderDescriptor {

@@ -24,7 +24,7 @@ use agentscope_schemas::v1::{
 use serde_json::{Map, Value};
 use std::collections::VecDeque;
 
-pub const PROVIDER: &str = "openclaw";
+pub const PROVIDER: &str = agentscope_domain::Provider::Openclaw.as_str();
 
 /// How much output is held for the envelope search.
 pub const MAX_BUFFER_BYTES: usize = 8 * 1024 * 1024;

@@ -8,14 +8,15 @@ use crate::provider::{
     descriptor, extra_args, instructions, mcp_env, openai_base, prompt, rel,
 };
 use crate::providers::{self, StreamParser};
+use agentscope_domain::Provider;
 use agentscope_schemas::v1::ProviderDescriptor;
 use serde_json::json;
 
 pub struct Opencode;
 
 impl Adapter for Opencode {
-    fn name(&self) -> &'static str {
-        parser::PROVIDER
+    fn provider(&self) -> Provider {
+        Provider::Opencode
     }
 
     fn discover(&self) -> ProviderDescriptor {
@@ -99,7 +100,7 @@ impl Adapter for Opencode {
     fn parser_for(&self, launch: &Launch) -> Box<dyn StreamParser> {
         if launch.argv.get(1).is_some_and(|a| a == "acp") {
             Box::new(providers::acp::AcpParser::new(
-                parser::PROVIDER,
+                Provider::Opencode.as_str(),
                 launch.prompt.clone(),
                 launch.resume_session.clone(),
             ))

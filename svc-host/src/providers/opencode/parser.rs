@@ -25,7 +25,7 @@ use agentscope_schemas::v1::{
 };
 use serde_json::{Map, Value};
 
-pub const PROVIDER: &str = "opencode";
+pub const PROVIDER: &str = agentscope_domain::Provider::Opencode.as_str();
 
 #[derive(Debug, Default)]
 pub struct OpencodeParser {
