@@ -15,7 +15,7 @@ pub use config::Config;
 use agentscope_bus::{Topology, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{
-    AttemptState, ClaimOffer, ClaimRequest, ExecutionEvent, HostCheck, HostCommand, HostHeartbeat,
+    ClaimOffer, ClaimRequest, ExecutionEvent, HostCheck, HostCommand, HostHeartbeat,
     HostRegistered, HostRegistration, Lifecycle, ProviderDescriptor, execution_event::Body,
     host_command,
 };
@@ -511,7 +511,7 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
             host_id: ctx.host_id.to_string(),
             at_ms: agentscope_bus::now_ms(),
             body: Some(Body::Lifecycle(Lifecycle {
-                state: AttemptState::Failed as i32,
+                state: attempt::wire_state(agentscope_domain::AttemptStatus::Failed) as i32,
                 failure_class: agentscope_domain::FailureClass::HostRestart.as_str().into(),
                 detail: "the host restarted while the attempt ran".into(),
                 exit_code: 0,

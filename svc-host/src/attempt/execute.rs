@@ -12,9 +12,9 @@ use crate::Ctx;
 use crate::isolation;
 use crate::process;
 use crate::provider::{self, Launch, RunAs, TaskDir};
-use agentscope_domain::FailureClass;
+use agentscope_domain::{AttemptStatus, FailureClass};
 use agentscope_schemas::v1::{
-    ApprovalDecision, AttemptAssignment, AttemptState, TaskSpec, execution_event::Body,
+    ApprovalDecision, AttemptAssignment, TaskSpec, execution_event::Body,
 };
 use std::process::Stdio;
 use std::time::Duration;
@@ -159,7 +159,7 @@ async fn task_dir(
             Ok(d) => d,
             Err(_) if stops.cancel.is_cancelled() => {
                 return Err((
-                    AttemptState::Cancelled,
+                    AttemptStatus::Cancelled,
                     Some(FailureClass::Cancelled),
                     "cancelled while preparing the task directory".into(),
                     None,
@@ -170,7 +170,7 @@ async fn task_dir(
     };
     if stops.cancel.is_cancelled() {
         return Err((
-            AttemptState::Cancelled,
+            AttemptStatus::Cancelled,
             Some(FailureClass::Cancelled),
             "cancelled before start".into(),
             None,
@@ -485,7 +485,7 @@ async fn pump(
         }
     }
     sink.lifecycle(
-        AttemptState::Running,
+        AttemptStatus::Running,
         None,
         format!("started {} (pgid {pgid})", adapter.name()),
         None,
@@ -542,7 +542,7 @@ async fn pump(
                 sink.diag("info", "cancelling", format!("SIGTERM to process group {pgid}, SIGKILL after {} ms", grace.as_millis())).await;
                 let left = process::stop_tree(pgid, Some(grace), marker).await;
                 stop = Some(if left.is_empty() {
-                    (AttemptState::Cancelled, Some(FailureClass::Cancelled), "cancelled; the provider's process tree is gone".into(), None)
+                    (AttemptStatus::Cancelled, Some(FailureClass::Cancelled), "cancelled; the provider's process tree is gone".into(), None)
                 } else {
                     failed(FailureClass::Internal, format!("cancel left processes {left:?}"))
                 });
@@ -665,7 +665,7 @@ fn outcome(run: Pumped, turn_failed: bool) -> Outcome {
     } = run;
     match status {
         Ok(s) if s.success() && turn_failed => (
-            AttemptState::Failed,
+            AttemptStatus::Failed,
             Some(FailureClass::AgentError),
             match result_error {
                 Some(Some(text)) => format!("the agent's turn failed: {text}"),
@@ -675,9 +675,9 @@ fn outcome(run: Pumped, turn_failed: bool) -> Outcome {
         ),
         Ok(s) if s.success() => match denial {
             // The work asked for did not happen: not a plain success.
-            Some((class, detail)) => (AttemptState::Failed, Some(class), detail, Some(0)),
+            Some((class, detail)) => (AttemptStatus::Failed, Some(class), detail, Some(0)),
             None => (
-                AttemptState::Succeeded,
+                AttemptStatus::Succeeded,
                 None,
                 "exit status 0".into(),
                 Some(0),
@@ -685,7 +685,7 @@ fn outcome(run: Pumped, turn_failed: bool) -> Outcome {
         },
         Ok(s) => match s.code() {
             Some(code) => (
-                AttemptState::Failed,
+                AttemptStatus::Failed,
                 Some(FailureClass::ExitNonzero),
                 format!("exit status {code}"),
                 Some(code),

@@ -13,16 +13,16 @@ mod truncate;
 pub use lease::keep_lease;
 pub use limits::{ModelWatch, run_limit};
 pub use scope::{scope_ids, scoped_id};
-pub use sink::EventSink;
+pub use sink::{EventSink, wire_state};
 pub use task_dir::existing_task_dir;
 pub use truncate::shrink;
 
 use crate::Ctx;
 use crate::isolation;
 use crate::journal::Entry;
-use agentscope_domain::FailureClass;
+use agentscope_domain::{AttemptStatus, FailureClass};
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::{ApprovalDecision, AttemptAssignment, AttemptState};
+use agentscope_schemas::v1::{ApprovalDecision, AttemptAssignment};
 use execute::execute;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -59,7 +59,7 @@ pub async fn run(
             lease_key: a.lease_key.clone(),
             lease_token: a.lease_token,
             last_seq: 0,
-            state: "claimed".into(),
+            state: AttemptStatus::Claimed,
             provider_session_id: String::new(),
             provider: a
                 .spec
@@ -76,7 +76,7 @@ pub async fn run(
             isolation::secrets_of_attempt(&a.task_token),
         );
         if resuming.is_none() {
-            sink.set_state("claimed").await;
+            sink.set_state(AttemptStatus::Claimed).await;
         }
         let renew_done = CancellationToken::new();
         let renewer = tokio::spawn(keep_lease(
@@ -171,8 +171,8 @@ pub async fn run(
     .await
 }
 
-type Outcome = (AttemptState, Option<FailureClass>, String, Option<i32>);
+type Outcome = (AttemptStatus, Option<FailureClass>, String, Option<i32>);
 
 fn failed(class: FailureClass, detail: impl Into<String>) -> Outcome {
-    (AttemptState::Failed, Some(class), detail.into(), None)
+    (AttemptStatus::Failed, Some(class), detail.into(), None)
 }

@@ -6,7 +6,7 @@ use crate::Ctx;
 use crate::isolation;
 use crate::journal::Entry;
 use agentscope_bus::subjects;
-use agentscope_domain::FailureClass;
+use agentscope_domain::{AttemptStatus, FailureClass};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{
     AttemptState, Diagnostic, ExecutionEvent, Lifecycle, execution_event::Body,
@@ -136,8 +136,8 @@ impl EventSink {
         self.out.send(Out::Flush(done)).await.is_ok() && wait.await.is_ok()
     }
 
-    pub async fn set_state(&mut self, state: &str) {
-        self.entry.state = state.into();
+    pub async fn set_state(&mut self, state: AttemptStatus) {
+        self.entry.state = state;
         self.save(true).await;
     }
 
@@ -169,19 +169,32 @@ impl EventSink {
 
     pub async fn lifecycle(
         &mut self,
-        state: AttemptState,
+        state: AttemptStatus,
         class: Option<FailureClass>,
         detail: impl Into<String>,
         exit_code: Option<i32>,
     ) -> bool {
         self.emit(Body::Lifecycle(Lifecycle {
-            state: state as i32,
+            state: wire_state(state) as i32,
             failure_class: class.map(|c| c.as_str().to_string()).unwrap_or_default(),
             detail: detail.into(),
             exit_code: exit_code.unwrap_or(0),
             has_exit_code: exit_code.is_some(),
         }))
         .await
+    }
+}
+
+/// An attempt's state as the bus says it (`Lifecycle.state`). The host reports only its own
+/// moves: claimed (preparing), running, and the ends; the scheduler decides `queued` and `lost`.
+pub fn wire_state(state: AttemptStatus) -> AttemptState {
+    match state {
+        AttemptStatus::Claimed => AttemptState::Preparing,
+        AttemptStatus::Running => AttemptState::Running,
+        AttemptStatus::Succeeded => AttemptState::Succeeded,
+        AttemptStatus::Failed => AttemptState::Failed,
+        AttemptStatus::Cancelled => AttemptState::Cancelled,
+        AttemptStatus::Queued | AttemptStatus::Lost => AttemptState::Unspecified,
     }
 }
 
