@@ -142,7 +142,7 @@ impl Ctx {
         self.lease_ttl_ms.load(Ordering::Relaxed)
     }
 
-    /// The three separate checks (H4): connectivity, provider discovery, dispatch readiness.
+    /// The three separate checks: connectivity, provider discovery, dispatch readiness.
     fn checks(&self) -> Vec<HostCheck> {
         let now = agentscope_bus::now_ms();
         let st = self.state.lock().expect("host state");
@@ -403,7 +403,7 @@ fn identities(
     Ok(Some(Arc::new(ids)))
 }
 
-/// Provider discovery (H1, H4): each adapter probes its CLI (installed, version, credentials).
+/// Provider discovery: each adapter probes its CLI (installed, version, credentials).
 async fn discover(ctx: &Ctx) {
     let adapters = ctx.adapters.clone();
     let found = tokio::task::spawn_blocking(move || {
@@ -585,8 +585,9 @@ fn spawn_attempt(
     });
 }
 
-/// Whether a journaled attempt can resume here (H15): the provider resumes, its session exists
-/// in the task directory, the lease is still this host's, and the restart is within the window.
+/// Whether a journaled attempt can resume here after a host restart: the provider resumes, its
+/// session exists in the task directory, the lease is still this host's, and the restart is
+/// within the window.
 /// Returns the assignment with the lease's current revision.
 async fn resumable(
     ctx: &Ctx,
@@ -627,7 +628,6 @@ async fn resumable(
 /// How long after its last checkpoint an interrupted attempt may still resume.
 const RESUME_WINDOW_MS: i64 = 10 * 60 * 1000;
 
-/// The newest event seq of an attempt in the stream (the journal may lag it by one).
 /// The work nudges of a pool of this host's workspace.
 fn nudge_subject(ctx: &Ctx, pool_id: &str) -> String {
     let ws = ctx
@@ -641,6 +641,7 @@ fn nudge_subject(ctx: &Ctx, pool_id: &str) -> String {
     subjects::pool_work(&ws, pool_id)
 }
 
+/// The newest event seq of an attempt in the stream (the journal may lag it by one).
 async fn published_seq(ctx: &Ctx, attempt_id: &str) -> u64 {
     let Ok(stream) = ctx.js.get_stream(agentscope_bus::STREAM_EVENTS).await else {
         return 0;

@@ -119,7 +119,7 @@ pub trait Adapter: Send + Sync {
     fn model_endpoint(&self) -> String {
         String::new()
     }
-    /// How to continue provider session `session_id` in the same task directory (H15), if the
+    /// How to continue provider session `session_id` in the same task directory, if the
     /// provider can.
     fn resume_launch(
         &self,
