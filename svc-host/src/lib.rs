@@ -20,6 +20,7 @@ use agentscope_schemas::v1::{
     host_command,
 };
 use agentscope_telemetry::health::{self, Metrics};
+use agentscope_telemetry::supervisor::{Policy, Supervisor, Work};
 use anyhow::Context as _;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::{FutureExt, StreamExt};
@@ -318,7 +319,14 @@ impl App {
         let registered = register(&ctx, &cancel).await?;
         let resumed = recover(&ctx).await;
         let slots = Arc::new(Semaphore::new(ctx.config.capacity as usize));
-        let attempts = tokio_util::task::TaskTracker::new();
+        // Attempts are work: at shutdown each one's `shutdown` stop fires, it stops its provider
+        // (the kill grace) and reports a retryable end before the host leaves.
+        let mut sup = Supervisor::new(
+            "svc-host",
+            cancel.clone(),
+            Duration::from_millis(ctx.config.kill_grace_ms + 10_000),
+        );
+        let attempts = sup.work();
         for (a, entry) in resumed {
             match slots.clone().try_acquire_owned() {
                 Ok(permit) => spawn_attempt(&ctx, &attempts, a, permit, Some(entry)),
@@ -327,43 +335,43 @@ impl App {
                 }
             }
         }
-        let mut tasks = tokio::task::JoinSet::new();
-        tasks.spawn(heartbeat(ctx.clone(), slots.clone(), cancel.clone()));
-        tasks.spawn(control(ctx.clone(), cancel.clone()));
-        tasks.spawn(recheck(ctx.clone(), cancel.clone()));
-        tasks.spawn(claim_loop(
-            ctx.clone(),
-            registered.pool_id.clone(),
-            slots.clone(),
-            attempts.clone(),
-            cancel.clone(),
-        ));
-        tokio::select! {
-            _ = shutdown => {}
-            Some(res) = tasks.join_next() => {
-                if let Ok(Err(e)) = res { tracing::error!(error = ?e, "host task failed; stopping"); }
-            }
-        }
-        // Stop claiming; stop what runs so it reports a retryable end before we leave.
-        cancel.cancel();
-        for stops in ctx.state.lock().expect("host state").running.values() {
-            stops.shutdown.cancel();
-        }
-        attempts.close();
-        if tokio::time::timeout(
-            Duration::from_millis(ctx.config.kill_grace_ms + 10_000),
-            attempts.wait(),
-        )
-        .await
-        .is_err()
+        // The host cannot do its job without any of these: the end of one stops the host.
         {
-            tracing::warn!("attempts did not finish within the grace period");
+            let (ctx, slots) = (ctx.clone(), slots.clone());
+            sup.spawn("heartbeat", Policy::Critical, move |stop| {
+                heartbeat(ctx.clone(), slots.clone(), stop)
+            });
         }
-        while tasks.join_next().await.is_some() {}
+        {
+            let ctx = ctx.clone();
+            sup.spawn("control", Policy::Critical, move |stop| {
+                control(ctx.clone(), stop)
+            });
+        }
+        {
+            let ctx = ctx.clone();
+            sup.spawn("recheck", Policy::Critical, move |stop| {
+                recheck(ctx.clone(), stop)
+            });
+        }
+        {
+            let (ctx, slots, attempts) = (ctx.clone(), slots.clone(), attempts.clone());
+            let pool_id = registered.pool_id.clone();
+            sup.spawn("claim_loop", Policy::Critical, move |stop| {
+                claim_loop(
+                    ctx.clone(),
+                    pool_id.clone(),
+                    slots.clone(),
+                    attempts.clone(),
+                    stop,
+                )
+            });
+        }
+        let result = sup.run(shutdown).await;
         let _ = ctx.nats.flush().await;
         let _ = self.health_task.await;
         tracing::info!("svc-host stopped");
-        Ok(())
+        result
     }
 }
 
@@ -546,10 +554,11 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
     resume
 }
 
-/// Runs an attempt in the tracker, holding `permit` (a capacity slot) until it ends.
+/// Runs an attempt as work of the host's supervisor, holding `permit` (a capacity slot) until it
+/// ends. Its `shutdown` stop fires when the host begins to stop.
 fn spawn_attempt(
     ctx: &Ctx,
-    attempts: &tokio_util::task::TaskTracker,
+    attempts: &Work,
     a: agentscope_schemas::v1::AttemptAssignment,
     permit: tokio::sync::OwnedSemaphorePermit,
     resume: Option<journal::Entry>,
@@ -557,7 +566,7 @@ fn spawn_attempt(
     let stops = attempt::Stops {
         cancel: CancellationToken::new(),
         lease_lost: CancellationToken::new(),
-        shutdown: CancellationToken::new(),
+        shutdown: attempts.stopping().child_token(),
     };
     let (dtx, drx) = tokio::sync::mpsc::channel(64);
     {
@@ -846,7 +855,7 @@ async fn claim_loop(
     ctx: Ctx,
     pool_id: String,
     slots: Arc<Semaphore>,
-    attempts: tokio_util::task::TaskTracker,
+    attempts: Work,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let subject = (!pool_id.is_empty()).then(|| nudge_subject(&ctx, &pool_id));
@@ -922,11 +931,7 @@ async fn claim_loop(
 
 /// One claim request; starts the attempts offered. Returns how many were started and how many
 /// more the scheduler says are waiting.
-async fn claim_once(
-    ctx: &Ctx,
-    slots: &Arc<Semaphore>,
-    attempts: &tokio_util::task::TaskTracker,
-) -> (usize, u32) {
+async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usize, u32) {
     let free = slots.available_permits() as u32;
     let held_attempts = {
         let st = ctx.state.lock().expect("host state");
