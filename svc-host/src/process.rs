@@ -130,8 +130,12 @@ pub async fn stop_tree(pgid: i32, grace: Option<Duration>, marker: &str) -> Vec<
     left
 }
 
-/// Sends `signal` to every process of group `pgid`.
+/// Sends `signal` to every process of group `pgid`. Never to 0 (the host's own group) or 1
+/// (`kill(-1)`: every process the host may signal): a child whose pid is unknown has pgid 0.
 pub fn signal_group(pgid: i32, signal: i32) {
+    if pgid <= 1 {
+        return;
+    }
     // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
     unsafe {
         libc::kill(-pgid, signal);
