@@ -1,4 +1,5 @@
-//! Providers: how a task's work is started, and how its output becomes normalized events.
+//! The provider interface: the [`Adapter`] trait every provider implements (`providers/`), what
+//! a launch is made of, and the helpers the agent CLIs' adapters share.
 //! Architecture invariant: only svc-host spawns provider processes, always in their own process
 //! group, so that cancellation reaches the whole tree.
 
