@@ -493,7 +493,7 @@ async fn register(ctx: &Ctx, cancel: &CancellationToken) -> anyhow::Result<HostR
 /// Attempts journaled by a previous run of this host whose process is gone: report them ended
 /// with `host_restart`, under their old fencing token. If the lease is gone the recorder refuses
 /// the report and nothing changes; if it still holds, the scheduler retries the task.
-async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, journal::Entry)> {
+async fn recover(ctx: &Ctx) -> Vec<(attempt::Assignment, journal::Entry)> {
     let entries = match ctx.journal.entries() {
         Ok(e) => e,
         Err(e) => {
@@ -559,7 +559,7 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
 fn spawn_attempt(
     ctx: &Ctx,
     attempts: &Work,
-    a: agentscope_schemas::v1::AttemptAssignment,
+    a: attempt::Assignment,
     permit: tokio::sync::OwnedSemaphorePermit,
     resume: Option<journal::Entry>,
 ) {
@@ -598,12 +598,12 @@ fn spawn_attempt(
 /// session exists in the task directory, the lease is still this host's, and the restart is
 /// within the window.
 /// Returns the assignment with the lease's current revision.
-async fn resumable(
-    ctx: &Ctx,
-    e: &journal::Entry,
-) -> Option<agentscope_schemas::v1::AttemptAssignment> {
+async fn resumable(ctx: &Ctx, e: &journal::Entry) -> Option<attempt::Assignment> {
     let bytes = hex::decode(&e.assignment_hex).ok()?;
-    let mut a = agentscope_schemas::v1::AttemptAssignment::decode(bytes.as_slice()).ok()?;
+    let mut a: attempt::Assignment =
+        agentscope_schemas::v1::AttemptAssignment::decode(bytes.as_slice())
+            .ok()?
+            .into();
     if e.provider_session_id.is_empty()
         || agentscope_bus::now_ms() - e.saved_at_ms > RESUME_WINDOW_MS
     {
@@ -972,7 +972,7 @@ async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usiz
                         continue;
                     };
                     got += 1;
-                    spawn_attempt(ctx, attempts, a, permit, None);
+                    spawn_attempt(ctx, attempts, a.into(), permit, None);
                 }
                 return (got, offer.waiting);
             }

@@ -1,5 +1,6 @@
 //! A provider's tool requests: asked as Approvals, answered in the provider's own protocol.
 
+use super::Assignment;
 use super::sink::EventSink;
 use crate::Ctx;
 use crate::isolation;
@@ -7,13 +8,13 @@ use crate::provider;
 use agentscope_bus::subjects;
 use agentscope_domain::FailureClass;
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::{ApprovalDecision, AttemptAssignment, execution_event::Body};
+use agentscope_schemas::v1::{ApprovalDecision, execution_event::Body};
 use std::time::Duration;
 
 /// Publishes a provider's tool request for a decision and records it as an event.
 pub(super) async fn request_approval(
     ctx: &Ctx,
-    a: &AttemptAssignment,
+    a: &Assignment,
     sink: &mut EventSink,
     req: &provider::ControlRequest,
     key: &str,

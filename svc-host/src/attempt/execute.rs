@@ -7,15 +7,13 @@ use super::limits::{ModelWatch, run_limit};
 use super::scope::{scope_ids, scoped_id};
 use super::sink::EventSink;
 use super::task_dir::{INPUT_FILES, existing_task_dir, prepare};
-use super::{Outcome, Stops, failed};
+use super::{Assignment, Outcome, Stops, failed};
 use crate::Ctx;
 use crate::isolation;
 use crate::process;
 use crate::provider::{self, Launch, RunAs, TaskDir};
 use agentscope_domain::{AttemptStatus, FailureClass};
-use agentscope_schemas::v1::{
-    ApprovalDecision, AttemptAssignment, TaskSpec, execution_event::Body,
-};
+use agentscope_schemas::v1::{ApprovalDecision, TaskSpec, execution_event::Body};
 use std::process::Stdio;
 use std::time::Duration;
 use tokio::io::BufReader;
@@ -43,7 +41,7 @@ struct Pumped {
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn execute(
     ctx: &Ctx,
-    a: &AttemptAssignment,
+    a: &Assignment,
     sink: &mut EventSink,
     stops: &Stops,
     decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,
@@ -54,7 +52,7 @@ pub(super) async fn execute(
 ) -> Outcome {
     // Nothing of this launch runs until its sentinel does.
     *gone = true;
-    let spec = a.spec.clone().unwrap_or_default();
+    let spec = &a.spec;
     let Some(adapter) = ctx.adapter(&spec.provider) else {
         return failed(
             FailureClass::ProviderLogin,
@@ -68,25 +66,16 @@ pub(super) async fn execute(
     // A retry continues the previous attempt's provider session when it exists on this host;
     // its HOME, where the session lives, is carried over.
     let reuse = if resume.is_none() && !fresh_only && !spec.resume_session_id.is_empty() {
-        reuse_session(ctx, adapter, &spec, &dir, sink).await
+        reuse_session(ctx, adapter, spec, &dir, sink).await
     } else {
         None
     };
     let resumed_session = resume.map(str::to_string).or(reuse);
-    let (launch, started) = match launch(
-        ctx,
-        a,
-        adapter,
-        &spec,
-        &dir,
-        resumed_session.as_deref(),
-        who,
-    )
-    .await
-    {
-        Ok(l) => l,
-        Err(outcome) => return outcome,
-    };
+    let (launch, started) =
+        match launch(ctx, a, adapter, spec, &dir, resumed_session.as_deref(), who).await {
+            Ok(l) => l,
+            Err(outcome) => return outcome,
+        };
     *gone = false;
     let pgid = started.pgid;
     // Every process of the provider's tree carries this, even one that left the process group.
@@ -102,7 +91,7 @@ pub(super) async fn execute(
         stops,
         decisions,
         adapter,
-        &spec,
+        spec,
         &launch,
         started,
         &marker,
@@ -137,7 +126,7 @@ pub(super) async fn execute(
 /// Err: the attempt ends here (cancelled, the host shutting down, or no directory).
 async fn task_dir(
     ctx: &Ctx,
-    a: &AttemptAssignment,
+    a: &Assignment,
     sink: &mut EventSink,
     stops: &Stops,
     resume: Option<&str>,
@@ -244,7 +233,7 @@ async fn reuse_session(
 /// here.
 async fn launch(
     ctx: &Ctx,
-    a: &AttemptAssignment,
+    a: &Assignment,
     adapter: &dyn provider::Adapter,
     spec: &TaskSpec,
     dir: &TaskDir,
@@ -425,7 +414,7 @@ async fn launch(
 #[allow(clippy::too_many_arguments)]
 async fn pump(
     ctx: &Ctx,
-    a: &AttemptAssignment,
+    a: &Assignment,
     sink: &mut EventSink,
     stops: &Stops,
     decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,

@@ -2,6 +2,7 @@
 //! every event in order, and stop at once when the lease is lost.
 
 mod approvals;
+mod assignment;
 mod execute;
 mod lease;
 mod limits;
@@ -10,6 +11,7 @@ mod sink;
 mod task_dir;
 mod truncate;
 
+pub use assignment::Assignment;
 pub use lease::keep_lease;
 pub use limits::{ModelWatch, run_limit};
 pub use scope::{scope_ids, scoped_id};
@@ -22,7 +24,7 @@ use crate::isolation;
 use crate::journal::Entry;
 use agentscope_domain::{AttemptStatus, FailureClass};
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::{ApprovalDecision, AttemptAssignment};
+use agentscope_schemas::v1::ApprovalDecision;
 use execute::execute;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -41,7 +43,7 @@ pub struct Stops {
 /// Runs one assignment to its end. The caller holds the capacity slot until this returns.
 pub async fn run(
     ctx: Ctx,
-    a: AttemptAssignment,
+    a: Assignment,
     stops: Stops,
     mut decisions: tokio::sync::mpsc::Receiver<ApprovalDecision>,
     resume: Option<Entry>,
@@ -61,12 +63,8 @@ pub async fn run(
             last_seq: 0,
             state: AttemptStatus::Claimed,
             provider_session_id: String::new(),
-            provider: a
-                .spec
-                .as_ref()
-                .map(|s| s.provider.clone())
-                .unwrap_or_default(),
-            assignment_hex: hex::encode(a.encode_to_vec()),
+            provider: a.spec.provider.clone(),
+            assignment_hex: hex::encode(a.to_wire().encode_to_vec()),
             saved_at_ms: agentscope_bus::now_ms(),
         });
         let mut sink = EventSink::new(
@@ -149,10 +147,10 @@ pub async fn run(
                 )
             }
         }
-        if let (Some(FailureClass::ProviderLogin), Some(spec)) = (outcome.1, a.spec.as_ref()) {
+        if outcome.1 == Some(FailureClass::ProviderLogin) {
             // Before the failure is reported (and the task moves on): the next claim must not
             // bring this provider's work here again.
-            ctx.provider_login_failed(&spec.provider, &outcome.2);
+            ctx.provider_login_failed(&a.spec.provider, &outcome.2);
         }
         if !stops.lease_lost.is_cancelled() {
             let (state, class, detail, exit) = outcome;

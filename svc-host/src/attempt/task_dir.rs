@@ -1,19 +1,19 @@
 //! The attempt's task directory: a fresh one (clone, input material), or the one an earlier run
 //! of this host prepared.
 
+use super::Assignment;
 use super::sink::EventSink;
 use crate::Ctx;
 use crate::isolation;
 use crate::process;
 use crate::provider::TaskDir;
-use agentscope_schemas::v1::AttemptAssignment;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// The task directory an earlier run of this host prepared for the attempt.
-pub fn existing_task_dir(ctx: &Ctx, a: &AttemptAssignment) -> TaskDir {
+pub fn existing_task_dir(ctx: &Ctx, a: &Assignment) -> TaskDir {
     let root = ctx.tasks_dir.join(&a.attempt_id);
     let repo = root.join("repo");
     TaskDir {
@@ -32,11 +32,11 @@ pub(super) const INPUT_FILES: [&str; 3] = ["INPUT.md", "ISSUE.md", "INSTRUCTIONS
 /// the input material. Never uses the host's own checkout.
 pub(super) async fn prepare(
     ctx: &Ctx,
-    a: &AttemptAssignment,
+    a: &Assignment,
     sink: &mut EventSink,
     cancel: &CancellationToken,
 ) -> Result<TaskDir, String> {
-    let spec = a.spec.clone().unwrap_or_default();
+    let spec = &a.spec;
     let root = ctx.tasks_dir.join(&a.attempt_id);
     if root.exists() {
         tokio::fs::remove_dir_all(&root)
