@@ -14,7 +14,12 @@ cd "$(dirname "$0")/.."
 base="${AGENTSCOPE_PREPARE_PG:-postgres://postgres@127.0.0.1:5432}"
 db="agentscope_sqlx_prepare_$$"
 psql "$base/postgres" -qAt -c "CREATE DATABASE $db" >/dev/null
-trap 'psql "$base/postgres" -qAt -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null' EXIT
+new=""
+cleanup() {
+    if [ -n "$new" ]; then rm -rf "$new"; fi
+    psql "$base/postgres" -qAt -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null
+}
+trap cleanup EXIT
 for f in shared/store/migrations/*.sql; do
     psql "$base/$db" -q -v ON_ERROR_STOP=1 -f "$f" >/dev/null
 done
@@ -24,14 +29,25 @@ else
     mapfile -t dirs < <(find . -name .sqlx -type d -not -path './target/*' -printf '%h\n' | sed 's|^\./||' | sort)
 fi
 for dir in "${dirs[@]}"; do
+    dir="${dir%/}"
+    [ -f "$dir/Cargo.toml" ] || { echo "sqlx-prepare: $dir is not a crate directory" >&2; exit 2; }
     name="$(sed -n 's/^name *= *"\(.*\)"/\1/p' "$dir/Cargo.toml" | head -1)"
-    rm -rf "$dir/.sqlx"
-    mkdir -p "$dir/.sqlx"
+    # Written next to the old data and swapped in only when the check passes, so a query that
+    # does not check leaves the committed data as it was; stale files go with the old directory.
+    new="$dir/.sqlx.new"
+    rm -rf "$new"
+    mkdir -p "$new"
     # The macros run again only when the crate recompiles.
-    find "$dir/src" -name '*.rs' -exec touch {} +
-    [ -d "$dir/tests" ] && find "$dir/tests" -name '*.rs' -exec touch {} +
+    for sub in src tests benches examples; do
+        if [ -d "$dir/$sub" ]; then find "$dir/$sub" -name '*.rs' -exec touch {} +; fi
+    done
     echo "sqlx-prepare: $name ($dir/.sqlx)"
-    SQLX_OFFLINE=false DATABASE_URL="$base/$db" SQLX_OFFLINE_DIR="$PWD/$dir/.sqlx" \
-        cargo check --quiet --locked -p "$name" --all-targets
+    if ! SQLX_OFFLINE=false DATABASE_URL="$base/$db" SQLX_OFFLINE_DIR="$PWD/$new" \
+        cargo check --quiet --locked -p "$name" --all-targets; then
+        echo "sqlx-prepare: $name does not check; $dir/.sqlx left as it was" >&2
+        exit 1
+    fi
+    rm -rf "$dir/.sqlx"
+    mv "$new" "$dir/.sqlx"
     echo "sqlx-prepare: $(find "$dir/.sqlx" -name 'query-*.json' | wc -l) queries in $dir/.sqlx"
 done

@@ -66,49 +66,43 @@ pub struct Config {
 
 impl Config {
     pub fn load() -> Result<Self, config::ConfigError> {
-        let mut builder = config::Config::builder()
-            .set_default("nats_url", "nats://127.0.0.1:4222")?
-            .set_default(
+        let config: Config = agentscope_telemetry::config::load(&[
+            ("nats_url", "nats://127.0.0.1:4222".into()),
+            (
                 "database_url",
-                "postgres://postgres@127.0.0.1:5432/agentscope",
-            )?
-            .set_default("health_addr", "127.0.0.1:8082")?
-            .set_default("db_max_connections", 8)?
-            .set_default("log_format", "")?
-            .set_default("replica_id", "")?
-            .set_default("sessions_dir", "/var/lib/agentscope/sessions")?
-            .set_default("remote_dir", "")?
-            .set_default("session_lease_ttl_ms", 30_000)?
-            .set_default("sweep_interval_ms", 1_000)?
-            .set_default("model_api", "anthropic")?
-            .set_default("model_base_url", "https://api.anthropic.com")?
-            .set_default("model_api_key", "")?
-            .set_default("vault_keys", "")?
-            .set_default("model_default", "claude-sonnet-4-5")?
-            .set_default("model_stream", true)?
-            .set_default("model_max_retries", 3)?
-            .set_default("bwrap_path", "/usr/bin/bwrap")?
-            .set_default("session_uids", "700000-765535")?
-            .set_default("allow_local_environment", false)?
-            .set_default("sandbox_cgroup", "")?
-            .set_default("sandbox_ro_paths", "")?
-            .set_default("session_max_processes", 256)?
-            .set_default("session_memory_mb", 2048)?
-            .set_default("session_cpu_secs", 600)?
-            .set_default("sandbox_backend", "bubblewrap")?
-            .set_default("e2b_api_url", "https://api.e2b.app")?
-            .set_default("e2b_api_key", "")?
-            .set_default("e2b_template", "base")?
-            .set_default("e2b_domain", "e2b.app")?
-            .set_default("shell_timeout_secs", 300)?
-            .set_default("worker_ttl_ms", 3_000)?;
-        if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
-            builder = builder.add_source(config::File::with_name(&path));
-        }
-        let config: Config = builder
-            .add_source(config::Environment::with_prefix("AGENTSCOPE").try_parsing(true))
-            .build()?
-            .try_deserialize()?;
+                "postgres://postgres@127.0.0.1:5432/agentscope".into(),
+            ),
+            ("health_addr", "127.0.0.1:8082".into()),
+            ("db_max_connections", 8.into()),
+            ("log_format", "".into()),
+            ("replica_id", "".into()),
+            ("sessions_dir", "/var/lib/agentscope/sessions".into()),
+            ("remote_dir", "".into()),
+            ("session_lease_ttl_ms", 30_000.into()),
+            ("sweep_interval_ms", 1_000.into()),
+            ("model_api", "anthropic".into()),
+            ("model_base_url", "https://api.anthropic.com".into()),
+            ("model_api_key", "".into()),
+            ("vault_keys", "".into()),
+            ("model_default", "claude-sonnet-4-5".into()),
+            ("model_stream", true.into()),
+            ("model_max_retries", 3.into()),
+            ("bwrap_path", "/usr/bin/bwrap".into()),
+            ("session_uids", "700000-765535".into()),
+            ("allow_local_environment", false.into()),
+            ("sandbox_cgroup", "".into()),
+            ("sandbox_ro_paths", "".into()),
+            ("session_max_processes", 256.into()),
+            ("session_memory_mb", 2048.into()),
+            ("session_cpu_secs", 600.into()),
+            ("sandbox_backend", "bubblewrap".into()),
+            ("e2b_api_url", "https://api.e2b.app".into()),
+            ("e2b_api_key", "".into()),
+            ("e2b_template", "base".into()),
+            ("e2b_domain", "e2b.app".into()),
+            ("shell_timeout_secs", 300.into()),
+            ("worker_ttl_ms", 3_000.into()),
+        ])?;
         if !["anthropic", "openai_chat", "openai_responses"].contains(&config.model_api.as_str()) {
             return Err(config::ConfigError::Message(format!(
                 "model_api must be anthropic, openai_chat or openai_responses, not `{}`",

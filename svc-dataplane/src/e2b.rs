@@ -14,7 +14,7 @@
 //! stay there until E2B's timeout ends it).
 
 use crate::env::Limits;
-use crate::tools::ToolOutput;
+use crate::tools::{ToolError, ToolOutput};
 use base64::Engine as _;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -40,10 +40,7 @@ pub struct Sandbox {
 }
 
 fn unavailable(what: impl std::fmt::Display) -> ToolOutput {
-    ToolOutput {
-        output: format!("sandbox_unavailable: {what}"),
-        is_error: true,
-    }
+    ToolError::SandboxUnavailable.output(what)
 }
 
 impl E2b {
@@ -91,10 +88,9 @@ impl E2b {
 pub fn session_path(path: &str) -> Result<String, ToolOutput> {
     let rel = path.trim_start_matches("./");
     if rel.starts_with('/') || rel.split('/').any(|c| c == "..") || rel.contains('\0') {
-        return Err(ToolOutput {
-            output: format!("path_escape: `{path}` is outside the session directory"),
-            is_error: true,
-        });
+        return Err(
+            ToolError::PathEscape.output(format!("`{path}` is outside the session directory"))
+        );
     }
     Ok(if rel.is_empty() || rel == "." {
         ROOT.to_string()
@@ -276,10 +272,7 @@ impl Sandbox {
                     .await
                 }
                 "shell" => self.shell(http, &arg("command"), env, limits).await,
-                other => Ok(ToolOutput {
-                    output: format!("unknown_tool: no tool named `{other}`"),
-                    is_error: true,
-                }),
+                other => Ok(ToolError::UnknownTool.output(format!("no tool named `{other}`"))),
             }
         }
         .await;
@@ -300,15 +293,9 @@ impl Sandbox {
                 is_error: false,
             }
         } else if status == reqwest::StatusCode::NOT_FOUND {
-            ToolOutput {
-                output: format!("not_found: {path}"),
-                is_error: true,
-            }
+            ToolError::NotFound.output(path)
         } else {
-            ToolOutput {
-                output: format!("io: reading {path}: {status}"),
-                is_error: true,
-            }
+            ToolError::Io.output(format!("reading {path}: {status}"))
         })
     }
 
@@ -332,10 +319,7 @@ impl Sandbox {
         if res.status().is_success() {
             Ok(())
         } else {
-            Err(ToolOutput {
-                output: format!("io: writing {path}: {}", res.status()),
-                is_error: true,
-            })
+            Err(ToolError::Io.output(format!("writing {path}: {}", res.status())))
         }
     }
 

@@ -1,5 +1,7 @@
-//! svc-dataplane: runs the managed model/tool loop (issue 5). Today it starts, connects to NATS
-//! and Postgres, and reports health; the Harness, Environments, Memory and Vault build on this.
+//! svc-dataplane: runs managed sessions, the model/tool loop itself (`session`), with file and
+//! shell tools on an Environment, an E2B sandbox or a self-hosted Worker. `App` wires the core
+//! tasks (Worker registrations, session nudges, the sweep, the health listener) and the sessions
+//! to one supervisor.
 
 mod config;
 pub mod e2b;
@@ -14,17 +16,19 @@ pub mod worker;
 pub use config::Config;
 
 use agentscope_telemetry::health::{self, Metrics};
+use agentscope_telemetry::supervisor::{Policy, Supervisor};
 use anyhow::Context as _;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 pub struct App {
     nats: async_nats::Client,
-    runner: Arc<session::Runner>,
     health_addr: SocketAddr,
-    cancel: CancellationToken,
-    health_task: tokio::task::JoinHandle<()>,
+    /// The core tasks (worker registrations, session nudges, the sweep, the health listener)
+    /// and the sessions, as work.
+    sup: Supervisor,
 }
 
 /// Decides how session limits are enforced and states at start-up what is in force: the uid
@@ -72,6 +76,15 @@ fn running_as_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
+/// How long sessions get at shutdown to stop and hand their leases back (another replica then
+/// continues them at once instead of after the lease's TTL).
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// The core tasks whose end is a lost subscription: started again a second after a failure.
+const RESTART_BACKOFF: Policy = Policy::Restart {
+    backoff: Duration::from_secs(1),
+};
+
 impl App {
     pub async fn build(config: Config) -> anyhow::Result<App> {
         let db = agentscope_store::connect(&config.database_url, config.db_max_connections)
@@ -83,11 +96,11 @@ impl App {
             .nats
             .connect(&config.nats_url, "svc-dataplane")
             .await?;
-        let cancel = CancellationToken::new();
+        let mut sup = Supervisor::new("svc-dataplane", CancellationToken::new(), STOP_GRACE);
         let js = async_nats::jetstream::new(nats.clone());
         let leases = agentscope_bus::Topology::session_leases(
             &js,
-            std::time::Duration::from_millis(config.session_lease_ttl_ms),
+            Duration::from_millis(config.session_lease_ttl_ms),
         )
         .await?;
         let replica = if config.replica_id.is_empty() {
@@ -101,17 +114,16 @@ impl App {
         } else {
             config.replica_id.clone()
         };
-        let workers = agentscope_bus::Topology::workers(
-            &js,
-            std::time::Duration::from_millis(config.worker_ttl_ms),
-        )
-        .await?;
-        tokio::spawn(worker::serve_registrations(
-            db.clone(),
-            nats.clone(),
-            (config.worker_ttl_ms / 3).max(100) as u32,
-            cancel.clone(),
-        ));
+        let workers =
+            agentscope_bus::Topology::workers(&js, Duration::from_millis(config.worker_ttl_ms))
+                .await?;
+        {
+            let (db, nats) = (db.clone(), nats.clone());
+            let heartbeat_ms = (config.worker_ttl_ms / 3).max(100) as u32;
+            sup.spawn("worker-registrations", RESTART_BACKOFF, move |stop| {
+                worker::serve_registrations(db.clone(), nats.clone(), heartbeat_ms, stop)
+            });
+        }
         let limit_mode = startup_isolation(&config)?;
         let runner = session::Runner::new(
             db.clone(),
@@ -122,52 +134,32 @@ impl App {
             Arc::new(config.clone()),
             replica.clone(),
             limit_mode,
+            sup.work(),
         );
         tracing::info!(%replica, "svc-dataplane replica ready for sessions");
         // New work is announced on a core subject; a sweep finds what a lost nudge or a dead
-        // replica left behind.
-        let mut nudges = nats
-            .subscribe(agentscope_bus::subjects::SESSIONS_NUDGE)
-            .await
-            .map_err(|e| {
-                anyhow::anyhow!(
-                    "subscribe {}: {e}",
-                    agentscope_bus::subjects::SESSIONS_NUDGE
-                )
-            })?;
+        // replica left behind. The first subscription is made here, so that a nudge sent once
+        // the dataplane is up is not missed; a restart of the task subscribes again.
+        let nudges = Mutex::new(Some(subscribe_nudges(&nats).await?));
         {
-            let runner = runner.clone();
-            let cancel = cancel.clone();
-            tokio::spawn(async move {
-                use futures::StreamExt;
-                loop {
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        m = nudges.next() => {
-                            let Some(m) = m else { return };
-                            if let Ok(id) = std::str::from_utf8(&m.payload).unwrap_or("").parse::<uuid::Uuid>() {
-                                runner.offer(id);
-                            }
-                        }
-                    }
+            let (runner, nats) = (runner.clone(), nats.clone());
+            sup.spawn("session-nudges", RESTART_BACKOFF, move |stop| {
+                let first = nudges.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let (runner, nats) = (runner.clone(), nats.clone());
+                async move {
+                    let sub = match first {
+                        Some(sub) => sub,
+                        None => subscribe_nudges(&nats).await?,
+                    };
+                    follow_nudges(&runner, sub, stop).await
                 }
             });
         }
         {
             let runner = runner.clone();
-            let cancel = cancel.clone();
-            let every = std::time::Duration::from_millis(config.sweep_interval_ms.max(50));
-            tokio::spawn(async move {
-                loop {
-                    match runner.sessions_with_work().await {
-                        Ok(ids) => ids.into_iter().for_each(|id| runner.offer(id)),
-                        Err(e) => tracing::warn!(error = %e, "look for sessions with work"),
-                    }
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(every) => {}
-                    }
-                }
+            let every = Duration::from_millis(config.sweep_interval_ms.max(50));
+            sup.spawn("session-sweep", Policy::Critical, move |stop| {
+                sweep(runner.clone(), every, stop)
             });
         }
         let probe_nats = nats.clone();
@@ -178,8 +170,8 @@ impl App {
                 if nats.connection_state() != async_nats::connection::State::Connected {
                     return Err("nats: not connected".into());
                 }
-                sqlx::query("SELECT 1")
-                    .execute(&db)
+                sqlx::query_scalar!("SELECT 1 AS one")
+                    .fetch_one(&db)
                     .await
                     .map_err(|e| format!("postgres: {e}"))?;
                 Ok(())
@@ -190,17 +182,27 @@ impl App {
             "svc-dataplane",
             probe,
             Metrics::default(),
-            cancel.clone(),
+            sup.token(),
         )
         .await
         .with_context(|| format!("bind health listener {}", config.health_addr))?;
+        // The listener is bound above (its address is known before `build` returns); the
+        // supervisor owns the task serving it.
+        let health_task = Mutex::new(Some(health_task));
+        sup.spawn("health", Policy::Critical, move |_stop| {
+            let task = health_task.lock().unwrap_or_else(|e| e.into_inner()).take();
+            async move {
+                match task {
+                    Some(task) => task.await.context("health listener"),
+                    None => anyhow::bail!("the health listener cannot be started again"),
+                }
+            }
+        });
         tracing::info!(%health_addr, "svc-dataplane listening for health checks");
         Ok(App {
             nats,
-            runner,
             health_addr,
-            cancel,
-            health_task,
+            sup,
         })
     }
 
@@ -208,28 +210,66 @@ impl App {
         self.health_addr
     }
 
+    /// Runs until `shutdown` resolves (or a critical task ends), then stops: sessions stop at
+    /// their next await point and hand their leases back, within the grace period.
     pub async fn run_until_stopped(
         self,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> anyhow::Result<()> {
-        shutdown.await;
-        self.cancel.cancel();
-        // Sessions stop at their next await point and hand their leases back, so another
-        // replica continues them at once instead of after the lease's TTL.
-        self.runner.stopping.cancel();
-        self.runner.sessions.close();
-        if tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            self.runner.sessions.wait(),
-        )
-        .await
-        .is_err()
-        {
-            tracing::warn!("sessions did not stop within 10 s; their leases expire instead");
+        let res = self.sup.run(shutdown).await;
+        if let Err(e) = self.nats.flush().await {
+            tracing::warn!(error = %e, "flush NATS at shutdown");
         }
-        let _ = self.health_task.await;
-        let _ = self.nats.flush().await;
         tracing::info!("svc-dataplane stopped");
-        Ok(())
+        res
+    }
+}
+
+async fn subscribe_nudges(nats: &async_nats::Client) -> anyhow::Result<async_nats::Subscriber> {
+    nats.subscribe(agentscope_bus::subjects::SESSIONS_NUDGE)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "subscribe {}: {e}",
+                agentscope_bus::subjects::SESSIONS_NUDGE
+            )
+        })
+}
+
+/// Offers each nudged session to the runner.
+async fn follow_nudges(
+    runner: &Arc<session::Runner>,
+    mut nudges: async_nats::Subscriber,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            m = nudges.next() => {
+                let Some(m) = m else { anyhow::bail!("the subscription to session nudges ended") };
+                if let Ok(id) = std::str::from_utf8(&m.payload).unwrap_or("").parse::<uuid::Uuid>() {
+                    runner.offer(id);
+                }
+            }
+        }
+    }
+}
+
+/// Offers every session with an unanswered input to the runner, every `every`.
+async fn sweep(
+    runner: Arc<session::Runner>,
+    every: Duration,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    loop {
+        match runner.sessions_with_work().await {
+            Ok(ids) => ids.into_iter().for_each(|id| runner.offer(id)),
+            Err(e) => tracing::warn!(error = %e, "look for sessions with work"),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(every) => {}
+        }
     }
 }

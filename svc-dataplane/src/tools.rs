@@ -8,6 +8,74 @@ use uuid::Uuid;
 /// The file and shell tools, shared with self-hosted Workers.
 pub use agentscope_tools::{MAX_OUTPUT, ToolOutput, run};
 
+/// The stable code that starts the output of a tool error the dataplane itself produces
+/// (`<code>: <message>`); the file and shell tools of `agentscope_tools` report their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolError {
+    /// The call's input lacks a field or has one of the wrong shape.
+    BadArguments,
+    /// Not one of the agent's tools.
+    UnknownTool,
+    /// The policy or an Approval denied the call.
+    ToolDenied,
+    /// A replica stopped while the call ran; it is never run again.
+    Interrupted,
+    /// The session's environment is not enabled in this deployment.
+    EnvironmentNotAllowed,
+    /// The agent uses Vault secrets but the dataplane has no vault keys.
+    VaultNotConfigured,
+    /// The agent names a Vault secret the workspace does not have.
+    SecretMissing,
+    /// A Vault secret could not be opened.
+    SecretUnavailable,
+    /// The gateway did not confirm a comment or an Artifact.
+    Unavailable,
+    /// The E2B sandbox could not be had.
+    SandboxUnavailable,
+    /// The session's self-hosted Worker stopped answering during the call.
+    WorkerOffline,
+    /// E2B: no such file.
+    NotFound,
+    /// E2B: a path outside the session directory.
+    PathEscape,
+    /// E2B: a file could not be read or written.
+    Io,
+}
+
+impl ToolError {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::BadArguments => "bad_arguments",
+            Self::UnknownTool => "unknown_tool",
+            Self::ToolDenied => "tool_denied",
+            Self::Interrupted => "interrupted",
+            Self::EnvironmentNotAllowed => "environment_not_allowed",
+            Self::VaultNotConfigured => "vault_not_configured",
+            Self::SecretMissing => "secret_missing",
+            Self::SecretUnavailable => "secret_unavailable",
+            Self::Unavailable => "unavailable",
+            Self::SandboxUnavailable => "sandbox_unavailable",
+            Self::WorkerOffline => "worker_offline",
+            Self::NotFound => "not_found",
+            Self::PathEscape => "path_escape",
+            Self::Io => "io",
+        }
+    }
+
+    /// `<code>: <message>`.
+    pub fn message(self, message: impl std::fmt::Display) -> String {
+        format!("{}: {message}", self.as_str())
+    }
+
+    /// The error output `<code>: <message>`.
+    pub fn output(self, message: impl std::fmt::Display) -> ToolOutput {
+        ToolOutput {
+            output: self.message(message),
+            is_error: true,
+        }
+    }
+}
+
 pub const ALL: [&str; 9] = [
     "read_file",
     "write_file",
@@ -107,23 +175,19 @@ pub async fn memory_write(
     input: &Value,
 ) -> Result<ToolOutput, sqlx::Error> {
     let Some(text) = input.get("text").and_then(Value::as_str) else {
-        return Ok(ToolOutput::err(
-            "bad_arguments: `text` (a string) is required",
-        ));
+        return Ok(ToolError::BadArguments.output("`text` (a string) is required"));
     };
     if text.trim().is_empty() || text.len() > 16 * 1024 {
-        return Ok(ToolOutput::err(
-            "bad_arguments: `text` must be 1 byte to 16 KiB",
-        ));
+        return Ok(ToolError::BadArguments.output("`text` must be 1 byte to 16 KiB"));
     }
     let id = Uuid::now_v7();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO memory_entries (id, workspace_id, text, session_id) VALUES ($1, $2, $3, $4)",
+        id,
+        workspace_id,
+        text,
+        session_id,
     )
-    .bind(id)
-    .bind(workspace_id)
-    .bind(text)
-    .bind(session_id)
     .execute(&mut **tx)
     .await?;
     Ok(ToolOutput::ok(format!("remembered (memory {id})")))
@@ -136,17 +200,15 @@ pub async fn memory_search(
     input: &Value,
 ) -> Result<ToolOutput, sqlx::Error> {
     let Some(query) = input.get("query").and_then(Value::as_str) else {
-        return Ok(ToolOutput::err(
-            "bad_arguments: `query` (a string) is required",
-        ));
+        return Ok(ToolError::BadArguments.output("`query` (a string) is required"));
     };
-    let rows: Vec<(String,)> = sqlx::query_as(
+    let rows: Vec<String> = sqlx::query_scalar!(
         "SELECT text FROM memory_entries
          WHERE workspace_id = $1 AND tsv @@ websearch_to_tsquery('english', $2)
          ORDER BY ts_rank(tsv, websearch_to_tsquery('english', $2)) DESC, created_at DESC LIMIT 10",
+        workspace_id,
+        query,
     )
-    .bind(workspace_id)
-    .bind(query)
     .fetch_all(db)
     .await?;
     Ok(if rows.is_empty() {
@@ -154,7 +216,7 @@ pub async fn memory_search(
     } else {
         ToolOutput::ok(
             rows.into_iter()
-                .map(|r| format!("- {}", r.0))
+                .map(|r| format!("- {r}"))
                 .collect::<Vec<_>>()
                 .join("\n"),
         )

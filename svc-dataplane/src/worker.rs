@@ -31,7 +31,8 @@ use uuid::Uuid;
 /// The id of Worker `name` in `workspace_id`.
 pub use agentscope_domain::worker_id;
 
-/// Answers Worker registrations (any replica; queue group `dataplane`).
+/// Answers Worker registrations (any replica; queue group `dataplane`) until `cancel` fires; an
+/// error when the subscription cannot be made or ends.
 pub async fn serve_registrations(
     db: sqlx::PgPool,
     nats: async_nats::Client,
@@ -48,7 +49,10 @@ pub async fn serve_registrations(
     loop {
         let msg = tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
+            m = sub.next() => match m {
+                Some(m) => m,
+                None => anyhow::bail!("the subscription to worker registrations ended"),
+            },
         };
         let Some(reply) = msg.reply.clone() else {
             continue;
@@ -57,7 +61,10 @@ pub async fn serve_registrations(
             Err(_) => refused("malformed WorkerRegistration"),
             Ok(r) => register(&db, &r, heartbeat_ms).await,
         };
-        let _ = nats.publish(reply, answer.encode_to_vec().into()).await;
+        if let Err(e) = nats.publish(reply, answer.encode_to_vec().into()).await {
+            // The Worker asks again when its request times out.
+            tracing::warn!(error = %e, "answer a worker registration");
+        }
     }
 }
 
@@ -85,14 +92,14 @@ async fn register(
     {
         return refused("not a worker token (agw_...)");
     }
-    let found: Result<Option<(Uuid,)>, _> = sqlx::query_as(
+    let found: Result<Option<Uuid>, _> = sqlx::query_scalar!(
         "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'worker' AND revoked_at IS NULL",
+        agentscope_domain::hash_token(&r.worker_token),
     )
-    .bind(agentscope_domain::hash_token(&r.worker_token))
     .fetch_optional(db)
     .await;
     match found {
-        Ok(Some((ws,))) => {
+        Ok(Some(ws)) => {
             let id = worker_id(&ws.to_string(), &r.name);
             tracing::info!(worker_id = %id, name = %r.name, workspace_id = %ws, "worker registered");
             WorkerRegistered {

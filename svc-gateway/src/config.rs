@@ -34,28 +34,22 @@ pub struct Config {
 
 impl Config {
     pub fn load() -> Result<Self, config::ConfigError> {
-        let mut builder = config::Config::builder()
-            .set_default("nats_url", "nats://127.0.0.1:4222")?
-            .set_default(
+        let config: Config = agentscope_telemetry::config::load(&[
+            ("nats_url", "nats://127.0.0.1:4222".into()),
+            (
                 "database_url",
-                "postgres://postgres@127.0.0.1:5432/agentscope",
-            )?
-            .set_default("http_addr", "127.0.0.1:8080")?
-            .set_default("admin_token", "")?
-            .set_default("max_body_bytes", 1024 * 1024)?
-            .set_default("max_artifact_bytes", 10 * 1024 * 1024)?
-            .set_default("host_offline_after_ms", 10_000)?
-            .set_default("db_max_connections", 16)?
-            .set_default("log_format", "")?
-            .set_default("vault_keys", "")?
-            .set_default("allow_local_environment", false)?;
-        if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
-            builder = builder.add_source(config::File::with_name(&path));
-        }
-        let config: Config = builder
-            .add_source(config::Environment::with_prefix("AGENTSCOPE").try_parsing(true))
-            .build()?
-            .try_deserialize()?;
+                "postgres://postgres@127.0.0.1:5432/agentscope".into(),
+            ),
+            ("http_addr", "127.0.0.1:8080".into()),
+            ("admin_token", "".into()),
+            ("max_body_bytes", (1024 * 1024).into()),
+            ("max_artifact_bytes", (10 * 1024 * 1024).into()),
+            ("host_offline_after_ms", 10_000.into()),
+            ("db_max_connections", 16.into()),
+            ("log_format", "".into()),
+            ("vault_keys", "".into()),
+            ("allow_local_environment", false.into()),
+        ])?;
         config.validate()?;
         Ok(config)
     }

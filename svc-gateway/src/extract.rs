@@ -68,13 +68,47 @@ pub fn optional_body<T: DeserializeOwned + Default>(
     typed(v)
 }
 
-/// PostgreSQL cannot store NUL (`\u0000`) in text or JSON, and no field of the API means one:
-/// a request carrying it in any string, keys included, is refused with `422 invalid_field`
-/// naming the JSON path of the first one (`input.files[2]`, `params.<key>`).
+/// What PostgreSQL would not keep, or not give back: a NUL (`\u0000`) it cannot store in text
+/// or JSON (and no field of the API means one), in any string, keys included; and a number
+/// beyond ±1e300, which `jsonb` keeps as its exact decimal, so that reading it back into a
+/// JSON value overflows and every later read of the record would fail. A request carrying
+/// either is refused naming the JSON path of the first one (`input.files[2]`, `params.<key>`):
+/// a NUL with `422 invalid_field`, a number with `400 invalid_field` (a value out of range).
 pub fn refuse_nul(v: &Value) -> Result<(), ApiError> {
-    match nul_path(v, String::new()) {
-        None => Ok(()),
-        Some(path) => Err(nul_error(if path.is_empty() { "(body)" } else { &path })),
+    if let Some(path) = nul_path(v, String::new()) {
+        return Err(nul_error(if path.is_empty() { "(body)" } else { &path }));
+    }
+    if let Some(path) = huge_number_path(v, String::new()) {
+        return Err(ApiError::bad_request(
+            "invalid_field",
+            format!("`{path}` is a number beyond ±1e300, which cannot be stored"),
+        ));
+    }
+    Ok(())
+}
+
+/// The JSON path of the first number in `v` whose magnitude is 1e300 or more.
+fn huge_number_path(v: &Value, at: String) -> Option<String> {
+    let join = |key: &str| {
+        if at.is_empty() {
+            key.to_string()
+        } else {
+            format!("{at}.{key}")
+        }
+    };
+    match v {
+        Value::Number(n) => n
+            .as_f64()
+            .is_none_or(|f| f.abs() >= 1e300)
+            .then(|| if at.is_empty() { "(body)".into() } else { at }),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, item)| huge_number_path(item, format!("{at}[{i}]"))),
+        Value::Object(map) => map
+            .iter()
+            .find_map(|(k, item)| huge_number_path(item, join(k))),
+        _ => None,
     }
 }
 
@@ -219,13 +253,15 @@ impl FromRequestParts<AppState> for Auth {
             return Err(ApiError::unauthorized());
         }
         let hash = agentscope_domain::hash_token(token);
-        let row: Option<(Uuid, Uuid)> = sqlx::query_as(
+        let row = sqlx::query!(
             "SELECT workspace_id, id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
+            hash,
         )
-        .bind(hash)
         .fetch_optional(&state.db)
         .await?;
-        let (workspace_id, token_id) = row.ok_or_else(ApiError::unauthorized)?;
+        let (workspace_id, token_id) = row
+            .map(|r| (r.workspace_id, r.id))
+            .ok_or_else(ApiError::unauthorized)?;
         tracing::Span::current().record("workspace_id", tracing::field::display(workspace_id));
         Ok(Auth {
             workspace_id,
@@ -283,15 +319,17 @@ impl FromRequestParts<AppState> for TaskAuth {
         if !token.starts_with(agentscope_domain::TokenKind::Task.prefix()) || token.len() > 256 {
             return Err(refused());
         }
-        let row: Option<(Uuid, Uuid, Uuid, Option<Uuid>, Uuid)> = sqlx::query_as(
+        let row = sqlx::query!(
             "SELECT a.workspace_id, a.task_id, a.id, t.issue_id, a.agent_id FROM attempts a
              JOIN tasks t ON t.id = a.task_id
              WHERE a.task_token_hash = $1 AND a.status IN ('claimed', 'running')",
+            agentscope_domain::hash_token(token),
         )
-        .bind(agentscope_domain::hash_token(token))
         .fetch_optional(&state.db)
         .await?;
-        let (workspace_id, task_id, attempt_id, issue_id, agent_id) = row.ok_or_else(refused)?;
+        let (workspace_id, task_id, attempt_id, issue_id, agent_id) = row
+            .map(|r| (r.workspace_id, r.task_id, r.id, r.issue_id, r.agent_id))
+            .ok_or_else(refused)?;
         let span = tracing::Span::current();
         span.record("workspace_id", tracing::field::display(workspace_id));
         Ok(TaskAuth {
@@ -328,6 +366,29 @@ mod tests {
             Some("params.k\\u0000")
         );
         assert_eq!(nul_path(&json!("\0"), String::new()).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn the_first_number_beyond_1e300_is_named_by_its_json_path() {
+        assert_eq!(
+            huge_number_path(&json!({"params": {"n": 1e299, "m": -5}}), String::new()),
+            None
+        );
+        assert_eq!(
+            huge_number_path(&json!({"params": {"n": 1.7e308}}), String::new()).as_deref(),
+            Some("params.n")
+        );
+        assert_eq!(
+            huge_number_path(&json!({"policy": {"limits": [1, -1e300]}}), String::new()).as_deref(),
+            Some("policy.limits[1]")
+        );
+        match refuse_nul(&json!({"params": {"x": 1e305}})) {
+            Err(ApiError::Client { status, code, .. }) => {
+                assert_eq!(status, StatusCode::BAD_REQUEST);
+                assert_eq!(code, "invalid_field");
+            }
+            other => panic!("not refused: {other:?}"),
+        }
     }
 
     #[test]

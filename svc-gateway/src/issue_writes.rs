@@ -2,41 +2,34 @@
 //! only writer of comments and Artifacts) writes them on the session's Issue.
 
 use crate::AppState;
-use agentscope_schemas::Message as _;
 use agentscope_schemas::v1::{IssueWrite, IssueWriteReply, issue_write::What};
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// Largest Artifact a session may upload (it travels in one NATS message).
 pub const MAX_SESSION_ARTIFACT: usize = 256 * 1024;
 
-pub async fn serve(s: AppState, cancel: CancellationToken) {
-    let mut sub = match s
-        .nats
-        .queue_subscribe(agentscope_bus::subjects::ISSUE_WRITE, "gateway".into())
-        .await
-    {
-        Ok(sub) => sub,
-        Err(e) => {
-            tracing::error!(error = %e, "subscribe to session issue writes");
-            return;
-        }
+/// Answers the dataplane's issue writes, one at a time, until `cancel`.
+pub async fn serve(s: AppState, cancel: CancellationToken) -> anyhow::Result<()> {
+    let at = agentscope_bus::Endpoint {
+        subject: agentscope_bus::subjects::ISSUE_WRITE,
+        queue_group: "gateway",
+        concurrency: 1,
     };
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = sub.next() => match m { Some(m) => m, None => return },
-        };
-        let Some(reply) = msg.reply.clone() else {
-            continue;
-        };
-        let answer = match IssueWrite::decode(msg.payload.as_ref()) {
-            Ok(w) => write(&s, w).await,
-            Err(_) => refused("malformed", "malformed IssueWrite"),
-        };
-        let _ = s.nats.publish(reply, answer.encode_to_vec().into()).await;
-    }
+    let state = &s;
+    agentscope_bus::serve(
+        &s.nats,
+        at,
+        cancel,
+        |req: agentscope_bus::Request<IssueWrite>| async move {
+            match req.body {
+                Ok(w) => write(state, w).await,
+                Err(_) => refused("malformed", "malformed IssueWrite"),
+            }
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!(e).context("subscribe to session issue writes"))
 }
 
 fn refused(code: &str, message: &str) -> IssueWriteReply {
@@ -53,15 +46,16 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
     else {
         return refused("invalid_id", "workspace_id and session_id must be UUIDs");
     };
-    let issue: Result<Option<(Option<Uuid>,)>, _> =
-        sqlx::query_as("SELECT issue_id FROM sessions WHERE id = $1 AND workspace_id = $2")
-            .bind(session)
-            .bind(ws)
-            .fetch_optional(&s.db)
-            .await;
+    let issue = sqlx::query_scalar!(
+        "SELECT issue_id FROM sessions WHERE id = $1 AND workspace_id = $2",
+        session,
+        ws,
+    )
+    .fetch_optional(&s.db)
+    .await;
     let issue = match issue {
-        Ok(Some((Some(i),))) => i,
-        Ok(Some((None,))) => return refused("no_issue", "this session works on no Issue"),
+        Ok(Some(Some(i))) => i,
+        Ok(Some(None)) => return refused("no_issue", "this session works on no Issue"),
         Ok(None) => return refused("not_found", "session not found"),
         Err(e) => {
             tracing::warn!(error = %e, "session issue write");
@@ -86,14 +80,16 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
                     "`body` contains a NUL character (\\u0000), which no text field accepts",
                 );
             }
-            sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
-                .bind(id)
-                .bind(ws)
-                .bind(issue)
-                .bind(&author)
-                .bind(&body)
-                .execute(&s.db)
-                .await
+            sqlx::query!(
+                "INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)",
+                id,
+                ws,
+                issue,
+                &author,
+                &body,
+            )
+            .execute(&s.db)
+            .await
         }
         Some(What::Artifact(a)) => {
             let name_ok = !a.name.is_empty()
@@ -118,20 +114,20 @@ async fn write(s: &AppState, w: IssueWrite) -> IssueWriteReply {
             }
             use sha2::Digest;
             let sha = hex::encode(sha2::Sha256::digest(&a.content));
-            sqlx::query(
+            sqlx::query!(
                 "INSERT INTO artifacts (id, workspace_id, issue_id, session_id, name, content_type, size_bytes, sha256, content, author)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                id,
+                ws,
+                issue,
+                session,
+                &a.name,
+                &a.content_type,
+                a.content.len() as i64,
+                &sha,
+                &a.content[..],
+                &author,
             )
-            .bind(id)
-            .bind(ws)
-            .bind(issue)
-            .bind(session)
-            .bind(&a.name)
-            .bind(&a.content_type)
-            .bind(a.content.len() as i64)
-            .bind(&sha)
-            .bind(&a.content)
-            .bind(&author)
             .execute(&s.db)
             .await
         }

@@ -15,6 +15,7 @@ pub use config::Config;
 use agentscope_bus::Topology;
 use agentscope_schemas::Message;
 use agentscope_telemetry::health::{self, Metrics};
+use agentscope_telemetry::supervisor::{Policy, Supervisor, Work};
 use anyhow::Context as _;
 use axum::Router;
 use axum::extract::{MatchedPath, Request, State};
@@ -40,13 +41,20 @@ pub struct AppState {
     pub feeds: api::events::Feeds,
     /// Fired when the gateway stops: live streams end (clients resume with `Last-Event-ID`).
     pub shutdown: CancellationToken,
+    /// Where per-request tasks (live streams and their feeds, publish acknowledgements) are
+    /// spawned: the gateway ends and awaits them at shutdown, within its grace period.
+    pub work: Work,
 }
 
 pub struct App {
     state: AppState,
+    sup: Supervisor,
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
 }
+
+/// How long requests, live streams and the gateway's bus loops get to finish at shutdown.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl App {
     pub async fn build(config: Config) -> anyhow::Result<App> {
@@ -63,6 +71,7 @@ impl App {
         let addr = listener.local_addr()?;
         let (recorded, _) = broadcast::channel(4096);
         tracing::info!(%addr, "svc-gateway listening");
+        let sup = Supervisor::new("svc-gateway", CancellationToken::new(), STOP_GRACE);
         Ok(App {
             state: AppState {
                 db,
@@ -72,8 +81,10 @@ impl App {
                 metrics: Metrics::default(),
                 recorded,
                 feeds: Default::default(),
-                shutdown: CancellationToken::new(),
+                shutdown: sup.token(),
+                work: sup.work(),
             },
+            sup,
             listener,
             addr,
         })
@@ -83,50 +94,60 @@ impl App {
         self.addr
     }
 
+    /// Serves until `shutdown` resolves (or the HTTP server fails), then stops: live streams
+    /// end with a `shutdown` event, requests in hand finish, and every per-request task is
+    /// awaited, all within the grace period.
     pub async fn run_until_stopped(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
-        let cancel = CancellationToken::new();
-        let fanout = tokio::spawn(fan_out_recorded(self.state.clone(), cancel.clone()));
-        let writes = tokio::spawn(issue_writes::serve(self.state.clone(), cancel.clone()));
-        let app = router(self.state.clone());
-        let c2 = cancel.clone();
-        let streams = self.state.shutdown.clone();
-        axum::serve(self.listener, app)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                // Live streams end now, so the graceful shutdown does not wait on them.
-                streams.cancel();
-                c2.cancel();
-            })
-            .await?;
-        cancel.cancel();
-        let _ = fanout.await;
-        let _ = writes.await;
-        let _ = self.state.nats.flush().await;
+        let App {
+            state,
+            mut sup,
+            listener,
+            ..
+        } = self;
+        let app = router(state.clone());
+        sup.spawn_once("http", move |stop| async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+                .context("serve HTTP")
+        });
+        // Both are restarted after a failure: without the first, live streams fall back to
+        // polling; without the second, sessions' comments and Artifacts wait.
+        let backoff = Policy::Restart {
+            backoff: std::time::Duration::from_secs(1),
+        };
+        let s = state.clone();
+        sup.spawn("recorded-fanout", backoff, move |stop| {
+            fan_out_recorded(s.clone(), stop)
+        });
+        let s = state.clone();
+        sup.spawn("issue-writes", backoff, move |stop| {
+            issue_writes::serve(s.clone(), stop)
+        });
+        let res = sup.run(shutdown).await;
+        let _ = state.nats.flush().await;
         tracing::info!("svc-gateway stopped");
-        Ok(())
+        res
     }
 }
 
 /// Relays the recorder's commit notices to live SSE streams.
-async fn fan_out_recorded(s: AppState, cancel: CancellationToken) {
-    let mut sub = match s
+async fn fan_out_recorded(s: AppState, cancel: CancellationToken) -> anyhow::Result<()> {
+    let mut sub = s
         .nats
         .subscribe(agentscope_bus::subjects::RECORDED_ALL)
         .await
-    {
-        Ok(sub) => sub,
-        Err(e) => {
-            tracing::error!(error = %e, "subscribe to recorded notices; live streams fall back to polling");
-            return;
-        }
-    };
+        .context("subscribe to recorded notices; live streams fall back to polling")?;
     loop {
         let msg = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = sub.next() => match m { Some(m) => m, None => return },
+            _ = cancel.cancelled() => return Ok(()),
+            m = sub.next() => match m {
+                Some(m) => m,
+                None => anyhow::bail!("the subscription to recorded notices ended"),
+            },
         };
         if let Ok(n) = agentscope_schemas::v1::Recorded::decode(msg.payload.as_ref())
             && let (Ok(a), Ok(t)) = (Uuid::parse_str(&n.attempt_id), Uuid::parse_str(&n.task_id))
@@ -143,20 +164,7 @@ pub fn router(state: AppState) -> Router {
     for route in routes {
         r = r.route(route.path, route.handler);
     }
-    let probe_state = state.clone();
-    let probe: health::Probe = Arc::new(move || {
-        let s = probe_state.clone();
-        Box::pin(async move {
-            if s.nats.connection_state() != async_nats::connection::State::Connected {
-                return Err("nats: not connected".into());
-            }
-            sqlx::query("SELECT 1")
-                .execute(&s.db)
-                .await
-                .map_err(|e| format!("postgres: {e}"))?;
-            Ok(())
-        })
-    });
+    let probe = health::nats_and_postgres(state.nats.clone(), state.db.clone());
     let metrics = state.metrics.clone();
     r.route(
         "/v1/openapi.json",

@@ -62,32 +62,29 @@ pub struct Config {
 
 impl Config {
     pub fn load() -> Result<Self, config::ConfigError> {
-        let mut builder = config::Config::builder()
-            .set_default("nats_url", "nats://127.0.0.1:4222")?
-            .set_default("health_addr", "127.0.0.1:8083")?
-            .set_default("state_dir", ".run/host")?
-            .set_default("host_token", "")?
-            .set_default("pool", "default")?
-            .set_default("capacity", 2)?
-            .set_default("poll_interval_ms", 2_000)?
-            .set_default("kill_grace_ms", 5_000)?
-            .set_default("max_line_bytes", 64 * 1024)?
-            .set_default("api_url", "http://127.0.0.1:8080")?
-            .set_default("providers", "command,claude-code,codex,opencode,openclaw")?
-            .set_default("run_as", "auto")?
-            .set_default("run_as_uids", crate::isolation::DEFAULT_UID_RANGE)?
-            .set_default("run_as_lock_dir", "/run/agentscope/uids")?
-            .set_default("model_retry_limit", 3)?
-            .set_default("model_retry_secs", 60)?
-            .set_default("provider_recheck_ms", 60_000)?
-            .set_default("log_format", "")?;
-        if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
-            builder = builder.add_source(config::File::with_name(&path));
-        }
-        let config: Config = builder
-            .add_source(config::Environment::with_prefix("AGENTSCOPE").try_parsing(true))
-            .build()?
-            .try_deserialize()?;
+        let config: Config = agentscope_telemetry::config::load(&[
+            ("nats_url", "nats://127.0.0.1:4222".into()),
+            ("health_addr", "127.0.0.1:8083".into()),
+            ("state_dir", ".run/host".into()),
+            ("host_token", "".into()),
+            ("pool", "default".into()),
+            ("capacity", 2.into()),
+            ("poll_interval_ms", 2_000.into()),
+            ("kill_grace_ms", 5_000.into()),
+            ("max_line_bytes", (64 * 1024).into()),
+            ("api_url", "http://127.0.0.1:8080".into()),
+            (
+                "providers",
+                "command,claude-code,codex,opencode,openclaw".into(),
+            ),
+            ("run_as", "auto".into()),
+            ("run_as_uids", crate::isolation::DEFAULT_UID_RANGE.into()),
+            ("run_as_lock_dir", "/run/agentscope/uids".into()),
+            ("model_retry_limit", 3.into()),
+            ("model_retry_secs", 60.into()),
+            ("provider_recheck_ms", 60_000.into()),
+            ("log_format", "".into()),
+        ])?;
         config.validate()?;
         Ok(config)
     }

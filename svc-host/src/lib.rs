@@ -588,8 +588,9 @@ fn spawn_attempt(
             }
         }
         drop(permit);
-        // A slot is free: listen for nudges again. No claim now: the scheduler still counts
-        // this attempt until it records its end, and it nudges the pool when it has.
+        // A slot is free: claim it at once if work waits (the claim lists this attempt as
+        // ended, so the scheduler does not count it even before it records the end), and
+        // listen for nudges again.
         ctx.slot_freed.notify_one();
     });
 }
@@ -933,20 +934,23 @@ async fn claim_loop(
 /// more the scheduler says are waiting.
 async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usize, u32) {
     let free = slots.available_permits() as u32;
-    let held_attempts = {
+    let (held_attempts, ended_attempts) = {
         let st = ctx.state.lock().expect("host state");
-        st.running
-            .keys()
-            .chain(st.reported.iter())
+        let ended: Vec<String> = st
+            .reported
+            .iter()
             .chain(st.finished.iter())
             .cloned()
-            .collect()
+            .collect();
+        let held = st.running.keys().cloned().chain(ended.iter().cloned());
+        (held.collect(), ended)
     };
     let req = ClaimRequest {
         host_id: ctx.host_id.to_string(),
         host_token: ctx.config.host_token.clone(),
         free_slots: free,
         held_attempts,
+        ended_attempts,
     };
     // Well inside the lease TTL, so a lost reply is offered again before its lease lapses.
     let wait = Duration::from_millis((ctx.lease_ttl_ms() / 3).clamp(500, 5_000));

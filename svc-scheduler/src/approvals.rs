@@ -1,16 +1,18 @@
-//! Approvals (H13, M9): a provider's tool request becomes an Approval record; a decision is
+//! Approvals: a provider's tool request becomes an Approval record; a decision is
 //! applied exactly once and sent to the host holding the attempt; an undecided request turns
 //! into a deny with the class `approval_timeout` when its policy deadline passes.
 
 use crate::{Ctx, Error, attempts};
-use agentscope_bus::{CONSUMER_APPROVALS, SCHEDULER_QUEUE, STREAM_APPROVALS, subjects};
-use agentscope_schemas::Message;
+use agentscope_bus::{
+    CONSUMER_APPROVALS, Consume, Endpoint, Request, SCHEDULER_QUEUE, STREAM_APPROVALS, subjects,
+};
 use agentscope_schemas::v1::{
     ApprovalDecision, DecideApproval, DecideApprovalReply, HostCommand, ToolRequest, host_command,
 };
-use async_nats::jetstream::AckKind;
+use agentscope_schemas::{DecodeError, Message};
 use async_nats::jetstream::consumer::{AckPolicy, pull};
-use futures::StreamExt;
+use async_nats::jetstream::{AckKind, Message as JsMessage};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -37,44 +39,52 @@ pub(crate) async fn consume_requests(ctx: Ctx, cancel: CancellationToken) -> any
         })
         .await
         .map_err(Error::bus)?;
-    let mut messages = consumer.messages().await.map_err(Error::bus)?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = messages.next() => match m {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => { tracing::warn!(error = ?e, "approvals consumer"); continue }
-                None => return Ok(()),
-            },
-        };
-        let subject = msg.subject.to_string();
-        let ack = match record_request(&ctx, &subject, &msg.payload).await {
-            Ok(()) => AckKind::Ack,
-            Err(e) => {
-                if e.retryable()
-                    && let Some(more) = RETRY_WARNING.check()
-                {
-                    tracing::warn!(error = ?e, %subject, "record tool request failed; will retry{more}");
+    let messages = consumer.messages().await.map_err(Error::bus)?;
+    let how = Consume {
+        name: CONSUMER_APPROVALS,
+        concurrency: 1,
+    };
+    let ctx = &ctx;
+    // It would not decode on any redelivery either: recorded and terminated.
+    let malformed = |msg: Arc<JsMessage>, e: DecodeError| async move {
+        let reason = e.to_string();
+        crate::reject(ctx, &msg.subject, CONSUMER_APPROVALS, &reason, &msg.payload).await;
+        AckKind::Term
+    };
+    agentscope_bus::consume_decoded(
+        messages,
+        how,
+        cancel,
+        |msg: Arc<JsMessage>, req: ToolRequest| async move {
+            let subject = msg.subject.to_string();
+            match record_request(ctx, &subject, req).await {
+                Ok(()) => AckKind::Ack,
+                Err(e) => {
+                    if e.retryable()
+                        && let Some(more) = RETRY_WARNING.check()
+                    {
+                        tracing::warn!(error = ?e, %subject, "record tool request failed; will retry{more}");
+                    }
+                    crate::retry_or_reject(
+                        ctx,
+                        &msg,
+                        CONSUMER_APPROVALS,
+                        &crate::describe(&e),
+                        e.retryable(),
+                        Duration::from_millis(500),
+                        crate::redelivery_max(ctx),
+                    )
+                    .await
                 }
-                crate::retry_or_reject(
-                    &ctx,
-                    &msg,
-                    CONSUMER_APPROVALS,
-                    &crate::describe(&e),
-                    e.retryable(),
-                    Duration::from_millis(500),
-                    crate::redelivery_max(&ctx),
-                )
-                .await
             }
-        };
-        let _ = msg.ack_with(ack).await;
-    }
+        },
+        malformed,
+    )
+    .await;
+    Ok(())
 }
 
-async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), Error> {
-    let req = ToolRequest::decode(payload)
-        .map_err(|_| Error::Rejected("malformed ToolRequest payload".into()))?;
+async fn record_request(ctx: &Ctx, subject: &str, req: ToolRequest) -> Result<(), Error> {
     // The request id is what the decision is matched by: it cannot be altered, so a NUL in it
     // refuses the request. The tool's name and input are free text, stored with U+FFFD.
     if req.request_id.contains('\0') {
@@ -101,24 +111,11 @@ async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), 
     };
     // A hosted attempt's request, or a managed session's (svc-dataplane); each is fenced by its
     // holder's lease token: only the current holder may ask.
-    let (owner, query) = if req.attempt_id.is_empty() && !req.session_id.is_empty() {
-        (
-            &req.session_id,
-            r#"INSERT INTO approvals (id, workspace_id, session_id, request_id, tool_name, input, expires_at)
-               SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
-               FROM sessions s JOIN session_state st ON st.session_id = s.id
-               WHERE s.id = $2 AND st.lease_token = $7
-               ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
-        )
+    let managed = req.attempt_id.is_empty() && !req.session_id.is_empty();
+    let owner = if managed {
+        &req.session_id
     } else {
-        (
-            &req.attempt_id,
-            r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
-               SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6 / 1000.0)
-               FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
-                 AND a.host_id = $8
-               ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
-        )
+        &req.attempt_id
     };
     let owner_id = Uuid::parse_str(owner)
         .map_err(|_| Error::Rejected("attempt_id or session_id is not a UUID".into()))?;
@@ -130,17 +127,43 @@ async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), 
     } else {
         req.timeout_ms
     } as f64;
-    let inserted = sqlx::query(query)
-        .bind(Uuid::now_v7())
-        .bind(owner_id)
-        .bind(&req.request_id)
-        .bind(crate::storable(&req.tool_name).as_ref())
-        .bind(&input)
-        .bind(timeout_ms)
-        .bind(req.lease_token as i64)
-        .bind(subject_host)
+    let tool_name = crate::storable(&req.tool_name);
+    let inserted = if managed {
+        sqlx::query!(
+            r#"INSERT INTO approvals (id, workspace_id, session_id, request_id, tool_name, input, expires_at)
+               SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6::float8 / 1000.0)
+               FROM sessions s JOIN session_state st ON st.session_id = s.id
+               WHERE s.id = $2 AND st.lease_token = $7
+               ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
+            Uuid::now_v7(),
+            owner_id,
+            &req.request_id,
+            tool_name.as_ref(),
+            &input,
+            timeout_ms,
+            req.lease_token as i64,
+        )
         .execute(&ctx.db)
-        .await?;
+        .await?
+    } else {
+        sqlx::query!(
+            r#"INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, input, expires_at)
+               SELECT $1, a.workspace_id, a.id, $3, $4, $5, now() + make_interval(secs => $6::float8 / 1000.0)
+               FROM attempts a WHERE a.id = $2 AND a.lease_token = $7 AND a.status IN ('claimed', 'running')
+                 AND a.host_id = $8
+               ON CONFLICT (attempt_id, request_id) DO NOTHING"#,
+            Uuid::now_v7(),
+            owner_id,
+            &req.request_id,
+            tool_name.as_ref(),
+            &input,
+            timeout_ms,
+            req.lease_token as i64,
+            subject_host,
+        )
+        .execute(&ctx.db)
+        .await?
+    };
     if inserted.rows_affected() == 1 {
         ctx.metrics.inc("agentscope_approvals_requested_total", &[]);
         tracing::info!(owner = %owner_id, request_id = %req.request_id, tool = %req.tool_name, "approval requested");
@@ -150,50 +173,46 @@ async fn record_request(ctx: &Ctx, subject: &str, payload: &[u8]) -> Result<(), 
 
 /// Answers decisions from the gateway, and applies each one exactly once.
 pub(crate) async fn serve_decisions(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
-    let sub = ctx
-        .nats
-        .queue_subscribe(subjects::APPROVAL_DECIDE, SCHEDULER_QUEUE.into())
-        .await
-        .map_err(Error::bus)?;
-    sub.take_until(cancel.cancelled_owned())
-        .for_each_concurrent(8, |msg| {
-            let ctx = ctx.clone();
-            async move {
-                let Some(reply) = msg.reply.clone() else {
-                    return;
-                };
-                let answer = match DecideApproval::decode(msg.payload.as_ref()) {
-                    // Every decision from the bus names the workspace it was made in; only the
-                    // sweeper's timeouts (in-process) decide without one.
-                    Ok(d) if Uuid::parse_str(&d.workspace_id).is_err() => {
-                        refused("not_found", "approval not found", "")
-                    }
-                    Ok(d) if nul_field(&d).is_some() => refused(
-                        "invalid_field",
-                        &format!(
-                            "`{}` contains a NUL character (\\u0000)",
-                            nul_field(&d).unwrap_or_default()
-                        ),
-                        "",
+    let at = Endpoint {
+        subject: subjects::APPROVAL_DECIDE,
+        queue_group: SCHEDULER_QUEUE,
+        concurrency: 8,
+    };
+    agentscope_bus::serve(&ctx.nats, at, cancel, |msg: Request<DecideApproval>| {
+        let ctx = ctx.clone();
+        async move {
+            match msg.body {
+                // Every decision from the bus names the workspace it was made in; only the
+                // sweeper's timeouts (in-process) decide without one.
+                Ok(d) if Uuid::parse_str(&d.workspace_id).is_err() => {
+                    refused("not_found", "approval not found", "")
+                }
+                Ok(d) if nul_field(&d).is_some() => refused(
+                    "invalid_field",
+                    &format!(
+                        "`{}` contains a NUL character (\\u0000)",
+                        nul_field(&d).unwrap_or_default()
                     ),
-                    Ok(d) => match decide(&ctx, d, "allowed", "denied").await {
-                        Ok(r) => r,
-                        // The same decision would fail the same way: refused, not "retry".
-                        Err(e) if !e.retryable() => {
-                            tracing::warn!(error = ?e, "decision refused by the database");
-                            refused("invalid_field", &crate::describe(&e), "")
-                        }
-                        Err(e) => {
-                            tracing::error!(error = ?e, "decide approval");
-                            refused("internal", "the decision could not be recorded; retry", "")
-                        }
-                    },
-                    Err(_) => refused("malformed", "DecideApproval payload does not decode", ""),
-                };
-                let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
+                    "",
+                ),
+                Ok(d) => match decide(&ctx, d, "allowed", "denied").await {
+                    Ok(r) => r,
+                    // The same decision would fail the same way: refused, not "retry".
+                    Err(e) if !e.retryable() => {
+                        tracing::warn!(error = ?e, "decision refused by the database");
+                        refused("invalid_field", &crate::describe(&e), "")
+                    }
+                    Err(e) => {
+                        tracing::error!(error = ?e, "decide approval");
+                        refused("internal", "the decision could not be recorded; retry", "")
+                    }
+                },
+                Err(_) => refused("malformed", "DecideApproval payload does not decode", ""),
             }
-        })
-        .await;
+        }
+    })
+    .await
+    .map_err(Error::bus)?;
     Ok(())
 }
 
@@ -236,20 +255,20 @@ async fn decide(
     // row lock of the update applies it once) and the replica holding the session is nudged at
     // once. Anything else (a replay, another workspace, a hosted attempt's request, an unknown
     // id) takes the transaction below.
-    let session: Option<(String,)> = sqlx::query_as(
-        "UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '')
+    let session = sqlx::query_scalar!(
+        r#"UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '')
          WHERE id = $1 AND status = 'pending' AND attempt_id IS NULL AND session_id IS NOT NULL
            AND ($5::uuid IS NULL OR workspace_id = $5)
-         RETURNING session_id",
+         RETURNING session_id AS "session_id!""#,
+        id,
+        status,
+        &d.decided_by,
+        &d.reason,
+        ws,
     )
-    .bind(id)
-    .bind(status)
-    .bind(&d.decided_by)
-    .bind(&d.reason)
-    .bind(ws)
     .fetch_optional(&ctx.db)
     .await?;
-    if let Some((session,)) = session {
+    if let Some(session) = session {
         let _ = ctx
             .nats
             .publish(subjects::SESSIONS_NUDGE, session.into())
@@ -265,16 +284,22 @@ async fn decide(
     }
     let mut tx = ctx.db.begin().await?;
     // status, attempt (hosted) or session (managed), request, workspace.
-    type Row = (String, Option<Uuid>, String, Uuid, Option<String>);
-    let row: Option<Row> = sqlx::query_as(
+    let row = sqlx::query!(
         "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id, ap.session_id FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
+        id,
     )
-    .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((current, attempt_id, request_id, workspace, session_id)) = row else {
+    let Some(row) = row else {
         return Ok(refused("not_found", "approval not found", ""));
     };
+    let (current, attempt_id, request_id, workspace, session_id) = (
+        row.status,
+        row.attempt_id,
+        row.request_id,
+        row.workspace_id,
+        row.session_id,
+    );
     if ws.is_some_and(|w| w != workspace) {
         return Ok(refused("not_found", "approval not found", ""));
     }
@@ -305,8 +330,7 @@ async fn decide(
             return Ok(refused("not_found", "approval not found", ""));
         };
         if !a.status.is_active() {
-            sqlx::query("UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform', reason = 'the attempt had ended' WHERE id = $1")
-                .bind(id)
+            sqlx::query!("UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform', reason = 'the attempt had ended' WHERE id = $1", id)
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await?;
@@ -318,13 +342,15 @@ async fn decide(
         }
         host = a.host_id.map(|h| (h, attempt_id));
     }
-    sqlx::query("UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1")
-        .bind(id)
-        .bind(status)
-        .bind(&d.decided_by)
-        .bind(&d.reason)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1",
+        id,
+        status,
+        &d.decided_by,
+        &d.reason,
+    )
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     if let Some((host, attempt_id)) = host {
         let cmd = HostCommand {
@@ -371,12 +397,12 @@ async fn decide(
 
 /// Pending approvals past their deadline become denies with the class `approval_timeout`.
 pub(crate) async fn expire(ctx: &Ctx) -> Result<(), Error> {
-    let due: Vec<(Uuid,)> = sqlx::query_as(
+    let due = sqlx::query_scalar!(
         "SELECT id FROM approvals WHERE status = 'pending' AND expires_at < now() LIMIT 100",
     )
     .fetch_all(&ctx.db)
     .await?;
-    for (id,) in due {
+    for id in due {
         let d = DecideApproval {
             approval_id: id.to_string(),
             allow: false,

@@ -4,7 +4,7 @@
 use crate::{Ctx, Error};
 use agentscope_domain::{AttemptStatus, FailureClass, RetryPolicy};
 use serde_json::json;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 use std::collections::HashMap;
 use uuid::Uuid;
 
@@ -50,14 +50,16 @@ async fn resolve(
     task_id: Uuid,
     default_timeout_secs: u64,
 ) -> Result<Option<Resolved>, Error> {
-    let row = sqlx::query(
+    let row = sqlx::query!(
         r#"
         SELECT t.workspace_id, t.agent_id, t.repository, t.branch, t.input, t.timeout_secs,
-               t.issue_id, t.cancel_requested_at IS NOT NULL AS cancel_requested,
-               i.title AS issue_title, i.body AS issue_body,
-               v.id AS version_id, v.instructions, v.provider AS version_provider,
-               b.id AS binding_id, b.pool_id, b.required_capabilities,
-               rp.provider AS profile_provider, rp.params
+               t.issue_id, t.cancel_requested_at IS NOT NULL AS "cancel_requested!",
+               i.title AS "issue_title?", i.body AS "issue_body?",
+               v.id AS "version_id?", v.instructions AS "instructions?",
+               v.provider AS "version_provider?",
+               b.id AS "binding_id?", b.pool_id AS "pool_id?",
+               b.required_capabilities AS "required_capabilities?",
+               rp.provider AS "profile_provider?", rp.params AS "params?"
         FROM tasks t
         LEFT JOIN issues i ON i.id = t.issue_id
         LEFT JOIN LATERAL (
@@ -67,18 +69,14 @@ async fn resolve(
         LEFT JOIN runtime_profiles rp ON rp.id = b.runtime_profile_id
         WHERE t.id = $1
         "#,
+        task_id,
     )
-    .bind(task_id)
     .fetch_optional(db)
     .await?;
     let Some(row) = row else { return Ok(None) };
 
-    let params: serde_json::Value = row
-        .try_get::<Option<serde_json::Value>, _>("params")?
-        .unwrap_or_else(|| json!({}));
-    let provider: Option<String> = row
-        .try_get::<Option<String>, _>("profile_provider")?
-        .or(row.try_get("version_provider")?);
+    let params: serde_json::Value = row.params.unwrap_or_else(|| json!({}));
+    let provider: Option<String> = row.profile_provider.or(row.version_provider);
     // The command provider's argv is a JSON array in the profile; other params are strings.
     let command = params.get("command").cloned().unwrap_or_else(|| json!([]));
     let mut str_params = serde_json::Map::new();
@@ -94,41 +92,38 @@ async fn resolve(
             str_params.insert(k.clone(), json!(s));
         }
     }
-    let agent_id: Uuid = row.try_get("agent_id")?;
-    let version_id: Option<Uuid> = row.try_get("version_id")?;
+    let agent_id: Uuid = row.agent_id;
+    let version_id: Option<Uuid> = row.version_id;
     let (timeout_secs, timeout_source) = effective_timeout(
-        row.try_get::<Option<i32>, _>("timeout_secs")?
-            .map(i64::from),
+        row.timeout_secs.map(i64::from),
         params.get("timeout_secs"),
         default_timeout_secs,
     );
     let spec = json!({
         "provider": provider.clone().unwrap_or_default(),
-        "repository": row.try_get::<Option<String>, _>("repository")?.unwrap_or_default(),
-        "branch": row.try_get::<Option<String>, _>("branch")?.unwrap_or_default(),
-        "input": row.try_get::<String, _>("input")?,
-        "instructions": row.try_get::<Option<String>, _>("instructions")?.unwrap_or_default(),
+        "repository": row.repository.unwrap_or_default(),
+        "branch": row.branch.unwrap_or_default(),
+        "input": row.input,
+        "instructions": row.instructions.unwrap_or_default(),
         "params": str_params,
         "command": command,
-        "issue_id": row.try_get::<Option<Uuid>, _>("issue_id")?.map(|u| u.to_string()).unwrap_or_default(),
-        "issue_title": row.try_get::<Option<String>, _>("issue_title")?.unwrap_or_default(),
-        "issue_body": row.try_get::<Option<String>, _>("issue_body")?.unwrap_or_default(),
+        "issue_id": row.issue_id.map(|u| u.to_string()).unwrap_or_default(),
+        "issue_title": row.issue_title.unwrap_or_default(),
+        "issue_body": row.issue_body.unwrap_or_default(),
         "agent_id": agent_id.to_string(),
         "agent_version_id": version_id.map(|v| v.to_string()).unwrap_or_default(),
         "timeout_secs": timeout_secs,
         "timeout_source": timeout_source,
     });
     Ok(Some(Resolved {
-        workspace_id: row.try_get("workspace_id")?,
+        workspace_id: row.workspace_id,
         agent_id,
-        cancel_requested: row.try_get("cancel_requested")?,
+        cancel_requested: row.cancel_requested,
         agent_version_id: version_id,
-        binding_id: row.try_get("binding_id")?,
-        pool_id: row.try_get("pool_id")?,
+        binding_id: row.binding_id,
+        pool_id: row.pool_id,
         provider,
-        required_capabilities: row
-            .try_get::<Option<Vec<String>>, _>("required_capabilities")?
-            .unwrap_or_default(),
+        required_capabilities: row.required_capabilities.unwrap_or_default(),
         spec,
     }))
 }
@@ -149,7 +144,7 @@ pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Opt
     } else {
         (AttemptStatus::Queued, None)
     };
-    let inserted = sqlx::query(
+    let inserted = sqlx::query!(
         r#"
         INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id, agent_version_id,
             binding_id, pool_id, provider, required_capabilities, spec, failure_class,
@@ -158,19 +153,19 @@ pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Opt
             CASE WHEN $4 = 'cancelled' THEN now() END)
         ON CONFLICT (task_id, number) DO NOTHING
         "#,
+        Uuid::now_v7(),
+        task_id,
+        r.workspace_id,
+        status.as_str(),
+        r.agent_id,
+        r.agent_version_id,
+        r.binding_id,
+        r.pool_id,
+        r.provider,
+        &r.required_capabilities,
+        &r.spec,
+        class.map(|c| c.as_str()),
     )
-    .bind(Uuid::now_v7())
-    .bind(task_id)
-    .bind(r.workspace_id)
-    .bind(status.as_str())
-    .bind(r.agent_id)
-    .bind(r.agent_version_id)
-    .bind(r.binding_id)
-    .bind(r.pool_id)
-    .bind(r.provider)
-    .bind(&r.required_capabilities)
-    .bind(&r.spec)
-    .bind(class.map(|c| c.as_str()))
     .execute(&ctx.db)
     .await?;
     if inserted.rows_affected() == 0 {
@@ -184,18 +179,18 @@ pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Opt
 
 /// Re-reads the binding for queued attempts that had none; returns pools to nudge.
 pub(crate) async fn rebind_unbound(ctx: &Ctx) -> Result<Vec<Uuid>, Error> {
-    let rows: Vec<(Uuid, Uuid)> = sqlx::query_as(
+    let pools = sqlx::query_scalar!(
         r#"
         UPDATE attempts a SET binding_id = b.id, pool_id = b.pool_id,
             required_capabilities = b.required_capabilities
         FROM bindings b
         WHERE a.status = 'queued' AND a.binding_id IS NULL AND b.agent_id = a.agent_id
-        RETURNING a.id, b.pool_id
+        RETURNING b.pool_id
         "#,
     )
     .fetch_all(&ctx.db)
     .await?;
-    Ok(rows.into_iter().map(|(_, p)| p).collect())
+    Ok(pools)
 }
 
 pub(crate) struct Active {
@@ -211,25 +206,24 @@ pub(crate) struct Active {
 
 /// Locks an attempt row for the rest of the transaction.
 pub(crate) async fn lock(tx: &mut Tx<'_>, attempt_id: Uuid) -> Result<Option<Active>, Error> {
-    let row = sqlx::query(
+    let row = sqlx::query!(
         "SELECT id, task_id, number, status, lease_token, host_id, pool_id, last_seq
          FROM attempts WHERE id = $1 FOR UPDATE",
+        attempt_id,
     )
-    .bind(attempt_id)
     .fetch_optional(&mut **tx)
     .await?;
     let Some(row) = row else { return Ok(None) };
-    let status: String = row.try_get("status")?;
     Ok(Some(Active {
-        id: row.try_get("id")?,
-        task_id: row.try_get("task_id")?,
-        number: row.try_get("number")?,
-        status: AttemptStatus::parse(&status)
-            .ok_or_else(|| Error::Rejected(format!("unknown status {status}")))?,
-        lease_token: row.try_get("lease_token")?,
-        host_id: row.try_get("host_id")?,
-        pool_id: row.try_get("pool_id")?,
-        last_seq: row.try_get("last_seq")?,
+        id: row.id,
+        task_id: row.task_id,
+        number: row.number,
+        status: AttemptStatus::parse(&row.status)
+            .ok_or_else(|| Error::Rejected(format!("unknown status {}", row.status)))?,
+        lease_token: row.lease_token,
+        host_id: row.host_id,
+        pool_id: row.pool_id,
+        last_seq: row.last_seq,
     }))
 }
 
@@ -244,37 +238,38 @@ pub(crate) async fn finish(
     exit_code: Option<i32>,
 ) -> Result<Option<Uuid>, Error> {
     debug_assert!(status.is_terminal());
-    let cancel_requested: bool =
-        sqlx::query_scalar("SELECT cancel_requested_at IS NOT NULL FROM tasks WHERE id = $1")
-            .bind(a.task_id)
-            .fetch_one(&mut **tx)
-            .await?;
+    let cancel_requested = sqlx::query_scalar!(
+        r#"SELECT cancel_requested_at IS NOT NULL AS "cancel_requested!" FROM tasks WHERE id = $1"#,
+        a.task_id,
+    )
+    .fetch_one(&mut **tx)
+    .await?;
     // A task whose cancellation was requested ends cancelled, whatever else happened.
     let (status, class) = if cancel_requested && status != AttemptStatus::Succeeded {
         (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))
     } else {
         (status, class)
     };
-    sqlx::query(
+    sqlx::query!(
         r#"UPDATE attempts SET status = $2, finished_at = clock_timestamp(), failure_class = $3,
                failure_detail = NULLIF($4, ''), exit_code = $5
            WHERE id = $1"#,
+        a.id,
+        status.as_str(),
+        class.map(|c| c.as_str()),
+        detail,
+        exit_code,
     )
-    .bind(a.id)
-    .bind(status.as_str())
-    .bind(class.map(|c| c.as_str()))
-    .bind(detail)
-    .bind(exit_code)
     .execute(&mut **tx)
     .await?;
     tracing::info!(attempt_id = %a.id, task_id = %a.task_id, %status, class = class.map(|c| c.as_str()), "attempt finished");
     // Nobody is waiting for the attempt's open tool requests any more.
-    sqlx::query(
+    sqlx::query!(
         "UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform',
                 reason = 'the attempt ended: ' || $2 WHERE attempt_id = $1 AND status = 'pending'",
+        a.id,
+        status.as_str(),
     )
-    .bind(a.id)
-    .bind(status.as_str())
     .execute(&mut **tx)
     .await?;
 
@@ -296,16 +291,16 @@ pub(crate) async fn finish(
     if !retry {
         return Ok(None);
     }
-    let policy: Option<(i32, i64)> = sqlx::query_as(
+    let policy = sqlx::query!(
         "SELECT b.max_attempts, b.retry_backoff_ms FROM attempts a JOIN bindings b ON b.id = a.binding_id WHERE a.id = $1",
+        a.id,
     )
-    .bind(a.id)
     .fetch_optional(&mut **tx)
     .await?;
     let policy = policy
-        .map(|(max, backoff)| RetryPolicy {
-            max_attempts: max.max(1) as u32,
-            backoff_base_ms: backoff.max(0) as u64,
+        .map(|p| RetryPolicy {
+            max_attempts: p.max_attempts.max(1) as u32,
+            backoff_base_ms: p.retry_backoff_ms.max(0) as u64,
             ..RetryPolicy::default()
         })
         .unwrap_or_default();
@@ -314,7 +309,7 @@ pub(crate) async fn finish(
         tracing::info!(task_id = %a.task_id, "retries exhausted");
         return Ok(None);
     };
-    sqlx::query(
+    sqlx::query!(
         r#"
         INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id, agent_version_id,
             binding_id, pool_id, provider, required_capabilities, spec, not_before)
@@ -327,11 +322,11 @@ pub(crate) async fn finish(
         FROM attempts WHERE id = $1
         ON CONFLICT (task_id, number) DO NOTHING
         "#,
+        a.id,
+        Uuid::now_v7(),
+        next as i32,
+        delay_ms as f64,
     )
-    .bind(a.id)
-    .bind(Uuid::now_v7())
-    .bind(next as i32)
-    .bind(delay_ms as f64)
     .execute(&mut **tx)
     .await?;
     tracing::info!(task_id = %a.task_id, attempt = next, delay_ms, "retry scheduled as a new attempt");
@@ -343,22 +338,23 @@ pub(crate) async fn finish(
     Ok(a.pool_id)
 }
 
-/// Cross-backend fresh fallback (H18): a new attempt on the binding's next untried fallback
+/// Cross-backend fresh fallback: a new attempt on the binding's next untried fallback
 /// provider, whose input is a context pack rebuilt from the platform's records.
 async fn fallback(tx: &mut Tx<'_>, a: &Active) -> Result<Option<Uuid>, Error> {
-    let row: Option<(Vec<String>, i32, serde_json::Value)> = sqlx::query_as(
+    let row = sqlx::query!(
         "SELECT b.fallback_providers, b.max_attempts, a.spec FROM attempts a JOIN bindings b ON b.id = a.binding_id WHERE a.id = $1",
+        a.id,
     )
-    .bind(a.id)
     .fetch_optional(&mut **tx)
     .await?;
-    let Some((fallbacks, max_attempts, spec)) = row else {
+    let Some(row) = row else {
         return Ok(None);
     };
-    let tried: Vec<String> = sqlx::query_scalar(
-        "SELECT DISTINCT provider FROM attempts WHERE task_id = $1 AND provider IS NOT NULL",
+    let (fallbacks, max_attempts, spec) = (row.fallback_providers, row.max_attempts, row.spec);
+    let tried: Vec<String> = sqlx::query_scalar!(
+        r#"SELECT DISTINCT provider AS "provider!" FROM attempts WHERE task_id = $1 AND provider IS NOT NULL"#,
+        a.task_id,
     )
-    .bind(a.task_id)
     .fetch_all(&mut **tx)
     .await?;
     let Some(next) = fallbacks.into_iter().find(|p| !tried.contains(p)) else {
@@ -377,7 +373,7 @@ async fn fallback(tx: &mut Tx<'_>, a: &Active) -> Result<Option<Uuid>, Error> {
     spec["input"] = serde_json::json!(format!("{pack}\n## Original input\n\n{original}\n"));
     spec["context_pack"] = serde_json::json!(true);
     let number = a.number + 1;
-    sqlx::query(
+    sqlx::query!(
         r#"
         INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id, agent_version_id,
             binding_id, pool_id, provider, required_capabilities, spec)
@@ -386,12 +382,12 @@ async fn fallback(tx: &mut Tx<'_>, a: &Active) -> Result<Option<Uuid>, Error> {
         FROM attempts WHERE id = $1
         ON CONFLICT (task_id, number) DO NOTHING
         "#,
+        a.id,
+        Uuid::now_v7(),
+        number,
+        &next,
+        &spec,
     )
-    .bind(a.id)
-    .bind(Uuid::now_v7())
-    .bind(number)
-    .bind(&next)
-    .bind(&spec)
     .execute(&mut **tx)
     .await?;
     tracing::info!(task_id = %a.task_id, attempt = number, provider = %next, "fresh fallback to another provider, with a context pack");
@@ -408,12 +404,13 @@ async fn context_pack(tx: &mut Tx<'_>, task_id: Uuid) -> Result<String, Error> {
     let mut out = String::from(
         "# Context pack\n\nRebuilt from the platform's records: an earlier attempt of this task ran on another provider.\n",
     );
-    let issue: Option<(Option<Uuid>, Option<String>, Option<String>)> = sqlx::query_as(
-        "SELECT t.issue_id, i.title, i.body FROM tasks t LEFT JOIN issues i ON i.id = t.issue_id WHERE t.id = $1",
+    let issue = sqlx::query!(
+        r#"SELECT t.issue_id, i.title AS "title?", i.body AS "body?" FROM tasks t LEFT JOIN issues i ON i.id = t.issue_id WHERE t.id = $1"#,
+        task_id,
     )
-    .bind(task_id)
     .fetch_optional(&mut **tx)
-    .await?;
+    .await?
+    .map(|i| (i.issue_id, i.title, i.body));
     let issue_id = issue.as_ref().and_then(|i| i.0);
     if let Some((Some(_), title, body)) = &issue {
         let _ = write!(
@@ -422,33 +419,41 @@ async fn context_pack(tx: &mut Tx<'_>, task_id: Uuid) -> Result<String, Error> {
             title.clone().unwrap_or_default(),
             body.clone().unwrap_or_default()
         );
-        let comments: Vec<(String, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        let comments = sqlx::query!(
             "SELECT author, body, created_at FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+            issue_id,
         )
-        .bind(issue_id)
         .fetch_all(&mut **tx)
         .await?;
         out.push_str("\n## Comments\n\n");
         if comments.is_empty() {
             out.push_str("(none)\n");
         }
-        for (author, body, at) in comments {
-            let _ = writeln!(out, "- {author} ({}): {body}", at.to_rfc3339());
+        for c in comments {
+            let (author, body) = (c.author, c.body);
+            let _ = writeln!(out, "- {author} ({}): {body}", c.created_at.to_rfc3339());
         }
     }
-    let artifacts: Vec<(String, String, i64, Vec<u8>)> = sqlx::query_as(
-        "SELECT name, content_type, size_bytes, CASE WHEN size_bytes <= 16384 THEN content ELSE '\\x'::bytea END
-         FROM artifacts WHERE task_id = $1 OR ($2::uuid IS NOT NULL AND issue_id = $2) ORDER BY created_at, id",
+    let artifacts = sqlx::query!(
+        r#"SELECT name, content_type, size_bytes,
+                  CASE WHEN size_bytes <= 16384 THEN content ELSE '\x'::bytea END AS "content!"
+         FROM artifacts WHERE task_id = $1 OR ($2::uuid IS NOT NULL AND issue_id = $2) ORDER BY created_at, id"#,
+        task_id,
+        issue_id,
     )
-    .bind(task_id)
-    .bind(issue_id)
     .fetch_all(&mut **tx)
     .await?;
     out.push_str("\n## Artifacts\n\n");
     if artifacts.is_empty() {
         out.push_str("(none)\n");
     }
-    for (name, ct, size, content) in artifacts {
+    for artifact in artifacts {
+        let (name, ct, size, content) = (
+            artifact.name,
+            artifact.content_type,
+            artifact.size_bytes,
+            artifact.content,
+        );
         let _ = writeln!(out, "### {name} ({ct}, {size} bytes)\n");
         let textual = ct.starts_with("text/") || ct == "application/json";
         match (textual && !content.is_empty(), String::from_utf8(content)) {
@@ -460,21 +465,26 @@ async fn context_pack(tx: &mut Tx<'_>, task_id: Uuid) -> Result<String, Error> {
             ),
         }
     }
-    type Outcome = (i32, Option<String>, String, Option<String>, Option<String>);
-    let previous: Vec<Outcome> = sqlx::query_as(
+    let previous = sqlx::query!(
         "SELECT number, provider, status, failure_class, failure_detail FROM attempts WHERE task_id = $1 ORDER BY number",
+        task_id,
     )
-    .bind(task_id)
     .fetch_all(&mut **tx)
     .await?;
     out.push_str("\n## Previous attempts\n\n");
-    for (n, provider, status, class, detail) in previous {
+    for p in previous {
         let _ = writeln!(
             out,
-            "- attempt {n} on {}: {status}{}{}",
-            provider.unwrap_or_default(),
-            class.map(|c| format!(" ({c})")).unwrap_or_default(),
-            detail.map(|d| format!(": {d}")).unwrap_or_default()
+            "- attempt {} on {}: {}{}{}",
+            p.number,
+            p.provider.unwrap_or_default(),
+            p.status,
+            p.failure_class
+                .map(|c| format!(" ({c})"))
+                .unwrap_or_default(),
+            p.failure_detail
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default()
         );
     }
     Ok(out)
@@ -536,12 +546,10 @@ async fn publish_nudge(ctx: &Ctx, pool_id: Uuid) {
         Some(w) => w,
         None => {
             // A pool never changes workspace: one look-up per pool and process.
-            let row: Result<Option<(Uuid,)>, _> =
-                sqlx::query_as("SELECT workspace_id FROM pools WHERE id = $1")
-                    .bind(pool_id)
-                    .fetch_optional(&ctx.db)
-                    .await;
-            let Ok(Some((w,))) = row else { return };
+            let row = sqlx::query_scalar!("SELECT workspace_id FROM pools WHERE id = $1", pool_id)
+                .fetch_optional(&ctx.db)
+                .await;
+            let Ok(Some(w)) = row else { return };
             cache.lock().expect("pool cache").insert(pool_id, w);
             w
         }

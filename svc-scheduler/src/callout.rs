@@ -6,8 +6,8 @@
 //! revoked, of the right kind); a host id already registered in another workspace is refused.
 
 use crate::{Ctx, Error};
+use agentscope_bus::Endpoint;
 use agentscope_bus::auth::{self, AccountKey, AuthRequest};
-use futures::StreamExt;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -18,53 +18,49 @@ pub(crate) async fn serve(
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     // Every replica answers; the queue group hands each request to one of them.
-    let sub = ctx
-        .nats
-        .queue_subscribe(auth::CALLOUT_SUBJECT, "scheduler-callout".into())
-        .await
-        .map_err(Error::bus)?;
-    sub.take_until(cancel.cancelled_owned())
-        .for_each_concurrent(32, |msg| {
-            let ctx = ctx.clone();
-            let issuer = issuer.clone();
-            async move {
-                let Some(reply) = msg.reply.clone() else {
-                    return;
-                };
-                let req = match AuthRequest::parse(&msg.payload) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "unreadable NATS authorization request");
-                        return;
-                    }
-                };
-                let answer = match decide(&ctx, &req).await {
-                    Ok(Ok((name, perms))) => {
-                        ctx.metrics.inc(
-                            "agentscope_nats_connections_authorized_total",
-                            &[],
-                        );
-                        auth::authorization_response(&issuer, &req, Ok((&name, perms)))
-                    }
-                    Ok(Err(reason)) => {
-                        ctx.metrics
-                            .inc("agentscope_nats_connections_refused_total", &[]);
-                        tracing::warn!(user = %req.user, reason, "NATS connection refused");
-                        auth::authorization_response(&issuer, &req, Err(reason))
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = ?e, user = %req.user, "NATS authorization could not be checked");
-                        auth::authorization_response(
-                            &issuer,
-                            &req,
-                            Err("the credential could not be checked; retry"),
-                        )
-                    }
-                };
-                let _ = ctx.nats.publish(reply, answer.into()).await;
-            }
-        })
-        .await;
+    let at = Endpoint {
+        subject: auth::CALLOUT_SUBJECT,
+        queue_group: "scheduler-callout",
+        concurrency: 32,
+    };
+    // The request is a JWT, not a protobuf message; an unreadable one is left unanswered.
+    agentscope_bus::serve_raw(&ctx.nats, at, cancel, |msg| {
+        let ctx = ctx.clone();
+        let issuer = issuer.clone();
+        async move {
+            let req = match AuthRequest::parse(&msg.payload) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "unreadable NATS authorization request");
+                    return None;
+                }
+            };
+            let answer = match decide(&ctx, &req).await {
+                Ok(Ok((name, perms))) => {
+                    ctx.metrics
+                        .inc("agentscope_nats_connections_authorized_total", &[]);
+                    auth::authorization_response(&issuer, &req, Ok((&name, perms)))
+                }
+                Ok(Err(reason)) => {
+                    ctx.metrics
+                        .inc("agentscope_nats_connections_refused_total", &[]);
+                    tracing::warn!(user = %req.user, reason, "NATS connection refused");
+                    auth::authorization_response(&issuer, &req, Err(reason))
+                }
+                Err(e) => {
+                    tracing::warn!(error = ?e, user = %req.user, "NATS authorization could not be checked");
+                    auth::authorization_response(
+                        &issuer,
+                        &req,
+                        Err("the credential could not be checked; retry"),
+                    )
+                }
+            };
+            Some(answer.into())
+        }
+    })
+    .await
+    .map_err(Error::bus)?;
     Ok(())
 }
 
@@ -78,14 +74,14 @@ async fn decide(ctx: &Ctx, req: &AuthRequest) -> Result<Decision, Error> {
     } else {
         return Ok(Err("unknown credential"));
     };
-    let found: Option<(Uuid,)> = sqlx::query_as(
+    let found = sqlx::query_scalar!(
         "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = $2 AND revoked_at IS NULL",
+        agentscope_domain::hash_token(&req.password),
+        kind,
     )
-    .bind(agentscope_domain::hash_token(&req.password))
-    .bind(kind)
     .fetch_optional(&ctx.db)
     .await?;
-    let Some((workspace_id,)) = found else {
+    let Some(workspace_id) = found else {
         return Ok(Err("unknown or revoked token"));
     };
     if kind == "worker" {
@@ -105,11 +101,10 @@ async fn decide(ctx: &Ctx, req: &AuthRequest) -> Result<Decision, Error> {
         return Ok(Err("a host connects with its host id (a UUID) as the user"));
     };
     // A host id belongs to the workspace that first registered it.
-    let owner: Option<(Uuid,)> = sqlx::query_as("SELECT workspace_id FROM hosts WHERE id = $1")
-        .bind(host_id)
+    let owner = sqlx::query_scalar!("SELECT workspace_id FROM hosts WHERE id = $1", host_id)
         .fetch_optional(&ctx.db)
         .await?;
-    if owner.is_some_and(|(w,)| w != workspace_id) {
+    if owner.is_some_and(|w| w != workspace_id) {
         return Ok(Err("this host id is registered in another workspace"));
     }
     Ok(Ok((

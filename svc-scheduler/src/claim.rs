@@ -8,11 +8,9 @@
 //! more are waiting.
 
 use crate::{Ctx, Error};
-use agentscope_bus::{SCHEDULER_QUEUE, lease_key, subjects};
+use agentscope_bus::{Endpoint, Request, SCHEDULER_QUEUE, lease_key, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord, TaskSpec};
-use futures::StreamExt;
-use sqlx::Row;
 use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -22,45 +20,42 @@ static LEASE_SKIP_WARNING: agentscope_telemetry::Throttle =
     agentscope_telemetry::Throttle::new(std::time::Duration::from_secs(5));
 
 pub(crate) async fn serve(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
-    let sub = ctx
-        .nats
-        .queue_subscribe(subjects::HOST_CLAIM_ALL, SCHEDULER_QUEUE.into())
-        .await
-        .map_err(Error::bus)?;
     // Claims run concurrently; they meet only on the counter rows of the limits they check
     // (held from the check to the commit) and skip each other's candidates.
-    sub.take_until(cancel.cancelled_owned())
-        .for_each_concurrent(16, |msg| {
-            let ctx = ctx.clone();
-            async move {
-                let Some(reply) = msg.reply.clone() else {
-                    return;
-                };
-                let offer = match ClaimRequest::decode(msg.payload.as_ref()) {
-                    // The subject's host id is the one NATS authorized: a host claims only as
-                    // itself.
-                    Ok(req) if subjects::token(&msg.subject, 2) != Some(req.host_id.as_str()) => {
-                        refused("forbidden", "host_id does not match the claim subject")
-                    }
-                    Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
-                        tracing::error!(error = ?e, "claim failed");
-                        refused("internal", "claim failed; retry")
-                    }),
-                    Err(_) => refused("malformed", "ClaimRequest payload does not decode"),
-                };
-                let result = if !offer.error_code.is_empty() {
-                    "refused"
-                } else if offer.assignments.is_empty() {
-                    "empty"
-                } else {
-                    "offered"
-                };
-                ctx.metrics
-                    .inc("agentscope_claim_requests_total", &[("result", result)]);
-                let _ = ctx.nats.publish(reply, offer.encode_to_vec().into()).await;
-            }
-        })
-        .await;
+    let at = Endpoint {
+        subject: subjects::HOST_CLAIM_ALL,
+        queue_group: SCHEDULER_QUEUE,
+        concurrency: 16,
+    };
+    agentscope_bus::serve(&ctx.nats, at, cancel, |msg: Request<ClaimRequest>| {
+        let ctx = ctx.clone();
+        async move {
+            let offer = match msg.body {
+                // The subject's host id is the one NATS authorized: a host claims only as
+                // itself.
+                Ok(req) if subjects::token(&msg.subject, 2) != Some(req.host_id.as_str()) => {
+                    refused("forbidden", "host_id does not match the claim subject")
+                }
+                Ok(req) => claim(&ctx, req).await.unwrap_or_else(|e| {
+                    tracing::error!(error = ?e, "claim failed");
+                    refused("internal", "claim failed; retry")
+                }),
+                Err(_) => refused("malformed", "ClaimRequest payload does not decode"),
+            };
+            let result = if !offer.error_code.is_empty() {
+                "refused"
+            } else if offer.assignments.is_empty() {
+                "empty"
+            } else {
+                "offered"
+            };
+            ctx.metrics
+                .inc("agentscope_claim_requests_total", &[("result", result)]);
+            offer
+        }
+    })
+    .await
+    .map_err(Error::bus)?;
     Ok(())
 }
 
@@ -81,32 +76,6 @@ struct Candidate {
     agent_limit: Option<i32>,
 }
 
-/// The host's row, its pool's and workspace's limits, its active count (unlocked: a first
-/// look), whether attempts claimed for it are missing from what it holds (a lost claim reply),
-/// and how many queued attempts it could run now (up to 100).
-const PLAN: &str = r#"
-    WITH h AS (
-        SELECT h.id, h.workspace_id, h.pool_id, h.capacity, h.capabilities,
-               p.max_concurrency AS pool_limit, w.max_concurrency AS workspace_limit,
-               ARRAY(SELECT e->>'name' FROM jsonb_array_elements(h.providers) e
-                     WHERE e->'installed' = 'true'::jsonb AND e->'logged_in' = 'true'::jsonb) AS ready
-        FROM hosts h JOIN workspaces w ON w.id = h.workspace_id LEFT JOIN pools p ON p.id = h.pool_id
-        WHERE h.id = $1 AND h.workspace_id = $2
-    )
-    SELECT h.pool_id, h.capacity, h.capabilities, h.pool_limit, h.workspace_limit, h.ready,
-           COALESCE((SELECT c.active FROM attempt_counts c WHERE c.scope = 'host' AND c.id = h.id), 0)::bigint
-               AS host_active,
-           EXISTS (SELECT 1 FROM attempts a WHERE a.host_id = h.id AND a.status = 'claimed'
-                   AND NOT (a.id::text = ANY($3))) AS lost_offers,
-           (SELECT count(*) FROM (
-                SELECT 1 FROM attempts a
-                WHERE a.status = 'queued' AND a.workspace_id = h.workspace_id AND a.pool_id = h.pool_id
-                  AND a.not_before <= now() AND a.required_capabilities <@ h.capabilities
-                  AND a.provider = ANY(h.ready)
-                LIMIT 100) q) AS waiting
-    FROM h
-"#;
-
 /// Locks the counters of the given scopes, in the order given (workspace, pool, agents by id,
 /// host: the order the attempts trigger uses), creating missing ones at zero, and returns their
 /// values. The row locks make the check-then-claim exact across concurrent claims and
@@ -117,19 +86,20 @@ async fn lock_counters(
 ) -> Result<HashMap<(String, Uuid), i64>, Error> {
     let scopes: Vec<&str> = keys.iter().map(|k| k.0).collect();
     let ids: Vec<Uuid> = keys.iter().map(|k| k.1).collect();
-    let rows: Vec<(String, Uuid, i32)> = sqlx::query_as(
+    let rows = sqlx::query!(
         "INSERT INTO attempt_counts (scope, id, active)
          SELECT s, i, 0 FROM unnest($1::text[], $2::uuid[]) WITH ORDINALITY AS k(s, i, n) ORDER BY n
          ON CONFLICT (scope, id) DO UPDATE SET active = attempt_counts.active
          RETURNING scope, id, active",
+        // The scopes are static names; text[] takes them as &str (the check expects String).
+        &scopes as &[&str],
+        &ids,
     )
-    .bind(&scopes)
-    .bind(&ids)
     .fetch_all(&mut **tx)
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(s, i, n)| ((s, i), n as i64))
+        .map(|r| ((r.scope, r.id), r.active as i64))
         .collect())
 }
 
@@ -144,25 +114,58 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         return Ok(ClaimOffer::default());
     }
     let mut tx = ctx.db.begin().await?;
-    let Some(plan) = sqlx::query(PLAN)
-        .bind(host_id)
-        .bind(workspace_id)
-        .bind(&req.held_attempts)
-        .fetch_optional(&mut *tx)
-        .await?
+    // The host's row, its pool's and workspace's limits, its active count and how many of those
+    // the host says already ended (unlocked: a first look), whether attempts claimed for it are
+    // missing from what it holds (a lost claim reply), and how many queued attempts it could run
+    // now (up to 100).
+    let Some(plan) = sqlx::query!(
+        r#"
+    WITH h AS (
+        SELECT h.id, h.workspace_id, h.pool_id, h.capacity, h.capabilities,
+               p.max_concurrency AS pool_limit, w.max_concurrency AS workspace_limit,
+               ARRAY(SELECT e->>'name' FROM jsonb_array_elements(h.providers) e
+                     WHERE e->'installed' = 'true'::jsonb AND e->'logged_in' = 'true'::jsonb) AS ready
+        FROM hosts h JOIN workspaces w ON w.id = h.workspace_id LEFT JOIN pools p ON p.id = h.pool_id
+        WHERE h.id = $1 AND h.workspace_id = $2
+    )
+    SELECT h.pool_id, h.capacity, h.capabilities, h.pool_limit, h.workspace_limit, h.ready,
+           COALESCE((SELECT c.active FROM attempt_counts c WHERE c.scope = 'host' AND c.id = h.id), 0)::bigint
+               AS host_active,
+           (SELECT count(*) FROM attempts a WHERE a.host_id = h.id AND a.status IN ('claimed', 'running')
+                   AND a.id::text = ANY($4)) AS ended_active,
+           EXISTS (SELECT 1 FROM attempts a WHERE a.host_id = h.id AND a.status = 'claimed'
+                   AND NOT (a.id::text = ANY($3))) AS lost_offers,
+           (SELECT count(*) FROM (
+                SELECT 1 FROM attempts a
+                WHERE a.status = 'queued' AND a.workspace_id = h.workspace_id AND a.pool_id = h.pool_id
+                  AND a.not_before <= now() AND a.required_capabilities <@ h.capabilities
+                  AND a.provider = ANY(h.ready)
+                LIMIT 100) q) AS waiting
+    FROM h
+"#,
+        host_id,
+        workspace_id,
+        &req.held_attempts,
+        &req.ended_attempts,
+    )
+    .fetch_optional(&mut *tx)
+    .await?
     else {
         return Ok(refused("not_registered", "register before claiming"));
     };
-    let Some(pool_id) = plan.try_get::<Option<Uuid>, _>("pool_id")? else {
+    let Some(pool_id) = plan.pool_id else {
         return Ok(ClaimOffer::default());
     };
-    let capacity = plan.try_get::<i32, _>("capacity")? as i64;
-    let capabilities: Vec<String> = plan.try_get("capabilities")?;
-    let ready: Vec<String> = plan.try_get("ready")?;
-    let pool_limit: Option<i32> = plan.try_get("pool_limit")?;
-    let workspace_limit: Option<i32> = plan.try_get("workspace_limit")?;
-    let waiting_before = plan.try_get::<i64, _>("waiting")?;
-    let lost_offers: bool = plan.try_get("lost_offers")?;
+    let capacity = plan.capacity as i64;
+    let capabilities: Vec<String> = plan.capabilities;
+    let pool_limit: Option<i32> = plan.pool_limit;
+    let workspace_limit: Option<i32> = plan.workspace_limit;
+    // Computed columns that are never NULL (ARRAY(...), count(*), EXISTS, COALESCE), though
+    // Postgres reports them nullable; the statement's text stays as it is, so no `!` override.
+    let ready: Vec<String> = plan.ready.unwrap_or_default();
+    let waiting_before: i64 = plan.waiting.unwrap_or(0);
+    let lost_offers: bool = plan.lost_offers.unwrap_or(false);
+    let host_active: i64 = plan.host_active.unwrap_or(0);
 
     // Attempts leased to this host whose claim reply never arrived: offer them again, under
     // the same lease, instead of letting the lease lapse into a retry.
@@ -171,8 +174,10 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     } else {
         Vec::new()
     };
-    let want = (req.free_slots as i64 - assignments.len() as i64)
-        .min(capacity - plan.try_get::<i64, _>("host_active")?);
+    // The host's capacity counts what runs there: not the attempts it says ended whose ends
+    // are not recorded yet (its free slots already say so).
+    let host_active = host_active - plan.ended_active.unwrap_or(0);
+    let want = (req.free_slots as i64 - assignments.len() as i64).min(capacity - host_active);
     if want <= 0 || waiting_before == 0 {
         tx.commit().await?;
         if assignments.is_empty() {
@@ -195,7 +200,8 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
 
     // Candidates, locked: concurrent claims skip them and take the next ones. A few more than
     // wanted, for those an agent limit turns down.
-    let rows = sqlx::query(
+    let candidates = sqlx::query_as!(
+        Candidate,
         r#"
         SELECT a.id, a.task_id, a.number, a.agent_id, a.spec, b.max_concurrency AS agent_limit
         FROM attempts a LEFT JOIN bindings b ON b.id = a.binding_id
@@ -205,27 +211,14 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         LIMIT $5
         FOR UPDATE OF a SKIP LOCKED
         "#,
+        workspace_id,
+        pool_id,
+        &capabilities,
+        &ready,
+        (want + 8).min(64),
     )
-    .bind(workspace_id)
-    .bind(pool_id)
-    .bind(&capabilities)
-    .bind(&ready)
-    .bind((want + 8).min(64))
     .fetch_all(&mut *tx)
     .await?;
-    let candidates = rows
-        .iter()
-        .map(|r| {
-            Ok(Candidate {
-                id: r.try_get("id")?,
-                task_id: r.try_get("task_id")?,
-                number: r.try_get("number")?,
-                agent_id: r.try_get("agent_id")?,
-                spec: r.try_get("spec")?,
-                agent_limit: r.try_get("agent_limit")?,
-            })
-        })
-        .collect::<Result<Vec<_>, sqlx::Error>>()?;
     if candidates.is_empty() {
         tx.commit().await?;
         note_waiting(pool_id, 0);
@@ -260,7 +253,22 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     let count = |scope: &str, id: Uuid| -> i64 {
         counts.get(&(scope.to_string(), id)).copied().unwrap_or(0)
     };
-    let mut slots = want.min(capacity - count("host", host_id));
+    // Exact now that the host's counter is locked: an end the recorder committed before the
+    // lock is out of both the counter and this count; one it is committing waits on the lock
+    // and is still in both.
+    let ended_active = if req.ended_attempts.is_empty() {
+        0
+    } else {
+        sqlx::query_scalar!(
+            r#"SELECT count(*) AS "n!" FROM attempts a WHERE a.host_id = $1
+               AND a.status IN ('claimed', 'running') AND a.id::text = ANY($2)"#,
+            host_id,
+            &req.ended_attempts,
+        )
+        .fetch_one(&mut *tx)
+        .await?
+    };
+    let mut slots = want.min(capacity - (count("host", host_id) - ended_active));
     let mut in_workspace = count("workspace", workspace_id);
     let mut in_pool = count("pool", pool_id);
     let mut per_agent: HashMap<Uuid, i64> = limited_agents
@@ -344,16 +352,16 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         if !ids.is_empty() {
             // One statement for the whole batch; the trigger on `attempts` moves the counters
             // locked above.
-            sqlx::query(
+            sqlx::query!(
                 "UPDATE attempts a SET status = 'claimed', host_id = $2, lease_token = x.token,
                      claimed_at = clock_timestamp(), task_token_hash = x.hash
                  FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS x(id, token, hash)
                  WHERE a.id = x.id AND a.status = 'queued'",
+                &ids,
+                host_id,
+                &revisions,
+                &hashes,
             )
-            .bind(&ids)
-            .bind(host_id)
-            .bind(&revisions)
-            .bind(&hashes)
             .execute(&mut *tx)
             .await?;
         }
@@ -395,18 +403,19 @@ async fn reoffer(
     workspace_id: Uuid,
     held: &[String],
 ) -> Result<Vec<AttemptAssignment>, Error> {
-    let rows = sqlx::query(
+    let rows = sqlx::query!(
         "SELECT id, task_id, number, spec, lease_token FROM attempts
          WHERE host_id = $1 AND status = 'claimed' AND NOT (id::text = ANY($2)) FOR UPDATE",
+        host_id,
+        // A slice of the request's ids: text[] (the check expects an owned Vec<String>).
+        held as &[String],
     )
-    .bind(host_id)
-    .bind(held)
     .fetch_all(&mut **tx)
     .await?;
     let mut out = Vec::new();
     for r in rows {
-        let id: Uuid = r.try_get("id")?;
-        let token: Option<i64> = r.try_get("lease_token")?;
+        let id: Uuid = r.id;
+        let token: Option<i64> = r.lease_token;
         // The host got the first offer if it reported anything; never run an attempt twice.
         if crate::last_published(ctx, host_id, id).await?.is_some() {
             continue;
@@ -427,17 +436,19 @@ async fn reoffer(
         tracing::warn!(attempt_id = %id, %host_id, "claim reply was lost; offering the attempt again");
         // Only its hash is stored, so the re-offer carries a fresh credential.
         let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
-        sqlx::query("UPDATE attempts SET task_token_hash = $2 WHERE id = $1")
-            .bind(id)
-            .bind(agentscope_domain::hash_token(&task_token))
-            .execute(&mut **tx)
-            .await?;
-        let spec: serde_json::Value = r.try_get("spec")?;
+        sqlx::query!(
+            "UPDATE attempts SET task_token_hash = $2 WHERE id = $1",
+            id,
+            agentscope_domain::hash_token(&task_token),
+        )
+        .execute(&mut **tx)
+        .await?;
+        let spec: serde_json::Value = r.spec;
         out.push(AttemptAssignment {
             attempt_id: id.to_string(),
-            task_id: r.try_get::<Uuid, _>("task_id")?.to_string(),
+            task_id: r.task_id.to_string(),
             workspace_id: workspace_id.to_string(),
-            attempt_number: r.try_get::<i32, _>("number")? as u32,
+            attempt_number: r.number as u32,
             lease_key: key,
             lease_token: token.unwrap_or_default() as u64,
             lease_revision: entry.revision,

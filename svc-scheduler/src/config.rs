@@ -40,28 +40,22 @@ pub struct Config {
 
 impl Config {
     pub fn load() -> Result<Self, config::ConfigError> {
-        let mut builder = config::Config::builder()
-            .set_default("nats_url", "nats://127.0.0.1:4222")?
-            .set_default(
+        let config: Config = agentscope_telemetry::config::load(&[
+            ("nats_url", "nats://127.0.0.1:4222".into()),
+            (
                 "database_url",
-                "postgres://postgres@127.0.0.1:5432/agentscope",
-            )?
-            .set_default("health_addr", "127.0.0.1:8081")?
-            .set_default("lease_ttl_ms", 30_000)?
-            .set_default("heartbeat_ttl_ms", 10_000)?
-            .set_default("sweep_interval_ms", 1_000)?
-            .set_default("db_max_connections", 16)?
-            .set_default("max_deliver", 1_000)?
-            .set_default("redelivery_max_ms", 10_000)?
-            .set_default("run_timeout_secs", 4 * 3600)?
-            .set_default("log_format", "")?;
-        if let Ok(path) = std::env::var("AGENTSCOPE_CONFIG") {
-            builder = builder.add_source(config::File::with_name(&path));
-        }
-        let config: Config = builder
-            .add_source(config::Environment::with_prefix("AGENTSCOPE").try_parsing(true))
-            .build()?
-            .try_deserialize()?;
+                "postgres://postgres@127.0.0.1:5432/agentscope".into(),
+            ),
+            ("health_addr", "127.0.0.1:8081".into()),
+            ("lease_ttl_ms", 30_000.into()),
+            ("heartbeat_ttl_ms", 10_000.into()),
+            ("sweep_interval_ms", 1_000.into()),
+            ("db_max_connections", 16.into()),
+            ("max_deliver", 1_000.into()),
+            ("redelivery_max_ms", 10_000.into()),
+            ("run_timeout_secs", (4 * 3600).into()),
+            ("log_format", "".into()),
+        ])?;
         config.validate()?;
         Ok(config)
     }

@@ -1,7 +1,7 @@
 //! Host registration (request/reply) and presence (KV watch).
 
 use crate::{Ctx, Error};
-use agentscope_bus::{SCHEDULER_QUEUE, subjects};
+use agentscope_bus::{Endpoint, Request, SCHEDULER_QUEUE, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{HostHeartbeat, HostRegistered, HostRegistration};
 use futures::StreamExt;
@@ -30,15 +30,15 @@ pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<U
     {
         return Ok(Some(ws));
     }
-    let ws: Option<(Uuid,)> = sqlx::query_as(
+    let ws = sqlx::query_scalar!(
         "SELECT workspace_id FROM api_tokens WHERE token_hash = $1 AND kind = 'host' AND revoked_at IS NULL",
+        &hash,
     )
-    .bind(&hash)
     .fetch_optional(&ctx.db)
     .await?;
     let mut cache = cache.lock().expect("token cache");
     match ws {
-        Some((w,)) => {
+        Some(w) => {
             if cache.len() > 10_000 {
                 cache.retain(|_, (_, at)| at.elapsed() < TOKEN_CACHE_TTL);
             }
@@ -52,33 +52,34 @@ pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<U
     }
 }
 
+/// Answers host registrations, one at a time.
 pub(crate) async fn serve_register(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
-    let mut sub = ctx
-        .nats
-        .queue_subscribe(subjects::HOST_REGISTER_ALL, SCHEDULER_QUEUE.into())
-        .await
-        .map_err(Error::bus)?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = sub.next() => match m { Some(m) => m, None => return Ok(()) },
-        };
-        let Some(reply) = msg.reply.clone() else {
-            continue;
-        };
-        let answer = match HostRegistration::decode(msg.payload.as_ref()) {
-            Ok(reg) if subjects::token(&msg.subject, 2) != Some(reg.host_id.as_str()) => refused(
-                "forbidden",
-                "host_id does not match the registration subject",
-            ),
-            Ok(reg) => register(&ctx, reg).await.unwrap_or_else(|e| {
-                tracing::error!(error = ?e, "host registration failed");
-                refused("internal", "registration failed; retry")
-            }),
-            Err(_) => refused("malformed", "HostRegistration payload does not decode"),
-        };
-        let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
-    }
+    let at = Endpoint {
+        subject: subjects::HOST_REGISTER_ALL,
+        queue_group: SCHEDULER_QUEUE,
+        concurrency: 1,
+    };
+    agentscope_bus::serve(&ctx.nats, at, cancel, |msg: Request<HostRegistration>| {
+        let ctx = ctx.clone();
+        async move {
+            match msg.body {
+                Ok(reg) if subjects::token(&msg.subject, 2) != Some(reg.host_id.as_str()) => {
+                    refused(
+                        "forbidden",
+                        "host_id does not match the registration subject",
+                    )
+                }
+                Ok(reg) => register(&ctx, reg).await.unwrap_or_else(|e| {
+                    tracing::error!(error = ?e, "host registration failed");
+                    refused("internal", "registration failed; retry")
+                }),
+                Err(_) => refused("malformed", "HostRegistration payload does not decode"),
+            }
+        }
+    })
+    .await
+    .map_err(Error::bus)?;
+    Ok(())
 }
 
 fn refused(code: &str, message: &str) -> HostRegistered {
@@ -97,17 +98,17 @@ async fn register(ctx: &Ctx, reg: HostRegistration) -> Result<HostRegistered, Er
     let Ok(host_id) = Uuid::parse_str(&reg.host_id) else {
         return Ok(refused("invalid_host_id", "host_id must be a UUID"));
     };
-    let pool: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM pools WHERE workspace_id = $1 AND name = $2")
-            .bind(workspace_id)
-            .bind(&reg.pool)
-            .fetch_optional(&ctx.db)
-            .await?;
-    let pool_id = pool.map(|p| p.0);
+    let pool_id = sqlx::query_scalar!(
+        "SELECT id FROM pools WHERE workspace_id = $1 AND name = $2",
+        workspace_id,
+        &reg.pool,
+    )
+    .fetch_optional(&ctx.db)
+    .await?;
     let providers = providers_json(&reg.providers);
     let checks = checks_json(&reg.checks);
     // A host id belongs to the workspace that first registered it; another token cannot take it.
-    let row: Option<(Uuid,)> = sqlx::query_as(
+    let row = sqlx::query_scalar!(
         r#"
         INSERT INTO hosts (id, workspace_id, pool_id, pool_name, name, capacity, providers,
             capabilities, checks, version, last_seen_at)
@@ -119,17 +120,17 @@ async fn register(ctx: &Ctx, reg: HostRegistration) -> Result<HostRegistered, Er
         WHERE hosts.workspace_id = EXCLUDED.workspace_id
         RETURNING id
         "#,
+        host_id,
+        workspace_id,
+        pool_id,
+        &reg.pool,
+        &reg.name,
+        reg.capacity as i32,
+        providers,
+        &reg.capabilities,
+        checks,
+        &reg.version,
     )
-    .bind(host_id)
-    .bind(workspace_id)
-    .bind(pool_id)
-    .bind(&reg.pool)
-    .bind(&reg.name)
-    .bind(reg.capacity as i32)
-    .bind(providers)
-    .bind(&reg.capabilities)
-    .bind(checks)
-    .bind(&reg.version)
     .fetch_optional(&ctx.db)
     .await?;
     if row.is_none() {
@@ -181,7 +182,8 @@ pub(crate) async fn watch_presence(ctx: Ctx, cancel: CancellationToken) -> anyho
             e = watch.next() => match e {
                 Some(Ok(e)) => e,
                 Some(Err(e)) => { tracing::warn!(error = ?e, "presence watch"); continue }
-                None => return Ok(()),
+                // Only the stop ends it; the supervisor starts it again.
+                None => anyhow::bail!("the presence watch ended"),
             },
         };
         if entry.operation != async_nats::jetstream::kv::Operation::Put {
@@ -194,13 +196,13 @@ pub(crate) async fn watch_presence(ctx: Ctx, cancel: CancellationToken) -> anyho
         let Ok(host_id) = Uuid::parse_str(&hb.host_id) else {
             continue;
         };
-        let res = sqlx::query(
+        let res = sqlx::query!(
             "UPDATE hosts SET last_seen_at = now(), running = $2, checks = $3, providers = $4 WHERE id = $1",
+            host_id,
+            hb.running as i32,
+            checks_json(&hb.checks),
+            providers_json(&hb.providers),
         )
-        .bind(host_id)
-        .bind(hb.running as i32)
-        .bind(checks_json(&hb.checks))
-        .bind(providers_json(&hb.providers))
         .execute(&ctx.db)
         .await;
         if let Err(e) = res {

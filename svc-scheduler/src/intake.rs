@@ -1,7 +1,7 @@
 //! Task submissions and cancellations from the gateway (stream AGENTSCOPE_TASKS).
 
 use crate::{Ctx, Error, attempts};
-use agentscope_bus::{CONSUMER_INTAKE, STREAM_TASKS, subjects};
+use agentscope_bus::{CONSUMER_INTAKE, Consume, STREAM_TASKS, subjects};
 use agentscope_domain::{AttemptStatus, FailureClass};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{
@@ -9,7 +9,6 @@ use agentscope_schemas::v1::{
 };
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{AckPolicy, pull};
-use futures::StreamExt;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -34,49 +33,39 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
         .map_err(Error::bus)?;
     let messages = consumer.messages().await.map_err(Error::bus)?;
     // Handlers are idempotent and independent per task, so messages are handled concurrently.
-    messages
-        .take_until(cancel.cancelled_owned())
-        .for_each_concurrent(16, |msg| {
-            let ctx = ctx.clone();
-            async move {
-                let msg = match msg {
-                    Ok(m) => m,
-                    Err(e) => {
-                        tracing::warn!(error = ?e, "intake consumer");
-                        return;
-                    }
-                };
-                let subject = msg.subject.to_string();
-                let parent = agentscope_bus::traceparent(msg.headers.as_ref());
-                let span = tracing::info_span!("intake", %subject, task_id = tracing::field::Empty);
-                agentscope_bus::set_parent(&span, parent.as_deref());
-                let res = handle(&ctx, &subject, &msg.payload).instrument(span).await;
-                let ack = match res {
-                    Ok(()) => AckKind::Ack,
-                    Err(e) => {
-                        if e.retryable()
-                            && let Some(more) = RETRY_WARNING.check()
-                        {
-                            tracing::warn!(error = ?e, %subject, "intake failed; will retry{more}");
-                        }
-                        crate::retry_or_reject(
-                            &ctx,
-                            &msg,
-                            CONSUMER_INTAKE,
-                            &crate::describe(&e),
-                            e.retryable(),
-                            Duration::from_millis(500),
-                            crate::redelivery_max(&ctx),
-                        )
-                        .await
-                    }
-                };
-                if let Err(e) = msg.ack_with(ack).await {
-                    tracing::warn!(error = ?e, "ack intake message");
+    let how = Consume {
+        name: CONSUMER_INTAKE,
+        concurrency: 16,
+    };
+    let ctx = &ctx;
+    agentscope_bus::consume(messages, how, cancel, |msg| async move {
+        let subject = msg.subject.to_string();
+        let parent = agentscope_bus::traceparent(msg.headers.as_ref());
+        let span = tracing::info_span!("intake", %subject, task_id = tracing::field::Empty);
+        agentscope_bus::set_parent(&span, parent.as_deref());
+        let res = handle(ctx, &subject, &msg.payload).instrument(span).await;
+        match res {
+            Ok(()) => AckKind::Ack,
+            Err(e) => {
+                if e.retryable()
+                    && let Some(more) = RETRY_WARNING.check()
+                {
+                    tracing::warn!(error = ?e, %subject, "intake failed; will retry{more}");
                 }
+                crate::retry_or_reject(
+                    ctx,
+                    &msg,
+                    CONSUMER_INTAKE,
+                    &crate::describe(&e),
+                    e.retryable(),
+                    Duration::from_millis(500),
+                    crate::redelivery_max(ctx),
+                )
+                .await
             }
-        })
-        .await;
+        }
+    })
+    .await;
     Ok(())
 }
 
@@ -108,12 +97,13 @@ fn parse_id(s: &str) -> Result<Uuid, Error> {
 /// Cancels the newest attempt of a task: a queued one at once, an active one through its host.
 pub(crate) async fn cancel_task(ctx: &Ctx, task_id: Uuid, reason: &str) -> Result<(), Error> {
     let mut tx = ctx.db.begin().await?;
-    let newest: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1")
-            .bind(task_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let Some((attempt_id,)) = newest else {
+    let newest = sqlx::query_scalar!(
+        "SELECT id FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+        task_id,
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(attempt_id) = newest else {
         // No attempt yet: creation sees cancel_requested_at and creates it cancelled.
         return Ok(());
     };

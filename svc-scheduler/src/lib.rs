@@ -18,6 +18,7 @@ pub use config::Config;
 
 use agentscope_bus::Topology;
 use agentscope_telemetry::health::{self, Metrics};
+use agentscope_telemetry::supervisor::{Policy, Supervisor};
 use anyhow::Context as _;
 use async_nats::jetstream;
 use sqlx::PgPool;
@@ -96,13 +97,7 @@ impl App {
 
         let metrics = Metrics::default();
         let cancel = CancellationToken::new();
-        let probe_db = db.clone();
-        let probe_nats = nats.clone();
-        let probe: health::Probe = Arc::new(move || {
-            let db = probe_db.clone();
-            let nats = probe_nats.clone();
-            Box::pin(async move { readiness(&db, &nats).await })
-        });
+        let probe = health::nats_and_postgres(nats.clone(), db.clone());
         let (health_addr, health_task) = health::serve(
             &config.health_addr,
             "svc-scheduler",
@@ -149,99 +144,66 @@ impl App {
         self.health_addr
     }
 
-    /// Runs every scheduler task until `shutdown` resolves; in-flight messages finish first.
+    /// Runs every scheduler task until `shutdown` resolves or one of them fails; in-flight
+    /// messages finish first. Every task is critical (the scheduler cannot do its job without
+    /// any of them: the first to end stops the scheduler with its error, and the process's own
+    /// supervisor starts it again) except the presence mirror, which is started again after a
+    /// failure.
     pub async fn run_until_stopped(
         self,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> anyhow::Result<()> {
-        let cancel = self.cancel.clone();
-        let mut tasks = tokio::task::JoinSet::new();
-        let ctx = self.ctx.clone();
-        tasks.spawn(named(
-            "register",
-            hosts::serve_register(ctx.clone(), cancel.clone()),
-        ));
-        tasks.spawn(named(
-            "presence",
-            hosts::watch_presence(ctx.clone(), cancel.clone()),
-        ));
-        tasks.spawn(named("claim", claim::serve(ctx.clone(), cancel.clone())));
-        tasks.spawn(named("intake", intake::run(ctx.clone(), cancel.clone())));
-        tasks.spawn(named(
-            "recorder",
-            recorder::run(ctx.clone(), cancel.clone()),
-        ));
-        tasks.spawn(named("sweeper", sweeper::run(ctx.clone(), cancel.clone())));
-        tasks.spawn(named(
-            "approval-requests",
-            approvals::consume_requests(ctx.clone(), cancel.clone()),
-        ));
-        tasks.spawn(named(
-            "approval-decisions",
-            approvals::serve_decisions(ctx.clone(), cancel.clone()),
-        ));
+        let mut sup = Supervisor::new("svc-scheduler", self.cancel.clone(), STOP_GRACE);
+        let ctx = &self.ctx;
+        let critical = Policy::Critical;
+        sup.spawn("register", critical, with(ctx, hosts::serve_register));
+        let restart = Policy::Restart {
+            backoff: Duration::from_secs(1),
+        };
+        sup.spawn("presence", restart, with(ctx, hosts::watch_presence));
+        sup.spawn("claim", critical, with(ctx, claim::serve));
+        sup.spawn("intake", critical, with(ctx, intake::run));
+        sup.spawn("recorder", critical, with(ctx, recorder::run));
+        sup.spawn("sweeper", critical, with(ctx, sweeper::run));
+        let requests = with(ctx, approvals::consume_requests);
+        sup.spawn("approval-requests", critical, requests);
+        let decisions = with(ctx, approvals::serve_decisions);
+        sup.spawn("approval-decisions", critical, decisions);
         match self.callout_issuer()? {
             Some(issuer) => {
                 tracing::info!(
                     issuer = %issuer.public_key(),
                     "serving the NATS auth callout for hosts and workers"
                 );
-                tasks.spawn(named(
-                    "nats-callout",
-                    callout::serve(ctx.clone(), Arc::new(issuer), cancel.clone()),
-                ));
+                let (c, issuer) = (ctx.clone(), Arc::new(issuer));
+                sup.spawn("nats-callout", critical, move |stop| {
+                    callout::serve(c.clone(), issuer.clone(), stop)
+                });
             }
             None => tracing::info!(
                 "not serving the NATS auth callout (no nats_callout_seed): hosts and workers connect only where another scheduler serves it or NATS is open"
             ),
         }
         tracing::info!("svc-scheduler running");
-
-        tokio::select! {
-            _ = shutdown => {}
-            Some(res) = tasks.join_next() => {
-                // A core task ended on its own: that is a failure; stop the rest.
-                cancel.cancel();
-                if let Ok(Err(e)) = res {
-                    tracing::error!(error = ?e, "scheduler task failed; stopping");
-                }
-            }
-        }
-        cancel.cancel();
-        let grace = tokio::time::timeout(Duration::from_secs(10), async {
-            while tasks.join_next().await.is_some() {}
-        });
-        if grace.await.is_err() {
-            tracing::warn!("tasks did not stop within 10 s");
-        }
+        let res = sup.run(shutdown).await;
         let _ = self.ctx.nats.flush().await;
         let _ = self.health_task.await;
         tracing::info!("svc-scheduler stopped");
-        Ok(())
+        // A failed task's error, if one stopped the scheduler: the process exits with it.
+        res
     }
 }
 
-async fn named(
-    name: &'static str,
-    fut: impl std::future::Future<Output = anyhow::Result<()>>,
-) -> anyhow::Result<()> {
-    let res = fut.await;
-    match &res {
-        Ok(()) => tracing::debug!(task = name, "task stopped"),
-        Err(e) => tracing::error!(task = name, error = ?e, "task failed"),
-    }
-    res.with_context(|| format!("scheduler task {name}"))
-}
+/// How long the scheduler's tasks get to finish what they hold at shutdown.
+const STOP_GRACE: Duration = Duration::from_secs(10);
 
-pub(crate) async fn readiness(db: &PgPool, nats: &async_nats::Client) -> Result<(), String> {
-    if nats.connection_state() != async_nats::connection::State::Connected {
-        return Err("nats: not connected".into());
-    }
-    sqlx::query("SELECT 1")
-        .execute(db)
-        .await
-        .map_err(|e| format!("postgres: {e}"))?;
-    Ok(())
+/// A core task's maker: `task` started with its own copy of the context.
+fn with<F, Fut>(ctx: &Ctx, task: F) -> impl Fn(CancellationToken) -> Fut + Send + 'static
+where
+    F: Fn(Ctx, CancellationToken) -> Fut + Send + 'static,
+{
+    let ctx = ctx.clone();
+    move |stop| task(ctx.clone(), stop)
 }
 
 /// The newest event the host has published for an attempt, as the stream holds it (the
@@ -357,13 +319,13 @@ pub(crate) async fn reject(ctx: &Ctx, subject: &str, consumer: &str, reason: &st
     );
     tracing::warn!(subject, consumer, reason, "bus message rejected");
     let excerpt = &payload[..payload.len().min(64 * 1024)];
-    if let Err(e) = sqlx::query(
+    if let Err(e) = sqlx::query!(
         "INSERT INTO rejected_messages (subject, consumer, reason, payload) VALUES ($1, $2, $3, $4)",
+        subject,
+        consumer,
+        reason,
+        excerpt,
     )
-    .bind(subject)
-    .bind(consumer)
-    .bind(reason)
-    .bind(excerpt)
     .execute(&ctx.db)
     .await
     {

@@ -370,11 +370,11 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         let by_scheduler: Vec<i64> = if old.is_empty() {
             vec![]
         } else {
-            sqlx::query_scalar(
+            sqlx::query_scalar!(
                 "SELECT seq FROM execution_events WHERE attempt_id = $1 AND seq = ANY($2) AND payload->>'recorded_by' = 'scheduler'",
+                attempt_id,
+                &old,
             )
-            .bind(attempt_id)
-            .bind(&old)
             .fetch_all(&mut *tx)
             .await?
         };
@@ -469,22 +469,23 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         }
     }
     if !rows.seq.is_empty() {
-        sqlx::query(
+        sqlx::query!(
             "INSERT INTO execution_events (attempt_id, seq, kind, payload, at)
              SELECT * FROM UNNEST($1::uuid[], $2::bigint[], $3::text[], $4::jsonb[], $5::timestamptz[])",
+            &rows.attempt_id,
+            &rows.seq,
+            // The kinds are static names; text[] takes them as &str (the check expects String).
+            &rows.kind as &[&str],
+            &rows.payload,
+            &rows.at,
         )
-        .bind(&rows.attempt_id)
-        .bind(&rows.seq)
-        .bind(&rows.kind)
-        .bind(&rows.payload)
-        .bind(&rows.at)
         .execute(&mut *tx)
         .await?;
-        sqlx::query(
+        sqlx::query!(
             "UPDATE attempts a SET last_seq = u.seq FROM UNNEST($1::uuid[], $2::bigint[]) AS u(id, seq) WHERE a.id = u.id",
+            &last_seqs.0,
+            &last_seqs.1,
         )
-        .bind(&last_seqs.0)
-        .bind(&last_seqs.1)
         .execute(&mut *tx)
         .await?;
     }
@@ -493,20 +494,22 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         let attempt_id = items[i].ev.as_ref().expect("checked item").0;
         match change {
             Change::Running { at } => {
-                sqlx::query(
+                sqlx::query!(
                     "UPDATE attempts SET status = 'running', started_at = $2 WHERE id = $1",
+                    attempt_id,
+                    at,
                 )
-                .bind(attempt_id)
-                .bind(at)
                 .execute(&mut *tx)
                 .await?;
             }
             Change::Session(s) => {
-                sqlx::query("UPDATE attempts SET provider_session_id = $2 WHERE id = $1")
-                    .bind(attempt_id)
-                    .bind(s)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query!(
+                    "UPDATE attempts SET provider_session_id = $2 WHERE id = $1",
+                    attempt_id,
+                    s,
+                )
+                .execute(&mut *tx)
+                .await?;
             }
             Change::Finish {
                 a,
@@ -612,11 +615,11 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     if seq <= a.last_seq {
         // A redelivery of the host's own event is a duplicate; a host event where the scheduler
         // recorded the attempt's end (lease expiry) comes from a holder that lost its lease.
-        let by_scheduler: Option<bool> = sqlx::query_scalar(
+        let by_scheduler: Option<bool> = sqlx::query_scalar!(
             "SELECT payload->>'recorded_by' = 'scheduler' FROM execution_events WHERE attempt_id = $1 AND seq = $2",
+            attempt_id,
+            seq,
         )
-        .bind(attempt_id)
-        .bind(seq)
         .fetch_optional(&mut *tx)
         .await?
         .flatten();
@@ -651,32 +654,34 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
         .timestamp_millis_opt(ev.at_ms)
         .single()
         .unwrap_or_else(chrono::Utc::now);
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO execution_events (attempt_id, seq, kind, payload, at) VALUES ($1, $2, $3, $4, $5)",
+        attempt_id,
+        seq,
+        kind,
+        &payload,
+        at,
     )
-    .bind(attempt_id)
-    .bind(seq)
-    .bind(kind)
-    .bind(&payload)
-    .bind(at)
     .execute(&mut *tx)
     .await?;
-    sqlx::query("UPDATE attempts SET last_seq = $2 WHERE id = $1")
-        .bind(attempt_id)
-        .bind(seq)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "UPDATE attempts SET last_seq = $2 WHERE id = $1",
+        attempt_id,
+        seq,
+    )
+    .execute(&mut *tx)
+    .await?;
 
     let mut terminal = false;
     let mut retry_pool = None;
     match body {
         Body::Lifecycle(l) => match AttemptState::try_from(l.state).unwrap_or_default() {
             AttemptState::Running if a.status.can_move_to(AttemptStatus::Running) => {
-                sqlx::query(
+                sqlx::query!(
                     "UPDATE attempts SET status = 'running', started_at = $2 WHERE id = $1",
+                    attempt_id,
+                    at,
                 )
-                .bind(attempt_id)
-                .bind(at)
                 .execute(&mut *tx)
                 .await?;
             }
@@ -699,11 +704,14 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
             _ => {}
         },
         Body::SessionStarted(s) => {
-            sqlx::query("UPDATE attempts SET provider_session_id = $2 WHERE id = $1")
-                .bind(attempt_id)
-                .bind(crate::storable(&s.provider_session_id).as_ref())
-                .execute(&mut *tx)
-                .await?;
+            let session = crate::storable(&s.provider_session_id);
+            sqlx::query!(
+                "UPDATE attempts SET provider_session_id = $2 WHERE id = $1",
+                attempt_id,
+                session.as_ref(),
+            )
+            .execute(&mut *tx)
+            .await?;
         }
         _ => {}
     }

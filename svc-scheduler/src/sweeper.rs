@@ -32,12 +32,13 @@ async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
 
 async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
     // 1. Active attempts whose lease key is gone (expired or purged) are lost.
-    let active: Vec<(Uuid, i64, Uuid)> = sqlx::query_as(
-        "SELECT id, lease_token, host_id FROM attempts WHERE status IN ('claimed','running') AND lease_token IS NOT NULL AND host_id IS NOT NULL",
+    let active = sqlx::query!(
+        r#"SELECT id, lease_token AS "lease_token!", host_id AS "host_id!" FROM attempts WHERE status IN ('claimed','running') AND lease_token IS NOT NULL AND host_id IS NOT NULL"#,
     )
     .fetch_all(&ctx.db)
     .await?;
-    for (attempt_id, token, host_id) in active {
+    for a in active {
+        let (attempt_id, token, host_id) = (a.id, a.lease_token, a.host_id);
         let key = lease_key(&host_id.to_string(), &attempt_id.to_string());
         let alive = match ctx.leases.entry(&key).await {
             Ok(Some(e)) => e.operation == Operation::Put,
@@ -74,25 +75,25 @@ async fn unrecorded_events(
 
 async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
     // 2. Tasks whose submission never produced an attempt (lost message, scheduler crash).
-    let orphans: Vec<(Uuid,)> = sqlx::query_as(
+    let orphans = sqlx::query_scalar!(
         "SELECT t.id FROM tasks t WHERE NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id)
          AND t.created_at < now() - interval '2 seconds' ORDER BY t.created_at LIMIT 200",
     )
     .fetch_all(&ctx.db)
     .await?;
-    for (task_id,) in orphans {
+    for task_id in orphans {
         tracing::info!(%task_id, "scheduling task found without attempt");
         attempts::ensure_first_attempt(ctx, task_id).await?;
     }
 
     // 3. Queued attempts of tasks whose cancellation message was lost.
-    let stale: Vec<(Uuid,)> = sqlx::query_as(
+    let stale = sqlx::query_scalar!(
         "SELECT a.task_id FROM attempts a JOIN tasks t ON t.id = a.task_id
          WHERE a.status = 'queued' AND t.cancel_requested_at IS NOT NULL LIMIT 200",
     )
     .fetch_all(&ctx.db)
     .await?;
-    for (task_id,) in stale {
+    for task_id in stale {
         crate::intake::cancel_task(ctx, task_id, "cancel requested").await?;
     }
 
@@ -100,12 +101,12 @@ async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
     for pool in attempts::rebind_unbound(ctx).await? {
         attempts::nudge_ready(ctx, pool).await;
     }
-    let ready: Vec<(Uuid,)> = sqlx::query_as(
-        "SELECT DISTINCT pool_id FROM attempts WHERE status = 'queued' AND pool_id IS NOT NULL AND not_before <= now()",
+    let ready = sqlx::query_scalar!(
+        r#"SELECT DISTINCT pool_id AS "pool_id!" FROM attempts WHERE status = 'queued' AND pool_id IS NOT NULL AND not_before <= now()"#,
     )
     .fetch_all(&ctx.db)
     .await?;
-    for (pool,) in ready {
+    for pool in ready {
         attempts::nudge_ready(ctx, pool).await;
     }
     Ok(())
@@ -148,26 +149,28 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
     let retry = attempts::finish(&mut tx, &a, AttemptStatus::Lost, Some(class), why, None).await?;
     // The decision is part of the attempt's record, so logs and live streams show it.
     let next = a.last_seq + 1;
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO execution_events (attempt_id, seq, kind, payload, at) VALUES ($1, $2, 'lifecycle', $3, now())",
-    )
-    .bind(attempt_id)
-    .bind(next)
-    .bind(serde_json::json!({
+        attempt_id,
+        next,
+        serde_json::json!({
         "state": "lost",
         "failure_class": class.as_str(),
         "remedy": class.remedy(),
         "detail": if retry.is_some() { format!("{why}; a new attempt is scheduled") } else { format!("{why}; no retry left") },
         "exit_code": null,
         "recorded_by": "scheduler",
-    }))
+        }),
+    )
     .execute(&mut *tx)
     .await?;
-    sqlx::query("UPDATE attempts SET last_seq = $2 WHERE id = $1")
-        .bind(attempt_id)
-        .bind(next)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "UPDATE attempts SET last_seq = $2 WHERE id = $1",
+        attempt_id,
+        next,
+    )
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     ctx.metrics.inc("agentscope_leases_lost_total", &[]);
     tracing::warn!(%attempt_id, task_id = %a.task_id, host_id = ?a.host_id, "lease expired; attempt lost");

@@ -59,6 +59,21 @@ async fn a_version_whose_json_would_not_read_back_is_refused_and_the_agent_stays
     }
     let versions = api.get(&path).await.unwrap();
     assert_eq!(versions["items"].as_array().unwrap().len(), 1, "{versions}");
+
+    // Any body, not only a version's: a runtime profile's params (schemathesis found this one).
+    let (st, v) = post_raw(
+        api,
+        "/v1/runtime-profiles",
+        r#"{"name":"p","provider":"command","params":{"command":["true"],"n":-1.7976931348623157e308}}"#,
+    )
+    .await;
+    assert_eq!((st, code(&v)), (400, "invalid_field"), "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("params.n"),
+        "{v}"
+    );
+    let profiles = api.get("/v1/runtime-profiles").await.unwrap();
+    assert_eq!(profiles["items"], json!([]), "{profiles}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

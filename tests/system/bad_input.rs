@@ -228,7 +228,8 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
     let js = async_nats::jetstream::new(nats);
     let ghost = uuid::Uuid::new_v4();
     let ghost_host = uuid::Uuid::new_v4();
-    // Garbage bytes, and a well-formed event for an attempt that does not exist.
+    // Garbage bytes, and a well-formed event for an attempt that does not exist; then garbage for
+    // the intake and the tool-request consumers.
     js.publish(
         format!("agentscope.events.{ghost_host}.{ghost}"),
         vec![0xff, 0x01, 0x02, 0x03].into(),
@@ -265,10 +266,18 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
     .unwrap()
     .await
     .unwrap();
+    js.publish(
+        format!("agentscope.approvals.requested.session.{ghost}"),
+        vec![0xff, 0xff, 0xff].into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
 
     let pg = stack.pg.clone();
     let reasons: Vec<String> =
-        kit::wait_for("three rejected messages", Duration::from_secs(30), || {
+        kit::wait_for("four rejected messages", Duration::from_secs(30), || {
             let pg = pg.clone();
             async move {
                 let r: Vec<String> =
@@ -276,11 +285,15 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
                         .fetch_all(&pg)
                         .await
                         .ok()?;
-                (r.len() >= 3).then_some(r)
+                (r.len() >= 4).then_some(r)
             }
         })
         .await
         .unwrap();
+    assert!(
+        reasons.iter().any(|r| r.contains("malformed ToolRequest")),
+        "{reasons:?}"
+    );
     assert!(
         reasons
             .iter()

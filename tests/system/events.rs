@@ -375,3 +375,75 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
             .unwrap();
     assert_eq!((status.as_str(), last_seq), ("running", last + 4));
 }
+
+/// A stopping gateway ends every open live stream with `shutdown` (the client resumes elsewhere
+/// with `Last-Event-ID`) and exits cleanly, well within its grace period (10 s) rather than
+/// waiting it out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_gateway_ends_open_streams_and_exits_within_its_grace_period() {
+    let mut stack = Stack::start("sse-shutdown", StackOptions::default())
+        .await
+        .unwrap();
+    // No host serves the pool: the task stays queued and its streams stay open and quiet.
+    let (agent, _) = stack
+        .command_agent("idle", "nowhere", &["true"], None)
+        .await
+        .unwrap();
+    let mut paths = Vec::new();
+    for _ in 0..2 {
+        let task = stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent}))
+            .await
+            .unwrap();
+        let id = task["id"].as_str().unwrap().to_string();
+        paths.push(format!("/v1/tasks/{id}/events"));
+        let attempt: String = kit::wait_for("the first attempt", Duration::from_secs(30), || {
+            let (pg, id) = (stack.pg.clone(), id.clone());
+            async move {
+                sqlx::query_scalar("SELECT id::text FROM attempts WHERE task_id = $1::uuid")
+                    .bind(id)
+                    .fetch_optional(&pg)
+                    .await
+                    .ok()
+                    .flatten()
+            }
+        })
+        .await
+        .unwrap();
+        paths.push(format!("/v1/attempts/{attempt}/events"));
+    }
+    let before = sse_streams(&stack.api).await.unwrap();
+    let readers: Vec<_> = paths
+        .iter()
+        .map(|p| {
+            let (api, p) = (stack.api.clone(), p.clone());
+            tokio::spawn(
+                async move { sse_collect(&api, &p, None, None, Duration::from_secs(60)).await },
+            )
+        })
+        .collect();
+    let api = stack.api.clone();
+    let want = before + readers.len() as u64;
+    kit::wait_for("every stream open", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { (sse_streams(&api).await? >= want).then_some(()) }
+    })
+    .await
+    .unwrap();
+
+    let started = std::time::Instant::now();
+    let status = tokio::task::block_in_place(|| stack.gateway.terminate(Duration::from_secs(30)));
+    let took = started.elapsed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "graceful exit: {status:?}"
+    );
+    assert!(took < Duration::from_secs(10), "stopped in {took:?}");
+    for (reader, path) in readers.into_iter().zip(&paths) {
+        let events = reader.await.unwrap().unwrap();
+        let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        assert_eq!(kinds, ["shutdown"], "{path}");
+        assert_eq!(events[0].data, r#"{"resume":true}"#, "{path}");
+    }
+}

@@ -208,3 +208,135 @@ async fn limits_hold_with_two_schedulers() {
         );
     }
 }
+
+/// A host's capacity counts what runs there. An attempt the host says has ended frees its slot
+/// at once, before the recorder has recorded its end. Only the host's own attempts count that
+/// way: listing another host's attempt, or one that still counts, gains nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
+    use agentscope_schemas::v1::{ClaimOffer, ClaimRequest, HostRegistered, HostRegistration};
+    use prost::Message as _;
+    let stack = Stack::start(
+        "limits-ended",
+        StackOptions {
+            // Nothing renews the leases below: they must outlive the test.
+            lease_ttl_ms: 60_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (agent, _) = stack
+        .command_agent("ender", "pool", &["true"], None)
+        .await
+        .unwrap();
+    // Two raw hosts of capacity 1 that never run anything: no event of theirs reaches the
+    // recorder, so every attempt they take stays active in the database.
+    let mut hosts = Vec::new();
+    for name in ["me", "other"] {
+        let id = uuid::Uuid::new_v4().to_string();
+        let nc = async_nats::ConnectOptions::new()
+            .user_and_password(id.clone(), stack.host_token.clone())
+            .custom_inbox_prefix(agentscope_bus::auth::host_inbox(&id))
+            .connect(stack.nats.url())
+            .await
+            .unwrap();
+        let reg = HostRegistration {
+            host_id: id.clone(),
+            host_token: stack.host_token.clone(),
+            name: name.into(),
+            pool: "pool".into(),
+            capacity: 1,
+            providers: vec![agentscope_schemas::v1::ProviderDescriptor {
+                name: "command".into(),
+                installed: true,
+                logged_in: true,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let answer = nc
+            .request(
+                agentscope_bus::subjects::host_register(&id),
+                reg.encode_to_vec().into(),
+            )
+            .await
+            .unwrap();
+        let answer = HostRegistered::decode(answer.payload.as_ref()).unwrap();
+        assert!(answer.ok, "{}", answer.message);
+        hosts.push((id, nc));
+    }
+    let claim = |host: usize, held: &[&str], ended: &[&str]| {
+        let (id, nc) = &hosts[host];
+        let req = ClaimRequest {
+            host_id: id.clone(),
+            host_token: stack.host_token.clone(),
+            free_slots: 1,
+            held_attempts: held.iter().map(|s| s.to_string()).collect(),
+            ended_attempts: ended.iter().map(|s| s.to_string()).collect(),
+        };
+        let (subject, nc) = (agentscope_bus::subjects::host_claim(id), nc.clone());
+        async move {
+            let reply = nc
+                .request(subject, req.encode_to_vec().into())
+                .await
+                .unwrap();
+            let offer = ClaimOffer::decode(reply.payload.as_ref()).unwrap();
+            assert!(offer.error_code.is_empty(), "{}", offer.message);
+            offer
+        }
+    };
+    for i in 0..4 {
+        stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": format!("task {i}")}),
+            )
+            .await
+            .unwrap();
+    }
+    // The scheduler creates the attempts asynchronously: wait until all four are queued.
+    kit::wait_for("four queued attempts", Duration::from_secs(30), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts WHERE status = 'queued'")
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+        (n == 4).then_some(())
+    })
+    .await
+    .unwrap();
+
+    let a = claim(0, &[], &[]).await;
+    assert_eq!(a.assignments.len(), 1);
+    let a = a.assignments[0].attempt_id.clone();
+    let c = claim(1, &[], &[]).await;
+    assert_eq!(c.assignments.len(), 1);
+    let c = c.assignments[0].attempt_id.clone();
+
+    // Full while its attempt counts, even naming another host's attempt as ended.
+    let full = claim(0, &[&a], &[]).await;
+    assert!(full.assignments.is_empty());
+    assert_eq!(full.waiting, 2);
+    let foreign = claim(0, &[&a, &c], &[&c]).await;
+    assert!(foreign.assignments.is_empty());
+
+    // Once it says the attempt ended, the slot is offered work although the end is unrecorded.
+    let b = claim(0, &[&a], &[&a]).await;
+    assert_eq!(b.assignments.len(), 1, "the ended attempt's slot is free");
+    let b = b.assignments[0].attempt_id.clone();
+    let status: String = sqlx::query_scalar("SELECT status FROM attempts WHERE id = $1::uuid")
+        .bind(&a)
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+    assert_eq!(
+        status, "claimed",
+        "the first attempt's end was never recorded"
+    );
+
+    // The new attempt counts: with only the old one listed as ended, the host is full again.
+    let again = claim(0, &[&a, &b], &[&a]).await;
+    assert!(again.assignments.is_empty());
+    assert_eq!(again.waiting, 1);
+}

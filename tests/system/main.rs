@@ -28,3 +28,4 @@ mod isolation_worker;
 mod limits;
 mod managed;
 mod restart;
+mod sql_offline;

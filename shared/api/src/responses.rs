@@ -71,7 +71,6 @@ list!(AgentList of Agent);
 
 /// A full agent version (`GET /v1/agents/{id}/versions`).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct AgentVersion {
     pub id: Uuid,
     pub version: i32,
@@ -89,7 +88,6 @@ pub struct AgentVersion {
 list!(AgentVersionList of AgentVersion);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct RuntimeProfile {
     pub id: Uuid,
     pub name: String,
@@ -103,7 +101,6 @@ pub struct RuntimeProfile {
 list!(RuntimeProfileList of RuntimeProfile);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Pool {
     pub id: Uuid,
     pub name: String,
@@ -115,7 +112,6 @@ pub struct Pool {
 list!(PoolList of Pool);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Binding {
     pub id: Uuid,
     pub agent_id: Uuid,
@@ -192,7 +188,6 @@ pub struct IssueCreated {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct IssueSummary {
     pub id: Uuid,
     pub title: String,
@@ -203,7 +198,6 @@ pub struct IssueSummary {
 list!(IssueList of IssueSummary);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Issue {
     pub id: Uuid,
     pub title: String,
@@ -216,12 +210,10 @@ pub struct Issue {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Comment {
     pub id: Uuid,
     /// Present in the answer to the comment's creation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "sqlx", sqlx(default))]
     pub issue_id: Option<Uuid>,
     /// `token:<id>` for a workspace token, `agent:<id>` for an executor.
     pub author: String,
@@ -233,7 +225,6 @@ pub struct Comment {
 list!(CommentList of Comment);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Attempt {
     pub id: Uuid,
     pub task_id: Uuid,
@@ -257,7 +248,6 @@ pub struct Attempt {
     pub events: i64,
     /// What to do about `failure_class`, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "sqlx", sqlx(default))]
     pub remedy: Option<String>,
 }
 
@@ -280,7 +270,6 @@ pub struct Task {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct TaskSummary {
     pub id: Uuid,
     pub issue_id: Option<Uuid>,
@@ -289,7 +278,6 @@ pub struct TaskSummary {
     pub newest_attempt: Option<i32>,
     pub attempt_status: Option<String>,
     pub failure_class: Option<String>,
-    #[cfg_attr(feature = "sqlx", sqlx(default))]
     pub status: String,
 }
 list!(TaskList of TaskSummary);
@@ -381,7 +369,6 @@ pub struct ArtifactUploaded {
 
 /// An Artifact's metadata.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Artifact {
     pub id: Uuid,
     pub name: String,
@@ -397,7 +384,6 @@ pub struct Artifact {
 list!(ArtifactList of Artifact);
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Approval {
     pub id: Uuid,
     pub attempt_id: Option<Uuid>,
@@ -424,7 +410,6 @@ pub struct SecretStored {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct Secret {
     pub name: String,
     pub key_id: String,
@@ -488,7 +473,6 @@ pub struct InputAccepted {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct SessionEvent {
     pub seq: i64,
     pub kind: String,
@@ -505,7 +489,6 @@ pub struct ContextIssue {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct ContextArtifact {
     pub id: Uuid,
     pub name: String,

@@ -4,7 +4,7 @@
 //! configuration, each with its own password. Runtime Hosts and self-hosted Workers run on
 //! customers' machines: they connect with the credential they already hold (a host token or a
 //! worker token as the password) and the server asks the scheduler through the **auth callout**
-//! (`$SYS.REQ.USER.AUTH`, ADR-26) whether to let them in. The scheduler checks the token in
+//! (`$SYS.REQ.USER.AUTH`) whether to let them in. The scheduler checks the token in
 //! PostgreSQL and answers with a user JWT, signed by the callout issuer key, whose permissions
 //! name only that host's (or worker's) own subjects ([`host_permissions`],
 //! [`worker_permissions`]). A host cannot publish another host's events, renew another host's

@@ -1,8 +1,12 @@
 //! The bus: subject names, stream and bucket definitions, connection with a server version check,
-//! and trace-context headers. Architecture invariant: every subject string is built here.
+//! trace-context headers, and the typed request/reply and stream-consumer loops ([`serve`],
+//! [`consume`]). Architecture invariant: every subject string is built here.
 
 pub mod auth;
 pub mod lease;
+mod loops;
+
+pub use loops::{Consume, Endpoint, Request, consume, consume_decoded, serve, serve_raw};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, kv, stream};
@@ -101,7 +105,8 @@ pub fn presence_key(host_id: &str) -> String {
     format!("host.{host_id}")
 }
 
-/// The oldest nats-server with per-message TTL and delete markers (ADR-43).
+/// The oldest nats-server with per-message TTL and delete markers, which leases and presence
+/// rely on (a key vanishes with a marker when its TTL passes).
 pub const MIN_SERVER: (i64, i64, i64) = (2, 11, 0);
 
 #[derive(Debug, thiserror::Error)]

@@ -92,6 +92,122 @@ pub fn task_status(newest_attempt: Option<AttemptStatus>) -> &'static str {
     }
 }
 
+/// What a managed session does now (`session_state.status`, written by the dataplane; a session
+/// without a state row yet is `queued`). The end of each input is an [`InputOutcome`]; the
+/// session then shows that outcome's [`InputOutcome::session_status`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionStatus {
+    /// No replica has taken the session up yet.
+    Queued,
+    /// A replica works on it.
+    Running,
+    /// A tool call waits for an Approval.
+    AwaitingApproval,
+    /// A tool call waits for the session's self-hosted Worker to come back.
+    WorkerOffline,
+    /// Its environment is not enabled in this deployment; its inputs stay unanswered.
+    EnvironmentNotAllowed,
+    /// The last input was answered; finishing a turn is never the acceptance of the Issue.
+    CompletedAwaitingAcceptance,
+    /// The last input stopped at the agent's `max_iters`.
+    MaxIterations,
+    /// The last input stopped because the model could not be reached.
+    ModelConnection,
+    /// The last input ended after a tool was denied.
+    ToolDenied,
+}
+
+impl SessionStatus {
+    pub const ALL: [SessionStatus; 9] = [
+        Self::Queued,
+        Self::Running,
+        Self::AwaitingApproval,
+        Self::WorkerOffline,
+        Self::EnvironmentNotAllowed,
+        Self::CompletedAwaitingAcceptance,
+        Self::MaxIterations,
+        Self::ModelConnection,
+        Self::ToolDenied,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::AwaitingApproval => "awaiting_approval",
+            Self::WorkerOffline => "worker_offline",
+            Self::EnvironmentNotAllowed => "environment_not_allowed",
+            Self::CompletedAwaitingAcceptance => "completed_awaiting_acceptance",
+            Self::MaxIterations => "max_iterations",
+            Self::ModelConnection => "model_connection",
+            Self::ToolDenied => "tool_denied",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+}
+
+impl fmt::Display for SessionStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How one input of a managed session ended (`session_outcomes.status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InputOutcome {
+    /// The model answered without calling tools.
+    Completed,
+    /// The agent's `max_iters` model turns were used up.
+    MaxIterations,
+    /// The model could not be reached (or refused the request).
+    ModelConnection,
+    /// The turn ended after a tool was denied by policy.
+    ToolDenied,
+}
+
+impl InputOutcome {
+    pub const ALL: [InputOutcome; 4] = [
+        Self::Completed,
+        Self::MaxIterations,
+        Self::ModelConnection,
+        Self::ToolDenied,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::MaxIterations => "max_iterations",
+            Self::ModelConnection => "model_connection",
+            Self::ToolDenied => "tool_denied",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+
+    /// The session's status once this input ended.
+    pub fn session_status(self) -> SessionStatus {
+        match self {
+            Self::Completed => SessionStatus::CompletedAwaitingAcceptance,
+            Self::MaxIterations => SessionStatus::MaxIterations,
+            Self::ModelConnection => SessionStatus::ModelConnection,
+            Self::ToolDenied => SessionStatus::ToolDenied,
+        }
+    }
+}
+
+impl fmt::Display for InputOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Why an Attempt did not succeed (B6). Every class carries a remedy hint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -415,6 +531,25 @@ mod tests {
             assert!(!c.remedy().is_empty());
         }
         assert_eq!(FailureClass::parse("nonsense"), FailureClass::Internal);
+    }
+
+    #[test]
+    fn session_statuses_and_outcomes_round_trip() {
+        for s in SessionStatus::ALL {
+            assert_eq!(SessionStatus::parse(s.as_str()), Some(s));
+        }
+        for o in InputOutcome::ALL {
+            assert_eq!(InputOutcome::parse(o.as_str()), Some(o));
+        }
+        assert_eq!(SessionStatus::parse("nonsense"), None);
+        // Finishing an input never accepts the Issue; the other outcomes show as they are.
+        assert_eq!(
+            InputOutcome::Completed.session_status(),
+            SessionStatus::CompletedAwaitingAcceptance
+        );
+        for o in &InputOutcome::ALL[1..] {
+            assert_eq!(o.session_status().as_str(), o.as_str());
+        }
     }
 
     #[test]

@@ -15,6 +15,33 @@ use tokio_util::sync::CancellationToken;
 /// A readiness probe: Ok, or the reason the service is not ready.
 pub type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
+/// A probe from an async check.
+pub fn probe<F, Fut>(check: F) -> Probe
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), String>> + Send + 'static,
+{
+    Arc::new(move || Box::pin(check()))
+}
+
+/// The readiness of a service that needs NATS and PostgreSQL (the gateway, the scheduler, the
+/// dataplane): its NATS connection is up and the database answers.
+pub fn nats_and_postgres(nats: async_nats::Client, db: sqlx::PgPool) -> Probe {
+    probe(move || {
+        let (nats, db) = (nats.clone(), db.clone());
+        async move {
+            if nats.connection_state() != async_nats::connection::State::Connected {
+                return Err("nats: not connected".into());
+            }
+            sqlx::query_scalar!("SELECT 1 AS one")
+                .fetch_one(&db)
+                .await
+                .map_err(|e| format!("postgres: {e}"))?;
+            Ok(())
+        }
+    })
+}
+
 /// Counters and gauges rendered in the Prometheus text format. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Metrics {

@@ -1,6 +1,7 @@
 //! One `init` for every service: EnvFilter, human or JSON logs, optional OTLP trace export driven
 //! by the standard `OTEL_*` variables.
 
+pub mod config;
 pub mod health;
 pub mod supervisor;
 pub mod throttle;

@@ -137,6 +137,25 @@ impl Supervisor {
         });
     }
 
+    /// Starts a [`Policy::Critical`] core task that runs once: `make` may move in what cannot
+    /// be made again (a bound listener, a subscription).
+    pub fn spawn_once<M, F>(&mut self, name: &'static str, make: M)
+    where
+        M: FnOnce(CancellationToken) -> F + Send + 'static,
+        F: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let make = std::sync::Mutex::new(Some(make));
+        self.spawn(name, Policy::Critical, move |stop| {
+            let make = make.lock().expect("spawn_once").take();
+            async move {
+                match make {
+                    Some(make) => make(stop).await,
+                    None => Err(anyhow::anyhow!("a task spawned once was started again")),
+                }
+            }
+        });
+    }
+
     /// Runs until `shutdown` resolves or a critical task ends, then stops everything: cancels
     /// the token, waits up to the grace period for core tasks and work, and returns the first
     /// critical failure, if any.
@@ -189,7 +208,10 @@ impl Supervisor {
 fn flatten(joined: Result<Outcome, tokio::task::JoinError>) -> Outcome {
     match joined {
         Ok(outcome) => outcome,
-        Err(e) => ("?", Err(anyhow::anyhow!("task panicked or was aborted: {e}"))),
+        Err(e) => (
+            "?",
+            Err(anyhow::anyhow!("task panicked or was aborted: {e}")),
+        ),
     }
 }
 
@@ -277,6 +299,22 @@ mod tests {
         .await
         .expect("restarts are not failures");
         assert_eq!(starts.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_task_spawned_once_owns_what_it_was_given_and_is_critical() {
+        let mut sup = Supervisor::new("test", CancellationToken::new(), Duration::from_secs(5));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        sup.spawn_once("owner", move |_stop| async move {
+            let _owned = listener;
+            Err(anyhow::anyhow!("gave up"))
+        });
+        let err = sup
+            .run(std::future::pending())
+            .await
+            .expect_err("its end stops the run");
+        assert!(format!("{err:#}").contains("owner"), "{err:#}");
+        assert!(format!("{err:#}").contains("gave up"), "{err:#}");
     }
 
     #[tokio::test]

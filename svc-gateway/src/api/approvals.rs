@@ -14,10 +14,19 @@ use axum::http::StatusCode;
 use std::time::Duration;
 use uuid::Uuid;
 
-const SELECT: &str = "SELECT ap.id, ap.attempt_id, a.task_id, ap.session_id, ap.request_id,
-    ap.tool_name, ap.input, ap.status, ap.decided_by, ap.reason, ap.created_at, ap.expires_at,
-    ap.decided_at
-    FROM approvals ap LEFT JOIN attempts a ON a.id = ap.attempt_id";
+/// `sqlx::query_as!` into `t::Approval`: the approvals' shared SELECT, then `$tail` (a literal).
+macro_rules! select_approvals {
+    ($tail:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query_as!(
+            t::Approval,
+            r#"SELECT ap.id, ap.attempt_id, a.task_id AS "task_id?", ap.session_id, ap.request_id,
+            ap.tool_name, ap.input, ap.status, ap.decided_by, ap.reason, ap.created_at, ap.expires_at,
+            ap.decided_at
+            FROM approvals ap LEFT JOIN attempts a ON a.id = ap.attempt_id "# + $tail,
+            $($arg),+
+        )
+    };
+}
 
 pub async fn list(
     State(s): State<AppState>,
@@ -25,15 +34,15 @@ pub async fn list(
     q: Result<Query<Filter>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Json<t::ApprovalList>> {
     let Query(q) = q?;
-    let items: Vec<t::Approval> = sqlx::query_as(&format!(
-        "{SELECT} WHERE ap.workspace_id = $1 AND ($2::text IS NULL OR ap.status = $2)
+    let items = select_approvals!(
+        "WHERE ap.workspace_id = $1 AND ($2::text IS NULL OR ap.status = $2)
            AND ($3::uuid IS NULL OR a.task_id = $3)
-           AND ($4::uuid IS NULL OR ap.session_id = $4::text) ORDER BY ap.created_at DESC LIMIT 500"
-    ))
-    .bind(auth.workspace_id)
-    .bind(&q.status)
-    .bind(q.task_id)
-    .bind(q.session_id)
+           AND ($4::uuid IS NULL OR ap.session_id = $4::text) ORDER BY ap.created_at DESC LIMIT 500",
+        auth.workspace_id,
+        q.status.as_deref(),
+        q.task_id,
+        q.session_id,
+    )
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::ApprovalList { items }))
@@ -44,11 +53,11 @@ pub async fn get(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Approval>> {
-    let row: Option<t::Approval> = sqlx::query_as(&format!(
-        "{SELECT} WHERE ap.workspace_id = $1 AND ap.id = $2"
-    ))
-    .bind(auth.workspace_id)
-    .bind(id)
+    let row = select_approvals!(
+        "WHERE ap.workspace_id = $1 AND ap.id = $2",
+        auth.workspace_id,
+        id
+    )
     .fetch_optional(&s.db)
     .await?;
     Ok(Json(row.ok_or_else(|| ApiError::not_found("approval"))?))
@@ -132,8 +141,7 @@ pub(crate) async fn decide_as(
             _ => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", r.message),
         });
     }
-    let approval: t::Approval = sqlx::query_as(&format!("{SELECT} WHERE ap.id = $1"))
-        .bind(id)
+    let approval = select_approvals!("WHERE ap.id = $1", id)
         .fetch_one(&s.db)
         .await?;
     Ok(Json(approval))

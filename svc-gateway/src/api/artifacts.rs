@@ -85,21 +85,21 @@ pub async fn upload(
     let id = Uuid::now_v7();
     let sha = hex::encode(sha2::Sha256::digest(&body));
     let author = format!("agent:{}", task.agent_id);
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO artifacts (id, workspace_id, issue_id, task_id, attempt_id, name, content_type, size_bytes, sha256, content, author)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        id,
+        task.workspace_id,
+        task.issue_id,
+        task.task_id,
+        task.attempt_id,
+        &q.name,
+        &content_type,
+        body.len() as i64,
+        &sha,
+        body.as_ref(),
+        &author,
     )
-    .bind(id)
-    .bind(task.workspace_id)
-    .bind(task.issue_id)
-    .bind(task.task_id)
-    .bind(task.attempt_id)
-    .bind(&q.name)
-    .bind(&content_type)
-    .bind(body.len() as i64)
-    .bind(&sha)
-    .bind(body.as_ref())
-    .bind(&author)
     .execute(&s.db)
     .await?;
     s.metrics.inc("agentscope_artifacts_uploaded_total", &[]);
@@ -119,27 +119,34 @@ pub async fn upload(
     ))
 }
 
-const META: &str =
-    "id, name, content_type, size_bytes, sha256, issue_id, task_id, attempt_id, author, created_at";
+/// `sqlx::query_as!` into `t::Artifact`: the artifacts' shared SELECT, then `$tail` (a literal).
+macro_rules! select_artifacts {
+    ($tail:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query_as!(
+            t::Artifact,
+            "SELECT id, name, content_type, size_bytes, sha256, issue_id, task_id, attempt_id, author,
+            created_at FROM artifacts " + $tail,
+            $($arg),+
+        )
+    };
+}
 
 pub async fn list_for_issue(
     State(s): State<AppState>,
     auth: Auth,
     Id(issue): Id,
 ) -> ApiResult<Json<t::ArtifactList>> {
-    let owned: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
-            .bind(issue)
-            .bind(auth.workspace_id)
-            .fetch_optional(&s.db)
-            .await?;
-    owned.ok_or_else(|| ApiError::not_found("issue"))?;
-    let items: Vec<t::Artifact> = sqlx::query_as(&format!(
-        "SELECT {META} FROM artifacts WHERE issue_id = $1 ORDER BY created_at, id"
-    ))
-    .bind(issue)
-    .fetch_all(&s.db)
+    let owned = sqlx::query_scalar!(
+        "SELECT id FROM issues WHERE id = $1 AND workspace_id = $2",
+        issue,
+        auth.workspace_id,
+    )
+    .fetch_optional(&s.db)
     .await?;
+    owned.ok_or_else(|| ApiError::not_found("issue"))?;
+    let items = select_artifacts!("WHERE issue_id = $1 ORDER BY created_at, id", issue)
+        .fetch_all(&s.db)
+        .await?;
     Ok(Json(t::ArtifactList { items }))
 }
 
@@ -148,11 +155,11 @@ pub async fn list_for_task(
     auth: Auth,
     Id(task): Id,
 ) -> ApiResult<Json<t::ArtifactList>> {
-    let items: Vec<t::Artifact> = sqlx::query_as(&format!(
-        "SELECT {META} FROM artifacts WHERE task_id = $1 AND workspace_id = $2 ORDER BY created_at, id"
-    ))
-    .bind(task)
-    .bind(auth.workspace_id)
+    let items = select_artifacts!(
+        "WHERE task_id = $1 AND workspace_id = $2 ORDER BY created_at, id",
+        task,
+        auth.workspace_id,
+    )
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::ArtifactList { items }))
@@ -163,25 +170,22 @@ pub async fn get(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Artifact>> {
-    let row: Option<t::Artifact> = sqlx::query_as(&format!(
-        "SELECT {META} FROM artifacts WHERE id = $1 AND workspace_id = $2"
-    ))
-    .bind(id)
-    .bind(auth.workspace_id)
-    .fetch_optional(&s.db)
-    .await?;
+    let row = select_artifacts!("WHERE id = $1 AND workspace_id = $2", id, auth.workspace_id)
+        .fetch_optional(&s.db)
+        .await?;
     Ok(Json(row.ok_or_else(|| ApiError::not_found("artifact"))?))
 }
 
 pub async fn content(State(s): State<AppState>, auth: Auth, Id(id): Id) -> ApiResult<Response> {
-    let row: Option<(String, String, Vec<u8>)> = sqlx::query_as(
+    let row = sqlx::query!(
         "SELECT name, content_type, content FROM artifacts WHERE id = $1 AND workspace_id = $2",
+        id,
+        auth.workspace_id,
     )
-    .bind(id)
-    .bind(auth.workspace_id)
     .fetch_optional(&s.db)
-    .await?;
-    let (name, ct, bytes) = row.ok_or_else(|| ApiError::not_found("artifact"))?;
+    .await?
+    .ok_or_else(|| ApiError::not_found("artifact"))?;
+    let (name, ct, bytes) = (row.name, row.content_type, row.content);
     // The name was checked at upload; quote it and drop quotes/backslashes all the same.
     let safe: String = name.chars().filter(|c| *c != '"' && *c != '\\').collect();
     Ok((

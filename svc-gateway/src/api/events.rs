@@ -15,7 +15,6 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use bytes::{BufMut, Bytes, BytesMut};
 use serde_json::{Value, json};
-use sqlx::Row;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,12 +66,13 @@ pub async fn attempt_events(
     headers: HeaderMap,
     q: Result<Query<EventQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
-    let owned: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM attempts WHERE id = $1 AND workspace_id = $2")
-            .bind(id)
-            .bind(auth.workspace_id)
-            .fetch_optional(&s.db)
-            .await?;
+    let owned = sqlx::query_scalar!(
+        "SELECT id FROM attempts WHERE id = $1 AND workspace_id = $2",
+        id,
+        auth.workspace_id,
+    )
+    .fetch_optional(&s.db)
+    .await?;
     owned.ok_or_else(|| ApiError::not_found("attempt"))?;
     events(s, Scope::Attempt(id), headers, q?.0).await
 }
@@ -84,12 +84,13 @@ pub async fn task_events(
     headers: HeaderMap,
     q: Result<Query<EventQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
-    let owned: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM tasks WHERE id = $1 AND workspace_id = $2")
-            .bind(id)
-            .bind(auth.workspace_id)
-            .fetch_optional(&s.db)
-            .await?;
+    let owned = sqlx::query_scalar!(
+        "SELECT id FROM tasks WHERE id = $1 AND workspace_id = $2",
+        id,
+        auth.workspace_id,
+    )
+    .fetch_optional(&s.db)
+    .await?;
     owned.ok_or_else(|| ApiError::not_found("task"))?;
     events(s, Scope::Task(id), headers, q?.0).await
 }
@@ -130,7 +131,9 @@ async fn events(
     // Frames go out pre-rendered, as many as are ready in one chunk (one write per batch, not
     // per event).
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
-    tokio::spawn(follow(s, scope, cursor, tx));
+    // Supervised work: at shutdown the stream says so and ends, and the gateway waits for it.
+    let work = s.work.clone();
+    work.spawn(follow(s, scope, cursor, tx));
     let stream = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
@@ -220,7 +223,8 @@ impl Feeds {
         }
         map.retain(|_, f| f.strong_count() > 0);
         let (tx, rx) = broadcast::channel(FEED_BUFFER);
-        let stop = CancellationToken::new();
+        // Stops when its last follower leaves, or when the gateway stops.
+        let stop = s.work.stopping().child_token();
         let ended = Arc::new(AtomicBool::new(false));
         let feed = Arc::new(Feed {
             tx: tx.clone(),
@@ -228,7 +232,7 @@ impl Feeds {
             _stop: stop.clone().drop_guard(),
         });
         map.insert(scope, Arc::downgrade(&feed));
-        tokio::spawn(read_feed(s.clone(), scope, tx, ended, stop));
+        s.work.spawn(read_feed(s.clone(), scope, tx, ended, stop));
         (feed, rx)
     }
 }
@@ -241,6 +245,9 @@ async fn read_feed(
     ended: Arc<AtomicBool>,
     stop: CancellationToken,
 ) {
+    if stop.is_cancelled() {
+        return;
+    }
     let mut wake = s.recorded.subscribe();
     // Followers catch up from the database themselves; the feed starts at the scope's end.
     let mut head = loop {
@@ -331,23 +338,27 @@ async fn read_feed(
 
 /// The cursor of the newest event recorded in the scope.
 async fn tail(s: &AppState, scope: Scope) -> ApiResult<Cursor> {
-    let row: Option<(i32, i64)> = match scope {
+    let row = match scope {
         Scope::Attempt(id) => {
-            sqlx::query_as("SELECT 0, last_seq FROM attempts WHERE id = $1")
-                .bind(id)
-                .fetch_optional(&s.db)
-                .await?
+            sqlx::query_as!(
+                Cursor,
+                r#"SELECT 0 AS "number!", last_seq AS seq FROM attempts WHERE id = $1"#,
+                id,
+            )
+            .fetch_optional(&s.db)
+            .await?
         }
-        Scope::Task(id) => sqlx::query_as(
-            "SELECT number, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
-        )
-        .bind(id)
-        .fetch_optional(&s.db)
-        .await?,
+        Scope::Task(id) => {
+            sqlx::query_as!(
+                Cursor,
+                "SELECT number, last_seq AS seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+                id,
+            )
+            .fetch_optional(&s.db)
+            .await?
+        }
     };
-    Ok(row
-        .map(|(number, seq)| Cursor { number, seq })
-        .unwrap_or_default())
+    Ok(row.unwrap_or_default())
 }
 
 /// Feeds one SSE client until the stream's work is over or the client goes away: first from the
@@ -477,6 +488,16 @@ fn error_code(e: &ApiError) -> &'static str {
     }
 }
 
+/// One recorded event with its attempt.
+struct EventRow {
+    attempt_id: Uuid,
+    number: i32,
+    seq: i64,
+    kind: String,
+    payload: Value,
+    at: chrono::DateTime<chrono::Utc>,
+}
+
 async fn fetch(
     s: &AppState,
     scope: Scope,
@@ -485,75 +506,83 @@ async fn fetch(
 ) -> ApiResult<Vec<(Cursor, Value)>> {
     let rows = match scope {
         Scope::Attempt(id) => {
-            sqlx::query(
+            sqlx::query_as!(
+                EventRow,
                 "SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at FROM execution_events e
                  JOIN attempts a ON a.id = e.attempt_id
                  WHERE e.attempt_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3",
+                id,
+                c.seq,
+                limit,
             )
-            .bind(id)
-            .bind(c.seq)
-            .bind(limit)
             .fetch_all(&s.db)
             .await?
         }
         Scope::Task(id) => {
             // The task's attempts by (task_id, number), each one's events by (attempt_id, seq):
             // both unique indexes, so a page reads only the rows it returns.
-            sqlx::query(
-                "SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at FROM attempts a
+            sqlx::query_as!(
+                EventRow,
+                r#"SELECT a.id AS attempt_id, a.number, e.seq AS "seq!", e.kind AS "kind!",
+                    e.payload AS "payload!", e.at AS "at!" FROM attempts a
                  CROSS JOIN LATERAL (
                      SELECT seq, kind, payload, at FROM execution_events
-                     WHERE attempt_id = a.id AND seq > CASE WHEN a.number = $2 THEN $3 ELSE 0 END
+                     WHERE attempt_id = a.id AND seq > CASE WHEN a.number = $2 THEN $3::bigint ELSE 0 END
                      ORDER BY seq LIMIT $4) e
                  WHERE a.task_id = $1 AND a.number >= $2
-                 ORDER BY a.number, e.seq LIMIT $4",
+                 ORDER BY a.number, e.seq LIMIT $4"#,
+                id,
+                c.number,
+                c.seq,
+                limit,
             )
-            .bind(id)
-            .bind(c.number)
-            .bind(c.seq)
-            .bind(limit)
             .fetch_all(&s.db)
             .await?
         }
     };
-    rows.iter()
+    Ok(rows
+        .into_iter()
         .map(|r| {
             let cur = Cursor {
                 number: match scope {
                     Scope::Attempt(_) => 0,
-                    Scope::Task(_) => r.try_get("number")?,
+                    Scope::Task(_) => r.number,
                 },
-                seq: r.try_get("seq")?,
+                seq: r.seq,
             };
-            Ok((
+            (
                 cur,
                 json!({
                     "id": cur.render(scope),
-                    "attempt_id": r.try_get::<Uuid, _>("attempt_id")?,
-                    "attempt_number": r.try_get::<i32, _>("number")?,
+                    "attempt_id": r.attempt_id,
+                    "attempt_number": r.number,
                     "seq": cur.seq,
-                    "kind": r.try_get::<String, _>("kind")?,
-                    "at": r.try_get::<chrono::DateTime<chrono::Utc>, _>("at")?,
-                    "payload": r.try_get::<Value, _>("payload")?,
+                    "kind": r.kind,
+                    "at": r.at,
+                    "payload": r.payload,
                 }),
-            ))
+            )
         })
-        .collect()
+        .collect())
 }
 
 /// The final status when nothing more can follow `c`, else None.
 async fn finished(s: &AppState, scope: Scope, c: Cursor) -> ApiResult<Option<String>> {
-    let row: Option<(i32, String, i64)> = match scope {
-        Scope::Attempt(id) => sqlx::query_as("SELECT number, status, last_seq FROM attempts WHERE id = $1")
-            .bind(id)
-            .fetch_optional(&s.db)
-            .await?,
-        Scope::Task(id) => sqlx::query_as(
-            "SELECT number, status, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+    let row = match scope {
+        Scope::Attempt(id) => sqlx::query!(
+            "SELECT number, status, last_seq FROM attempts WHERE id = $1",
+            id,
         )
-        .bind(id)
         .fetch_optional(&s.db)
-        .await?,
+        .await?
+        .map(|r| (r.number, r.status, r.last_seq)),
+        Scope::Task(id) => sqlx::query!(
+            "SELECT number, status, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
+            id,
+        )
+        .fetch_optional(&s.db)
+        .await?
+        .map(|r| (r.number, r.status, r.last_seq)),
     };
     let Some((number, status, last_seq)) = row else {
         return Ok(None);

@@ -1,4 +1,4 @@
-//! `GET /v1/tasks/{id}/explain` (B1/H20): why a task waits, or why it failed.
+//! `GET /v1/tasks/{id}/explain`: why a task waits, or why it failed.
 //!
 //! A waiting task gets its task-level blockers and, for every host of the workspace, each
 //! predicate of the scheduler's claim (`svc-scheduler/src/claim.rs`) that keeps that host from
@@ -13,7 +13,6 @@ use agentscope_domain::{AttemptStatus, FailureClass, task_status};
 use axum::Json;
 use axum::extract::State;
 use serde_json::{Value, json};
-use sqlx::Row;
 use uuid::Uuid;
 
 /// How many of the ending attempt's events are shown as evidence.
@@ -45,27 +44,43 @@ struct Attempt {
     json: Value,
 }
 
-fn attempt_from(r: &sqlx::postgres::PgRow) -> ApiResult<Attempt> {
-    let status: String = r.try_get("status")?;
-    let failure_class: Option<String> = r.try_get("failure_class")?;
-    let mut json: Value = r.try_get("j")?;
+/// One attempt of the task as stored, with its JSON for the answer.
+struct AttemptRow {
+    id: Uuid,
+    number: i32,
+    status: String,
+    host_id: Option<Uuid>,
+    binding_id: Option<Uuid>,
+    pool_id: Option<Uuid>,
+    provider: Option<String>,
+    required_capabilities: Vec<String>,
+    failure_class: Option<String>,
+    failure_detail: Option<String>,
+    exit_code: Option<i32>,
+    not_before_ms: f64,
+    j: Value,
+}
+
+fn attempt_from(r: AttemptRow) -> ApiResult<Attempt> {
+    let failure_class = r.failure_class;
+    let mut json = r.j;
     if let Some(c) = &failure_class {
         json["remedy"] = json!(FailureClass::parse(c).remedy());
     }
     Ok(Attempt {
-        id: r.try_get("id")?,
-        number: r.try_get("number")?,
-        status: AttemptStatus::parse(&status).unwrap_or(AttemptStatus::Failed),
-        host_id: r.try_get("host_id")?,
+        id: r.id,
+        number: r.number,
+        status: AttemptStatus::parse(&r.status).unwrap_or(AttemptStatus::Failed),
+        host_id: r.host_id,
         failure_class,
-        failure_detail: r.try_get("failure_detail")?,
-        exit_code: r.try_get("exit_code")?,
-        not_before_ms: r.try_get("not_before_ms")?,
+        failure_detail: r.failure_detail,
+        exit_code: r.exit_code,
+        not_before_ms: r.not_before_ms,
         target: Target {
-            binding_id: r.try_get("binding_id")?,
-            pool_id: r.try_get("pool_id")?,
-            provider: r.try_get("provider")?,
-            required_capabilities: r.try_get("required_capabilities")?,
+            binding_id: r.binding_id,
+            pool_id: r.pool_id,
+            provider: r.provider,
+            required_capabilities: r.required_capabilities,
         },
         json,
     })
@@ -76,25 +91,25 @@ pub async fn explain(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<agentscope_api::Explanation>> {
-    let task = sqlx::query(
+    let task = sqlx::query!(
         "SELECT t.agent_id, ag.name AS agent_name, t.cancel_requested_at FROM tasks t
          JOIN agents ag ON ag.id = t.agent_id
          WHERE t.workspace_id = $1 AND t.id = $2",
+        auth.workspace_id,
+        id,
     )
-    .bind(auth.workspace_id)
-    .bind(id)
     .fetch_optional(&s.db)
     .await?
     .ok_or_else(|| ApiError::not_found("task"))?;
-    let agent_id: Uuid = task.try_get("agent_id")?;
-    let agent_name: String = task.try_get("agent_name")?;
-    let cancel_requested_at: Option<chrono::DateTime<chrono::Utc>> =
-        task.try_get("cancel_requested_at")?;
+    let agent_id = task.agent_id;
+    let agent_name = task.agent_name;
+    let cancel_requested_at = task.cancel_requested_at;
 
-    let rows = sqlx::query(
-        "SELECT a.id, a.number, a.status, a.host_id, a.binding_id, a.pool_id, a.provider,
+    let rows = sqlx::query_as!(
+        AttemptRow,
+        r#"SELECT a.id, a.number, a.status, a.host_id, a.binding_id, a.pool_id, a.provider,
                 a.required_capabilities, a.failure_class, a.failure_detail, a.exit_code,
-                EXTRACT(EPOCH FROM (a.not_before - now()))::float8 * 1000 AS not_before_ms,
+                EXTRACT(EPOCH FROM (a.not_before - now()))::float8 * 1000 AS "not_before_ms!",
                 json_build_object('id', a.id, 'number', a.number, 'status', a.status,
                     'host_id', a.host_id, 'pool_id', a.pool_id, 'binding_id', a.binding_id,
                     'provider', a.provider, 'required_capabilities', a.required_capabilities,
@@ -102,15 +117,15 @@ pub async fn explain(
                     'claimed_at', a.claimed_at, 'started_at', a.started_at,
                     'finished_at', a.finished_at, 'failure_class', a.failure_class,
                     'failure_detail', a.failure_detail, 'exit_code', a.exit_code,
-                    'events', a.last_seq) AS j
-         FROM attempts a WHERE a.workspace_id = $1 AND a.task_id = $2 ORDER BY a.number",
+                    'events', a.last_seq) AS "j!"
+         FROM attempts a WHERE a.workspace_id = $1 AND a.task_id = $2 ORDER BY a.number"#,
+        auth.workspace_id,
+        id,
     )
-    .bind(auth.workspace_id)
-    .bind(id)
     .fetch_all(&s.db)
     .await?;
     let attempts = rows
-        .iter()
+        .into_iter()
         .map(attempt_from)
         .collect::<ApiResult<Vec<_>>>()?;
     let newest = attempts.last();
@@ -177,21 +192,20 @@ pub async fn explain(
             out["waiting"] = json!(false);
             out["attempt"] = a.json.clone();
             let host = match a.host_id {
-                Some(h) => sqlx::query(
+                Some(h) => sqlx::query!(
                     "SELECT id, name, pool_name FROM hosts WHERE workspace_id = $1 AND id = $2",
+                    auth.workspace_id,
+                    h,
                 )
-                .bind(auth.workspace_id)
-                .bind(h)
                 .fetch_optional(&s.db)
                 .await?
-                .map(|r| -> ApiResult<Value> {
-                    Ok(json!({
-                        "host_id": r.try_get::<Uuid, _>("id")?,
-                        "name": r.try_get::<String, _>("name")?,
-                        "pool": r.try_get::<String, _>("pool_name")?,
-                    }))
-                })
-                .transpose()?,
+                .map(|r| {
+                    json!({
+                        "host_id": r.id,
+                        "name": r.name,
+                        "pool": r.pool_name,
+                    })
+                }),
                 None => None,
             };
             let name = host
@@ -218,14 +232,14 @@ pub async fn explain(
                 AttemptStatus::Lost => FailureClass::LeaseLost.as_str().into(),
                 _ => FailureClass::Internal.as_str().into(),
             });
-            let evidence: Vec<(Value,)> = sqlx::query_as(
-                "SELECT json_build_object('seq', e.seq, 'kind', e.kind, 'payload', e.payload, 'at', e.at)
+            let evidence = sqlx::query_scalar!(
+                r#"SELECT json_build_object('seq', e.seq, 'kind', e.kind, 'payload', e.payload, 'at', e.at) AS "event!"
                  FROM (SELECT seq, kind, payload, at FROM execution_events
                        WHERE attempt_id = $1 ORDER BY seq DESC LIMIT $2) e
-                 ORDER BY e.seq",
+                 ORDER BY e.seq"#,
+                a.id,
+                EVIDENCE_EVENTS,
             )
-            .bind(a.id)
-            .bind(EVIDENCE_EVENTS)
             .fetch_all(&s.db)
             .await?;
             let remedy = FailureClass::parse(&class).remedy();
@@ -241,7 +255,7 @@ pub async fn explain(
                 "remedy": remedy,
                 "detail": a.failure_detail,
                 "exit_code": a.exit_code,
-                "evidence": evidence.into_iter().map(|r| r.0).collect::<Vec<_>>(),
+                "evidence": evidence,
             });
         }
     }
@@ -273,31 +287,33 @@ async fn effective_timeout(
         json!({"secs": secs, "source": source, "detail": detail})
     };
     if let Some(attempt) = newest {
-        let row: Option<(Option<i64>, Option<String>)> = sqlx::query_as(
-            "SELECT (spec->>'timeout_secs')::bigint, spec->>'timeout_source'
-             FROM attempts WHERE workspace_id = $1 AND id = $2",
+        let row = sqlx::query!(
+            r#"SELECT (spec->>'timeout_secs')::bigint AS "secs?", spec->>'timeout_source' AS "source?"
+             FROM attempts WHERE workspace_id = $1 AND id = $2"#,
+            auth.workspace_id,
+            attempt,
         )
-        .bind(auth.workspace_id)
-        .bind(attempt)
         .fetch_optional(&s.db)
-        .await?;
+        .await?
+        .map(|r| (r.secs, r.source));
         if let Some((Some(secs), Some(source))) = row
             && secs > 0
         {
             return Ok(describe(Some(secs), &source));
         }
     }
-    let row: Option<(Option<i32>, Option<Value>)> = sqlx::query_as(
-        "SELECT t.timeout_secs, rp.params->'timeout_secs'
+    let row = sqlx::query!(
+        r#"SELECT t.timeout_secs, rp.params->'timeout_secs' AS "profile_secs?"
          FROM tasks t
          LEFT JOIN bindings b ON b.agent_id = t.agent_id
          LEFT JOIN runtime_profiles rp ON rp.id = b.runtime_profile_id
-         WHERE t.workspace_id = $1 AND t.id = $2",
+         WHERE t.workspace_id = $1 AND t.id = $2"#,
+        auth.workspace_id,
+        task_id,
     )
-    .bind(auth.workspace_id)
-    .bind(task_id)
     .fetch_optional(&s.db)
-    .await?;
+    .await?
+    .map(|r| (r.timeout_secs, r.profile_secs));
     let (task_secs, profile) = row.unwrap_or((None, None));
     if let Some(t) = task_secs.filter(|t| *t > 0) {
         return Ok(describe(Some(t as i64), "task"));
@@ -315,27 +331,26 @@ async fn effective_timeout(
 
 /// The binding's view of a task that has no attempt yet.
 async fn target_from_binding(s: &AppState, auth: Auth, agent_id: Uuid) -> ApiResult<Target> {
-    let row = sqlx::query(
-        "SELECT b.id AS binding_id, b.pool_id, b.required_capabilities,
-                COALESCE(rp.provider, v.provider) AS provider
+    let row = sqlx::query!(
+        r#"SELECT b.id AS "binding_id?", b.pool_id AS "pool_id?",
+                b.required_capabilities AS "required_capabilities?",
+                COALESCE(rp.provider, v.provider) AS "provider?"
          FROM agents ag
          LEFT JOIN LATERAL (SELECT provider FROM agent_versions WHERE agent_id = ag.id
                             ORDER BY version DESC LIMIT 1) v ON true
          LEFT JOIN bindings b ON b.agent_id = ag.id
          LEFT JOIN runtime_profiles rp ON rp.id = b.runtime_profile_id
-         WHERE ag.workspace_id = $1 AND ag.id = $2",
+         WHERE ag.workspace_id = $1 AND ag.id = $2"#,
+        auth.workspace_id,
+        agent_id,
     )
-    .bind(auth.workspace_id)
-    .bind(agent_id)
     .fetch_one(&s.db)
     .await?;
     Ok(Target {
-        binding_id: row.try_get("binding_id")?,
-        pool_id: row.try_get("pool_id")?,
-        provider: row.try_get("provider")?,
-        required_capabilities: row
-            .try_get::<Option<Vec<String>>, _>("required_capabilities")?
-            .unwrap_or_default(),
+        binding_id: row.binding_id,
+        pool_id: row.pool_id,
+        provider: row.provider,
+        required_capabilities: row.required_capabilities.unwrap_or_default(),
     })
 }
 
@@ -358,11 +373,11 @@ async fn waiting(
 ) -> ApiResult<()> {
     let ws = auth.workspace_id;
     if target.binding_id.is_none() {
-        let bound_now: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM bindings WHERE workspace_id = $1 AND agent_id = $2)",
+        let bound_now = sqlx::query_scalar!(
+            r#"SELECT EXISTS (SELECT 1 FROM bindings WHERE workspace_id = $1 AND agent_id = $2) AS "bound!""#,
+            ws,
+            agent_id,
         )
-        .bind(ws)
-        .bind(agent_id)
         .fetch_one(&s.db)
         .await?;
         reasons.push(blocker(
@@ -390,26 +405,25 @@ async fn waiting(
 
     // The target pool and the three concurrency limits; each is the same for every host.
     let pool = match target.pool_id {
-        Some(p) => {
-            sqlx::query_as::<_, (String, Option<i32>)>(
-                "SELECT name, max_concurrency FROM pools WHERE workspace_id = $1 AND id = $2",
-            )
-            .bind(ws)
-            .bind(p)
-            .fetch_optional(&s.db)
-            .await?
-        }
+        Some(p) => sqlx::query!(
+            "SELECT name, max_concurrency FROM pools WHERE workspace_id = $1 AND id = $2",
+            ws,
+            p,
+        )
+        .fetch_optional(&s.db)
+        .await?
+        .map(|r| (r.name, r.max_concurrency)),
         None => None,
     };
     let pool_name = pool.as_ref().map(|p| p.0.clone());
     let pool_limit = match (target.pool_id, pool.as_ref().and_then(|p| p.1)) {
         (Some(p), Some(limit)) => {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM attempts WHERE workspace_id = $1 AND pool_id = $2
-                 AND status IN ('claimed','running')",
+            let n = sqlx::query_scalar!(
+                r#"SELECT count(*) AS "n!" FROM attempts WHERE workspace_id = $1 AND pool_id = $2
+                 AND status IN ('claimed','running')"#,
+                ws,
+                p,
             )
-            .bind(ws)
-            .bind(p)
             .fetch_one(&s.db)
             .await?;
             reached(Some(limit), n)
@@ -418,21 +432,21 @@ async fn waiting(
     };
     let agent_limit = match target.binding_id {
         Some(b) => {
-            let limit: Option<Option<i32>> = sqlx::query_scalar(
+            let limit = sqlx::query_scalar!(
                 "SELECT max_concurrency FROM bindings WHERE workspace_id = $1 AND id = $2",
+                ws,
+                b,
             )
-            .bind(ws)
-            .bind(b)
             .fetch_optional(&s.db)
             .await?;
             match limit.flatten() {
                 Some(limit) => {
-                    let n: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM attempts WHERE workspace_id = $1 AND agent_id = $2
-                         AND status IN ('claimed','running')",
+                    let n = sqlx::query_scalar!(
+                        r#"SELECT count(*) AS "n!" FROM attempts WHERE workspace_id = $1 AND agent_id = $2
+                         AND status IN ('claimed','running')"#,
+                        ws,
+                        agent_id,
                     )
-                    .bind(ws)
-                    .bind(agent_id)
                     .fetch_one(&s.db)
                     .await?;
                     reached(Some(limit), n)
@@ -442,26 +456,26 @@ async fn waiting(
         }
         None => None,
     };
-    let (ws_limit, ws_active): (Option<i32>, i64) = sqlx::query_as(
-        "SELECT w.max_concurrency, (SELECT count(*) FROM attempts a WHERE a.workspace_id = w.id
-             AND a.status IN ('claimed','running'))
-         FROM workspaces w WHERE w.id = $1",
+    let w = sqlx::query!(
+        r#"SELECT w.max_concurrency, (SELECT count(*) FROM attempts a WHERE a.workspace_id = w.id
+             AND a.status IN ('claimed','running')) AS "active!"
+         FROM workspaces w WHERE w.id = $1"#,
+        ws,
     )
-    .bind(ws)
     .fetch_one(&s.db)
     .await?;
-    let workspace_limit = reached(ws_limit, ws_active);
+    let workspace_limit = reached(w.max_concurrency, w.active);
 
-    let hosts = sqlx::query(
-        "SELECT h.id, h.name, h.pool_id, h.pool_name, h.capacity, h.providers, h.capabilities,
-                p.name AS pool_display,
-                EXTRACT(EPOCH FROM (now() - h.last_seen_at))::float8 * 1000 AS age_ms,
+    let hosts = sqlx::query!(
+        r#"SELECT h.id, h.name, h.pool_id, h.pool_name, h.capacity, h.providers, h.capabilities,
+                p.name AS "pool_display?",
+                EXTRACT(EPOCH FROM (now() - h.last_seen_at))::float8 * 1000 AS "age_ms!",
                 (SELECT count(*) FROM attempts a WHERE a.host_id = h.id
-                     AND a.status IN ('claimed','running')) AS active
+                     AND a.status IN ('claimed','running')) AS "active!"
          FROM hosts h LEFT JOIN pools p ON p.id = h.pool_id
-         WHERE h.workspace_id = $1 ORDER BY h.name, h.id",
+         WHERE h.workspace_id = $1 ORDER BY h.name, h.id"#,
+        ws,
     )
-    .bind(ws)
     .fetch_all(&s.db)
     .await?;
     if hosts.is_empty() {
@@ -478,16 +492,16 @@ async fn waiting(
 
     let mut items = Vec::new();
     let mut eligible = Vec::new();
-    for h in &hosts {
-        let host_id: Uuid = h.try_get("id")?;
-        let name: String = h.try_get("name")?;
-        let host_pool_id: Option<Uuid> = h.try_get("pool_id")?;
-        let host_pool: String = h.try_get("pool_name")?;
-        let capacity: i32 = h.try_get("capacity")?;
-        let providers: Value = h.try_get("providers")?;
-        let capabilities: Vec<String> = h.try_get("capabilities")?;
-        let age_ms: f64 = h.try_get("age_ms")?;
-        let active: i64 = h.try_get("active")?;
+    for h in hosts {
+        let host_id = h.id;
+        let name = h.name;
+        let host_pool_id = h.pool_id;
+        let host_pool = h.pool_name;
+        let capacity = h.capacity;
+        let providers = h.providers;
+        let capabilities = h.capabilities;
+        let age_ms = h.age_ms;
+        let active = h.active;
         let mut failing = Vec::new();
 
         // scope: the host's pool name resolves to no pool of this workspace.
@@ -598,7 +612,7 @@ async fn waiting(
         if failing.is_empty() {
             eligible.push(name.clone());
         }
-        let pool_display: Option<String> = h.try_get("pool_display")?;
+        let pool_display = h.pool_display;
         items.push(json!({
             "host_id": host_id,
             "name": name,

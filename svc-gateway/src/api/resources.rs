@@ -12,8 +12,8 @@ use agentscope_domain::{KNOWN_PROVIDERS, TokenKind, new_token};
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
+use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
-use sqlx::Row;
 use uuid::Uuid;
 
 pub(crate) fn check_name(field: &str, v: &str) -> ApiResult<()> {
@@ -57,14 +57,16 @@ async fn issue_token(
 ) -> ApiResult<(Uuid, String)> {
     let token = new_token(kind);
     let id = Uuid::now_v7();
-    sqlx::query("INSERT INTO api_tokens (id, workspace_id, kind, name, token_hash) VALUES ($1, $2, $3, $4, $5)")
-        .bind(id)
-        .bind(workspace_id)
-        .bind(kind.as_str())
-        .bind(name)
-        .bind(agentscope_domain::hash_token(&token))
-        .execute(db)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO api_tokens (id, workspace_id, kind, name, token_hash) VALUES ($1, $2, $3, $4, $5)",
+        id,
+        workspace_id,
+        kind.as_str(),
+        name,
+        agentscope_domain::hash_token(&token),
+    )
+    .execute(db)
+    .await?;
     Ok((id, token))
 }
 
@@ -77,12 +79,14 @@ pub async fn create_workspace(
     check_limit("max_concurrency", b.max_concurrency)?;
     let id = Uuid::now_v7();
     let mut tx = s.db.begin().await?;
-    sqlx::query("INSERT INTO workspaces (id, name, max_concurrency) VALUES ($1, $2, $3)")
-        .bind(id)
-        .bind(&b.name)
-        .bind(b.max_concurrency)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO workspaces (id, name, max_concurrency) VALUES ($1, $2, $3)",
+        id,
+        &b.name,
+        b.max_concurrency,
+    )
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     let (_, token) = issue_token(&s.db, id, TokenKind::Api, "initial").await?;
     Ok((
@@ -99,15 +103,16 @@ pub async fn create_workspace(
 }
 
 pub async fn get_workspace(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::Workspace>> {
-    let (name, max): (String, Option<i32>) =
-        sqlx::query_as("SELECT name, max_concurrency FROM workspaces WHERE id = $1")
-            .bind(auth.workspace_id)
-            .fetch_one(&s.db)
-            .await?;
+    let w = sqlx::query!(
+        "SELECT name, max_concurrency FROM workspaces WHERE id = $1",
+        auth.workspace_id,
+    )
+    .fetch_one(&s.db)
+    .await?;
     Ok(Json(t::Workspace {
         id: auth.workspace_id,
-        name,
-        max_concurrency: max,
+        name: w.name,
+        max_concurrency: w.max_concurrency,
     }))
 }
 
@@ -221,28 +226,28 @@ async fn insert_version(
     agent_id: Uuid,
     v: &NewVersion,
 ) -> ApiResult<t::VersionSummary> {
-    let next: i32 = sqlx::query_scalar(
-        "SELECT COALESCE(max(version), 0) + 1 FROM agent_versions WHERE agent_id = $1",
+    let next = sqlx::query_scalar!(
+        r#"SELECT COALESCE(max(version), 0) + 1 AS "next!" FROM agent_versions WHERE agent_id = $1"#,
+        agent_id,
     )
-    .bind(agent_id)
     .fetch_one(&mut **tx)
     .await?;
     let id = Uuid::now_v7();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO agent_versions (id, agent_id, workspace_id, version, instructions, provider, model, capability_files, tools, policy, max_iters)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        id,
+        agent_id,
+        workspace_id,
+        next,
+        &v.instructions,
+        &v.provider,
+        v.model.as_deref(),
+        v.capability_files.clone().unwrap_or_else(|| json!({})),
+        v.tools.clone().unwrap_or_else(|| json!([])),
+        v.policy.clone().unwrap_or_else(|| json!({})),
+        v.max_iters,
     )
-    .bind(id)
-    .bind(agent_id)
-    .bind(workspace_id)
-    .bind(next)
-    .bind(&v.instructions)
-    .bind(&v.provider)
-    .bind(&v.model)
-    .bind(v.capability_files.clone().unwrap_or_else(|| json!({})))
-    .bind(v.tools.clone().unwrap_or_else(|| json!([])))
-    .bind(v.policy.clone().unwrap_or_else(|| json!({})))
-    .bind(v.max_iters)
     .execute(&mut **tx)
     .await?;
     Ok(t::VersionSummary {
@@ -265,12 +270,14 @@ pub async fn create_agent(
     check_version(&first)?;
     let id = Uuid::now_v7();
     let mut tx = s.db.begin().await?;
-    sqlx::query("INSERT INTO agents (id, workspace_id, name) VALUES ($1, $2, $3)")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .bind(&b.name)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO agents (id, workspace_id, name) VALUES ($1, $2, $3)",
+        id,
+        auth.workspace_id,
+        &b.name,
+    )
+    .execute(&mut *tx)
+    .await?;
     let version = insert_version(&mut tx, auth.workspace_id, id, &first).await?;
     tx.commit().await?;
     Ok((
@@ -284,31 +291,50 @@ pub async fn create_agent(
     ))
 }
 
-const AGENT_SELECT: &str = r#"
-    SELECT a.id, a.name, a.created_at,
-           json_build_object('id', v.id, 'version', v.version, 'provider', v.provider,
-                             'model', v.model, 'instructions', v.instructions) AS current_version
-    FROM agents a
-    JOIN LATERAL (SELECT * FROM agent_versions WHERE agent_id = a.id ORDER BY version DESC LIMIT 1) v ON true
-"#;
+/// An agent with its newest version, as JSON.
+struct AgentRow {
+    id: Uuid,
+    name: String,
+    created_at: DateTime<Utc>,
+    current_version: Value,
+}
 
-fn agent_json(r: &sqlx::postgres::PgRow) -> ApiResult<t::Agent> {
+/// `sqlx::query_as!` into [`AgentRow`]: the agents' shared SELECT, then `$tail` (a literal).
+macro_rules! select_agents {
+    ($tail:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query_as!(
+            AgentRow,
+            r#"SELECT a.id, a.name, a.created_at,
+                   json_build_object('id', v.id, 'version', v.version, 'provider', v.provider,
+                                     'model', v.model, 'instructions', v.instructions) AS "current_version!"
+            FROM agents a
+            JOIN LATERAL (SELECT * FROM agent_versions WHERE agent_id = a.id ORDER BY version DESC LIMIT 1) v ON true
+            "# + $tail,
+            $($arg),+
+        )
+    };
+}
+
+fn agent_json(r: AgentRow) -> ApiResult<t::Agent> {
     Ok(t::Agent {
-        id: r.try_get("id")?,
-        name: r.try_get("name")?,
-        created_at: Some(r.try_get("created_at")?),
-        current_version: from_json(r.try_get::<Value, _>("current_version")?)?,
+        id: r.id,
+        name: r.name,
+        created_at: Some(r.created_at),
+        current_version: from_json(r.current_version)?,
     })
 }
 
 pub async fn list_agents(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::AgentList>> {
-    let rows = sqlx::query(&format!(
-        "{AGENT_SELECT} WHERE a.workspace_id = $1 ORDER BY a.name"
-    ))
-    .bind(auth.workspace_id)
+    let rows = select_agents!(
+        "WHERE a.workspace_id = $1 ORDER BY a.name",
+        auth.workspace_id
+    )
     .fetch_all(&s.db)
     .await?;
-    let items = rows.iter().map(agent_json).collect::<ApiResult<Vec<_>>>()?;
+    let items = rows
+        .into_iter()
+        .map(agent_json)
+        .collect::<ApiResult<Vec<_>>>()?;
     Ok(Json(t::AgentList { items }))
 }
 
@@ -317,24 +343,25 @@ pub async fn get_agent(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Agent>> {
-    let row = sqlx::query(&format!(
-        "{AGENT_SELECT} WHERE a.workspace_id = $1 AND a.id = $2"
-    ))
-    .bind(auth.workspace_id)
-    .bind(id)
+    let row = select_agents!(
+        "WHERE a.workspace_id = $1 AND a.id = $2",
+        auth.workspace_id,
+        id
+    )
     .fetch_optional(&s.db)
     .await?
     .ok_or_else(|| ApiError::not_found("agent"))?;
-    Ok(Json(agent_json(&row)?))
+    Ok(Json(agent_json(row)?))
 }
 
 async fn own_agent(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
-    let found: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
-            .bind(id)
-            .bind(auth.workspace_id)
-            .fetch_optional(&s.db)
-            .await?;
+    let found = sqlx::query_scalar!(
+        "SELECT id FROM agents WHERE id = $1 AND workspace_id = $2",
+        id,
+        auth.workspace_id,
+    )
+    .fetch_optional(&s.db)
+    .await?;
     found
         .map(|_| ())
         .ok_or_else(|| ApiError::not_found("agent"))
@@ -351,9 +378,8 @@ pub async fn create_version(
     own_agent(&s, auth, id).await?;
     let mut tx = s.db.begin().await?;
     // Serialize version numbering per agent.
-    sqlx::query("SELECT id FROM agents WHERE id = $1 FOR UPDATE")
-        .bind(id)
-        .execute(&mut *tx)
+    sqlx::query_scalar!("SELECT id FROM agents WHERE id = $1 FOR UPDATE", id)
+        .fetch_optional(&mut *tx)
         .await?;
     let v = insert_version(&mut tx, auth.workspace_id, id, &b).await?;
     tx.commit().await?;
@@ -366,12 +392,13 @@ pub async fn list_versions(
     Id(id): Id,
 ) -> ApiResult<Json<t::AgentVersionList>> {
     own_agent(&s, auth, id).await?;
-    let items: Vec<t::AgentVersion> = sqlx::query_as(
+    let items = sqlx::query_as!(
+        t::AgentVersion,
         "SELECT id, version, provider, model, instructions, capability_files, tools, policy,
             max_iters, created_at
          FROM agent_versions WHERE agent_id = $1 ORDER BY version",
+        id,
     )
-    .bind(id)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::AgentVersionList { items }))
@@ -403,14 +430,16 @@ pub async fn create_profile(
         }
     }
     let id = Uuid::now_v7();
-    sqlx::query("INSERT INTO runtime_profiles (id, workspace_id, name, provider, params) VALUES ($1, $2, $3, $4, $5)")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .bind(&b.name)
-        .bind(&b.provider)
-        .bind(&params)
-        .execute(&s.db)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO runtime_profiles (id, workspace_id, name, provider, params) VALUES ($1, $2, $3, $4, $5)",
+        id,
+        auth.workspace_id,
+        &b.name,
+        &b.provider,
+        &params,
+    )
+    .execute(&s.db)
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(t::RuntimeProfile {
@@ -427,11 +456,12 @@ pub async fn list_profiles(
     State(s): State<AppState>,
     auth: Auth,
 ) -> ApiResult<Json<t::RuntimeProfileList>> {
-    let items: Vec<t::RuntimeProfile> = sqlx::query_as(
+    let items = sqlx::query_as!(
+        t::RuntimeProfile,
         "SELECT id, name, provider, params, created_at
          FROM runtime_profiles WHERE workspace_id = $1 ORDER BY name",
+        auth.workspace_id,
     )
-    .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::RuntimeProfileList { items }))
@@ -445,13 +475,13 @@ pub async fn create_pool(
     check_name("name", &b.name)?;
     check_limit("max_concurrency", b.max_concurrency)?;
     let id = Uuid::now_v7();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO pools (id, workspace_id, name, max_concurrency) VALUES ($1, $2, $3, $4)",
+        id,
+        auth.workspace_id,
+        &b.name,
+        b.max_concurrency,
     )
-    .bind(id)
-    .bind(auth.workspace_id)
-    .bind(&b.name)
-    .bind(b.max_concurrency)
     .execute(&s.db)
     .await?;
     Ok((
@@ -466,11 +496,12 @@ pub async fn create_pool(
 }
 
 pub async fn list_pools(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::PoolList>> {
-    let items: Vec<t::Pool> = sqlx::query_as(
+    let items = sqlx::query_as!(
+        t::Pool,
         "SELECT id, name, max_concurrency, created_at
          FROM pools WHERE workspace_id = $1 ORDER BY name",
+        auth.workspace_id,
     )
-    .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::PoolList { items }))
@@ -498,15 +529,15 @@ pub async fn create_binding(
         check_name("required_capabilities", c)?;
     }
     // Every referenced resource must be in the caller's workspace.
-    let ok: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM agents WHERE id = $1 AND workspace_id = $4)
+    let ok = sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM agents WHERE id = $1 AND workspace_id = $4)
             AND EXISTS (SELECT 1 FROM pools WHERE id = $2 AND workspace_id = $4)
-            AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM runtime_profiles WHERE id = $3 AND workspace_id = $4))",
+            AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM runtime_profiles WHERE id = $3 AND workspace_id = $4)) AS "ok!""#,
+        b.agent_id,
+        b.pool_id,
+        b.runtime_profile_id,
+        auth.workspace_id,
     )
-    .bind(b.agent_id)
-    .bind(b.pool_id)
-    .bind(b.runtime_profile_id)
-    .bind(auth.workspace_id)
     .fetch_one(&s.db)
     .await?;
     if !ok {
@@ -517,53 +548,77 @@ pub async fn create_binding(
         ));
     }
     let id = Uuid::now_v7();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO bindings (id, workspace_id, agent_id, pool_id, runtime_profile_id, required_capabilities, max_concurrency, max_attempts, retry_backoff_ms, fallback_providers)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, COALESCE($8, 3), COALESCE($9, 1000), $10)",
+         VALUES ($1, $2, $3, $4, $5, $6, $7, COALESCE($8, 3), COALESCE($9::bigint, 1000), $10)",
+        id,
+        auth.workspace_id,
+        b.agent_id,
+        b.pool_id,
+        b.runtime_profile_id,
+        &b.required_capabilities,
+        b.max_concurrency,
+        b.max_attempts,
+        b.retry_backoff_ms,
+        &b.fallback_providers,
     )
-    .bind(id)
-    .bind(auth.workspace_id)
-    .bind(b.agent_id)
-    .bind(b.pool_id)
-    .bind(b.runtime_profile_id)
-    .bind(&b.required_capabilities)
-    .bind(b.max_concurrency)
-    .bind(b.max_attempts)
-    .bind(b.retry_backoff_ms)
-    .bind(&b.fallback_providers)
     .execute(&s.db)
     .await?;
     Ok((StatusCode::CREATED, Json(binding_by_id(&s, id).await?)))
 }
 
+/// `sqlx::query_as!` into `t::Binding`: the bindings' shared SELECT, then `$tail` (a literal).
+macro_rules! select_bindings {
+    ($tail:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query_as!(
+            t::Binding,
+            "SELECT id, agent_id, pool_id, runtime_profile_id, required_capabilities,
+            max_concurrency, max_attempts, retry_backoff_ms, fallback_providers FROM bindings "
+                + $tail,
+            $($arg),+
+        )
+    };
+}
+
 async fn binding_by_id(s: &AppState, id: Uuid) -> ApiResult<t::Binding> {
-    Ok(sqlx::query_as(&format!("{BINDING_SELECT} WHERE id = $1"))
-        .bind(id)
+    Ok(select_bindings!("WHERE id = $1", id)
         .fetch_one(&s.db)
         .await?)
 }
-
-const BINDING_SELECT: &str =
-    "SELECT id, agent_id, pool_id, runtime_profile_id, required_capabilities,
-    max_concurrency, max_attempts, retry_backoff_ms, fallback_providers FROM bindings";
 
 pub async fn list_bindings(
     State(s): State<AppState>,
     auth: Auth,
 ) -> ApiResult<Json<t::BindingList>> {
-    let items: Vec<t::Binding> = sqlx::query_as(&format!(
-        "{BINDING_SELECT} WHERE workspace_id = $1 ORDER BY created_at"
-    ))
-    .bind(auth.workspace_id)
+    let items = select_bindings!(
+        "WHERE workspace_id = $1 ORDER BY created_at",
+        auth.workspace_id
+    )
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::BindingList { items }))
 }
 
-fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<t::Host> {
-    let age_ms: f64 = r.try_get("age_ms")?;
+/// A host as stored, with its heartbeat's age.
+struct HostRow {
+    id: Uuid,
+    name: String,
+    pool_name: String,
+    pool_id: Option<Uuid>,
+    capacity: i32,
+    running: i32,
+    capabilities: Vec<String>,
+    providers: Value,
+    version: String,
+    last_seen_at: DateTime<Utc>,
+    checks: Value,
+    age_ms: f64,
+}
+
+fn host_json(r: HostRow, offline_after_ms: u64) -> ApiResult<t::Host> {
+    let age_ms = r.age_ms;
     let online = age_ms <= offline_after_ms as f64;
-    let reported: Vec<t::HostCheck> = from_json(r.try_get::<Value, _>("checks")?)?;
+    let reported: Vec<t::HostCheck> = from_json(r.checks)?;
     let find = |name: &str| {
         reported
             .iter()
@@ -585,23 +640,19 @@ fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<t::H
             age_ms / 1000.0
         ))
     };
-    let running = if online {
-        Some(r.try_get::<i32, _>("running")?)
-    } else {
-        None
-    };
+    let running = if online { Some(r.running) } else { None };
     Ok(t::Host {
-        id: r.try_get("id")?,
-        name: r.try_get("name")?,
-        pool: r.try_get("pool_name")?,
-        pool_id: r.try_get("pool_id")?,
-        capacity: r.try_get("capacity")?,
+        id: r.id,
+        name: r.name,
+        pool: r.pool_name,
+        pool_id: r.pool_id,
+        capacity: r.capacity,
         running,
-        capabilities: r.try_get("capabilities")?,
-        providers: r.try_get("providers")?,
-        version: r.try_get("version")?,
+        capabilities: r.capabilities,
+        providers: r.providers,
+        version: r.version,
         online,
-        last_seen_at: r.try_get("last_seen_at")?,
+        last_seen_at: r.last_seen_at,
         checks: t::HostChecks {
             connectivity,
             provider_discovery: find("provider_discovery"),
@@ -610,18 +661,28 @@ fn host_json(r: &sqlx::postgres::PgRow, offline_after_ms: u64) -> ApiResult<t::H
     })
 }
 
-const HOST_SELECT: &str = "SELECT id, name, pool_name, pool_id, capacity, running, capabilities, providers, version,
-    last_seen_at, checks, EXTRACT(EPOCH FROM (now() - last_seen_at))::float8 * 1000 AS age_ms FROM hosts";
+/// `sqlx::query_as!` into [`HostRow`]: the hosts' shared SELECT, then `$tail` (a literal).
+macro_rules! select_hosts {
+    ($tail:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query_as!(
+            HostRow,
+            r#"SELECT id, name, pool_name, pool_id, capacity, running, capabilities, providers, version,
+            last_seen_at, checks, EXTRACT(EPOCH FROM (now() - last_seen_at))::float8 * 1000 AS "age_ms!"
+            FROM hosts "# + $tail,
+            $($arg),+
+        )
+    };
+}
 
 pub async fn list_hosts(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::HostList>> {
-    let rows = sqlx::query(&format!(
-        "{HOST_SELECT} WHERE workspace_id = $1 ORDER BY name, id"
-    ))
-    .bind(auth.workspace_id)
+    let rows = select_hosts!(
+        "WHERE workspace_id = $1 ORDER BY name, id",
+        auth.workspace_id
+    )
     .fetch_all(&s.db)
     .await?;
     let items = rows
-        .iter()
+        .into_iter()
         .map(|r| host_json(r, s.config.host_offline_after_ms))
         .collect::<ApiResult<Vec<_>>>()?;
     Ok(Json(t::HostList { items }))
@@ -632,13 +693,9 @@ pub async fn get_host(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Host>> {
-    let row = sqlx::query(&format!(
-        "{HOST_SELECT} WHERE workspace_id = $1 AND id = $2"
-    ))
-    .bind(auth.workspace_id)
-    .bind(id)
-    .fetch_optional(&s.db)
-    .await?
-    .ok_or_else(|| ApiError::not_found("host"))?;
-    Ok(Json(host_json(&row, s.config.host_offline_after_ms)?))
+    let row = select_hosts!("WHERE workspace_id = $1 AND id = $2", auth.workspace_id, id)
+        .fetch_optional(&s.db)
+        .await?
+        .ok_or_else(|| ApiError::not_found("host"))?;
+    Ok(Json(host_json(row, s.config.host_offline_after_ms)?))
 }

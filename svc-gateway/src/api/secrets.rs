@@ -52,16 +52,16 @@ pub async fn put(
     let sealed = keys
         .seal(&ws, &b.name, b.value.as_bytes())
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO vault_secrets (workspace_id, name, key_id, nonce, ciphertext) VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT (workspace_id, name) DO UPDATE SET key_id = EXCLUDED.key_id, nonce = EXCLUDED.nonce,
              ciphertext = EXCLUDED.ciphertext, updated_at = now()",
+        auth.workspace_id,
+        &b.name,
+        &sealed.key_id,
+        &sealed.nonce[..],
+        &sealed.ciphertext[..],
     )
-    .bind(auth.workspace_id)
-    .bind(&b.name)
-    .bind(&sealed.key_id)
-    .bind(&sealed.nonce)
-    .bind(&sealed.ciphertext)
     .execute(&s.db)
     .await?;
     Ok((
@@ -74,11 +74,12 @@ pub async fn put(
 }
 
 pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::SecretList>> {
-    let items: Vec<t::Secret> = sqlx::query_as(
+    let items = sqlx::query_as!(
+        t::Secret,
         "SELECT name, key_id, created_at, updated_at
          FROM vault_secrets WHERE workspace_id = $1 ORDER BY name",
+        auth.workspace_id,
     )
-    .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::SecretList { items }))
@@ -89,31 +90,34 @@ pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::
     let keys = keyring(&s)?;
     let ws = auth.workspace_id.to_string();
     let mut tx = s.db.begin().await?;
-    let rows: Vec<(String, String, Vec<u8>, Vec<u8>)> = sqlx::query_as(
+    let rows = sqlx::query!(
         "SELECT name, key_id, nonce, ciphertext FROM vault_secrets WHERE workspace_id = $1 FOR UPDATE",
+        auth.workspace_id,
     )
-    .bind(auth.workspace_id)
     .fetch_all(&mut *tx)
     .await?;
     let mut moved = 0;
-    for (name, key_id, nonce, ciphertext) in rows {
+    for r in rows {
+        let name = r.name;
         let sealed = Sealed {
-            key_id,
-            nonce,
-            ciphertext,
+            key_id: r.key_id,
+            nonce: r.nonce,
+            ciphertext: r.ciphertext,
         };
         let resealed = keys
             .reseal(&ws, &name, &sealed)
             .map_err(|e| ApiError::conflict("vault_key_missing", format!("secret {name}: {e}")))?;
         if let Some(n) = resealed {
-            sqlx::query("UPDATE vault_secrets SET key_id = $3, nonce = $4, ciphertext = $5, updated_at = now() WHERE workspace_id = $1 AND name = $2")
-                .bind(auth.workspace_id)
-                .bind(&name)
-                .bind(&n.key_id)
-                .bind(&n.nonce)
-                .bind(&n.ciphertext)
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query!(
+                "UPDATE vault_secrets SET key_id = $3, nonce = $4, ciphertext = $5, updated_at = now() WHERE workspace_id = $1 AND name = $2",
+                auth.workspace_id,
+                &name,
+                &n.key_id,
+                &n.nonce[..],
+                &n.ciphertext[..],
+            )
+            .execute(&mut *tx)
+            .await?;
             moved += 1;
         }
     }

@@ -13,7 +13,7 @@ use agentscope_domain::MANAGED_PROVIDER;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde_json::{Value, json};
+use serde_json::json;
 use uuid::Uuid;
 
 /// Longest input text accepted.
@@ -33,17 +33,17 @@ async fn existing_input(
     key: &str,
     hash: &str,
 ) -> ApiResult<Option<Uuid>> {
-    let existing: Option<(Uuid, Option<String>)> = sqlx::query_as(
+    let existing = sqlx::query!(
         "SELECT id, request_hash FROM session_inputs WHERE session_id = $1 AND idempotency_key = $2",
+        session_id,
+        key,
     )
-    .bind(session_id)
-    .bind(key)
     .fetch_optional(&s.db)
     .await?;
     match existing {
-        Some((id, stored)) => {
-            crate::api::same_request(key, stored.as_deref(), hash)?;
-            Ok(Some(id))
+        Some(r) => {
+            crate::api::same_request(key, r.request_hash.as_deref(), hash)?;
+            Ok(Some(r.id))
         }
         None => Ok(None),
     }
@@ -119,15 +119,15 @@ pub async fn create(
     }
     let mut tx = s.db.begin().await?;
     // The session is pinned to the version current now; saving the agent later never moves it.
-    let version: Option<(Uuid, String)> = sqlx::query_as(
+    let version = sqlx::query!(
         "SELECT v.id, v.provider FROM agents a JOIN agent_versions v ON v.agent_id = a.id
          WHERE a.id = $1 AND a.workspace_id = $2 ORDER BY v.version DESC LIMIT 1",
+        b.agent_id,
+        auth.workspace_id,
     )
-    .bind(b.agent_id)
-    .bind(auth.workspace_id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((version_id, provider)) = version else {
+    let Some((version_id, provider)) = version.map(|v| (v.id, v.provider)) else {
         return Err(ApiError::not_found("agent"));
     };
     if provider != MANAGED_PROVIDER {
@@ -139,12 +139,13 @@ pub async fn create(
         ));
     }
     if let Some(issue) = b.issue_id {
-        let found: Option<(Uuid,)> =
-            sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
-                .bind(issue)
-                .bind(auth.workspace_id)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let found = sqlx::query_scalar!(
+            "SELECT id FROM issues WHERE id = $1 AND workspace_id = $2",
+            issue,
+            auth.workspace_id,
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
         if found.is_none() {
             return Err(ApiError::not_found("issue"));
         }
@@ -160,44 +161,47 @@ pub async fn create(
     // The same request again (same idempotency key) is the session it created: a unique key per
     // workspace, so concurrent duplicates make one session. Another request under the same key
     // is a conflict.
-    let created: Option<(Uuid,)> = sqlx::query_as(
+    let created = sqlx::query_scalar!(
         "INSERT INTO sessions (id, workspace_id, agent_id, agent_version_id, environment, worker, issue_id, idempotency_key, request_hash)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
          ON CONFLICT (workspace_id, idempotency_key) DO NOTHING RETURNING id",
+        id,
+        auth.workspace_id,
+        b.agent_id,
+        version_id,
+        &environment,
+        b.worker.as_deref(),
+        b.issue_id,
+        b.idempotency_key.as_deref(),
+        &hash,
     )
-    .bind(id)
-    .bind(auth.workspace_id)
-    .bind(b.agent_id)
-    .bind(version_id)
-    .bind(&environment)
-    .bind(&b.worker)
-    .bind(b.issue_id)
-    .bind(&b.idempotency_key)
-    .bind(&hash)
     .fetch_optional(&mut *tx)
     .await?;
     if created.is_none() {
         tx.rollback().await?;
-        let (sid, stored): (Uuid, Option<String>) = sqlx::query_as(
+        let existing = sqlx::query!(
             "SELECT id, request_hash FROM sessions WHERE workspace_id = $1 AND idempotency_key = $2",
+            auth.workspace_id,
+            b.idempotency_key.as_deref(),
         )
-        .bind(auth.workspace_id)
-        .bind(&b.idempotency_key)
         .fetch_one(&s.db)
         .await?;
         let key = b.idempotency_key.as_deref().unwrap_or_default();
-        crate::api::same_request(key, stored.as_deref(), &hash)?;
-        return Ok((StatusCode::OK, Json(session_json(&s, auth, sid).await?)));
+        crate::api::same_request(key, existing.request_hash.as_deref(), &hash)?;
+        return Ok((
+            StatusCode::OK,
+            Json(session_json(&s, auth, existing.id).await?),
+        ));
     }
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key, request_hash) VALUES ($1, $2, $3, $4, $5, $6)",
+        Uuid::now_v7(),
+        id,
+        auth.workspace_id,
+        &b.input,
+        b.idempotency_key.as_deref(),
+        input_hash(&b.input, "reject"),
     )
-    .bind(Uuid::now_v7())
-    .bind(id)
-    .bind(auth.workspace_id)
-    .bind(&b.input)
-    .bind(&b.idempotency_key)
-    .bind(input_hash(&b.input, "reject"))
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -240,20 +244,18 @@ pub async fn submit(
         ));
     }
     let (waiting, pending): (bool, Vec<Uuid>) = {
-        let st: Option<(String,)> =
-            sqlx::query_as("SELECT status FROM session_state WHERE session_id = $1")
-                .bind(id)
-                .fetch_optional(&s.db)
-                .await?;
-        let pending: Vec<(Uuid,)> = sqlx::query_as(
+        let st = sqlx::query_scalar!("SELECT status FROM session_state WHERE session_id = $1", id,)
+            .fetch_optional(&s.db)
+            .await?;
+        let pending = sqlx::query_scalar!(
             "SELECT id FROM approvals WHERE session_id = $1 AND status = 'pending' ORDER BY created_at",
+            id.to_string(),
         )
-        .bind(id.to_string())
         .fetch_all(&s.db)
         .await?;
         (
-            st.is_some_and(|s| s.0 == "awaiting_approval") || !pending.is_empty(),
-            pending.into_iter().map(|p| p.0).collect(),
+            st.is_some_and(|s| s == "awaiting_approval") || !pending.is_empty(),
+            pending,
         )
     };
     if waiting && policy == "reject" {
@@ -292,16 +294,16 @@ pub async fn submit(
         }
     }
     let input_id = Uuid::now_v7();
-    let inserted = sqlx::query(
+    let inserted = sqlx::query!(
         "INSERT INTO session_inputs (id, session_id, workspace_id, text, idempotency_key, request_hash) VALUES ($1, $2, $3, $4, $5, $6)
          ON CONFLICT (session_id, idempotency_key) DO NOTHING",
+        input_id,
+        id,
+        auth.workspace_id,
+        &b.text,
+        b.idempotency_key.as_deref(),
+        &hash,
     )
-    .bind(input_id)
-    .bind(id)
-    .bind(auth.workspace_id)
-    .bind(&b.text)
-    .bind(&b.idempotency_key)
-    .bind(&hash)
     .execute(&s.db)
     .await?
     .rows_affected();
@@ -331,20 +333,21 @@ pub async fn submit(
 }
 
 async fn own_session(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
-    let found: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM sessions WHERE id = $1 AND workspace_id = $2")
-            .bind(id)
-            .bind(auth.workspace_id)
-            .fetch_optional(&s.db)
-            .await?;
+    let found = sqlx::query_scalar!(
+        "SELECT id FROM sessions WHERE id = $1 AND workspace_id = $2",
+        id,
+        auth.workspace_id,
+    )
+    .fetch_optional(&s.db)
+    .await?;
     found
         .map(|_| ())
         .ok_or_else(|| ApiError::not_found("session"))
 }
 
 async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Session> {
-    let row: Option<(Value,)> = sqlx::query_as(
-        "SELECT json_build_object('id', s.id, 'agent_id', s.agent_id, 'environment', s.environment,
+    let row = sqlx::query_scalar!(
+        r#"SELECT json_build_object('id', s.id, 'agent_id', s.agent_id, 'environment', s.environment,
             'worker', s.worker, 'issue_id', s.issue_id,
             'agent_version', json_build_object('id', v.id, 'version', v.version),
             'status', COALESCE(st.status, 'queued'), 'detail', COALESCE(st.detail, ''),
@@ -355,16 +358,16 @@ async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Sessio
                         'status', o.status, 'detail', o.detail, 'iterations', o.iterations,
                         'finished_at', o.finished_at) END) ORDER BY i.id), '[]'::json)
                 FROM session_inputs i LEFT JOIN session_outcomes o ON o.input_id = i.id
-                WHERE i.session_id = s.id))
+                WHERE i.session_id = s.id)) AS "session!"
          FROM sessions s JOIN agent_versions v ON v.id = s.agent_version_id
          LEFT JOIN session_state st ON st.session_id = s.id
-         WHERE s.id = $1 AND s.workspace_id = $2",
+         WHERE s.id = $1 AND s.workspace_id = $2"#,
+        id,
+        auth.workspace_id,
     )
-    .bind(id)
-    .bind(auth.workspace_id)
     .fetch_optional(&s.db)
     .await?;
-    let (v,) = row.ok_or_else(|| ApiError::not_found("session"))?;
+    let v = row.ok_or_else(|| ApiError::not_found("session"))?;
     from_json(v)
 }
 
@@ -378,10 +381,11 @@ pub async fn events(
     Id(id): Id,
 ) -> ApiResult<Json<t::SessionEventList>> {
     own_session(&s, auth, id).await?;
-    let items: Vec<t::SessionEvent> = sqlx::query_as(
+    let items = sqlx::query_as!(
+        t::SessionEvent,
         "SELECT seq, kind, payload, at FROM session_events WHERE session_id = $1 ORDER BY seq",
+        id,
     )
-    .bind(id)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::SessionEventList { items }))

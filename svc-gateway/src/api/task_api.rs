@@ -10,50 +10,49 @@ use agentscope_api::NewTaskComment;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use sqlx::Row;
 use uuid::Uuid;
 
 pub async fn context(State(s): State<AppState>, task: TaskAuth) -> ApiResult<Json<t::TaskContext>> {
-    let row = sqlx::query(
-        "SELECT t.repository, t.branch, t.input, a.number, i.title, i.body
+    let row = sqlx::query!(
+        r#"SELECT t.repository, t.branch, t.input, a.number, i.title AS "title?", i.body AS "body?"
          FROM tasks t JOIN attempts a ON a.id = $2 LEFT JOIN issues i ON i.id = t.issue_id
-         WHERE t.id = $1",
+         WHERE t.id = $1"#,
+        task.task_id,
+        task.attempt_id,
     )
-    .bind(task.task_id)
-    .bind(task.attempt_id)
     .fetch_one(&s.db)
     .await?;
-    let comments: Vec<t::Comment> = sqlx::query_as(
-        "SELECT id, author, body, created_at
-         FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+    // The list of an Issue's comments leaves each comment's `issue_id` out.
+    let comments = sqlx::query_as!(
+        t::Comment,
+        r#"SELECT id, NULL::uuid AS "issue_id?", author, body, created_at
+         FROM comments WHERE issue_id = $1 ORDER BY created_at, id"#,
+        task.issue_id,
     )
-    .bind(task.issue_id)
     .fetch_all(&s.db)
     .await?;
-    let artifacts: Vec<t::ContextArtifact> = sqlx::query_as(
+    let artifacts = sqlx::query_as!(
+        t::ContextArtifact,
         "SELECT id, name, content_type, size_bytes, task_id
          FROM artifacts WHERE workspace_id = $1 AND (issue_id = $2 OR task_id = $3) ORDER BY created_at, id",
+        task.workspace_id,
+        task.issue_id,
+        task.task_id,
     )
-    .bind(task.workspace_id)
-    .bind(task.issue_id)
-    .bind(task.task_id)
     .fetch_all(&s.db)
     .await?;
-    let issue = match task.issue_id {
-        Some(id) => Some(t::ContextIssue {
-            id,
-            title: row.try_get("title")?,
-            body: row.try_get("body")?,
-        }),
-        None => None,
-    };
+    let issue = task.issue_id.map(|id| t::ContextIssue {
+        id,
+        title: row.title,
+        body: row.body,
+    });
     Ok(Json(t::TaskContext {
         task_id: task.task_id,
         attempt_id: task.attempt_id,
-        attempt_number: row.try_get("number")?,
-        repository: row.try_get("repository")?,
-        branch: row.try_get("branch")?,
-        input: row.try_get("input")?,
+        attempt_number: row.number,
+        repository: row.repository,
+        branch: row.branch,
+        input: row.input,
         issue,
         comments,
         artifacts,
@@ -79,14 +78,16 @@ pub async fn comment(
     };
     let id = Uuid::now_v7();
     let author = format!("agent:{}", task.agent_id);
-    sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
-        .bind(id)
-        .bind(task.workspace_id)
-        .bind(issue)
-        .bind(&author)
-        .bind(&b.body)
-        .execute(&s.db)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)",
+        id,
+        task.workspace_id,
+        issue,
+        &author,
+        &b.body,
+    )
+    .execute(&s.db)
+    .await?;
     tracing::info!(comment_id = %id, task_id = %task.task_id, attempt_id = %task.attempt_id, "executor commented");
     Ok((
         StatusCode::CREATED,

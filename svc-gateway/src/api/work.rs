@@ -14,7 +14,6 @@ use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use serde_json::json;
-use sqlx::Row;
 use uuid::Uuid;
 
 fn check_source(repository: &Option<String>, branch: &Option<String>) -> ApiResult<()> {
@@ -61,12 +60,13 @@ pub async fn create_issue(
     }
     let mut tx = s.db.begin().await?;
     if let Some(agent) = b.assignee_agent_id {
-        let own: Option<(Uuid,)> =
-            sqlx::query_as("SELECT id FROM agents WHERE id = $1 AND workspace_id = $2")
-                .bind(agent)
-                .bind(auth.workspace_id)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let own = sqlx::query_scalar!(
+            "SELECT id FROM agents WHERE id = $1 AND workspace_id = $2",
+            agent,
+            auth.workspace_id,
+        )
+        .fetch_optional(&mut *tx)
+        .await?;
         if own.is_none() {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -76,14 +76,16 @@ pub async fn create_issue(
         }
     }
     let id = Uuid::now_v7();
-    sqlx::query("INSERT INTO issues (id, workspace_id, title, body, assignee_agent_id) VALUES ($1, $2, $3, $4, $5)")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .bind(&b.title)
-        .bind(&b.body)
-        .bind(b.assignee_agent_id)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO issues (id, workspace_id, title, body, assignee_agent_id) VALUES ($1, $2, $3, $4, $5)",
+        id,
+        auth.workspace_id,
+        &b.title,
+        &b.body,
+        b.assignee_agent_id,
+    )
+    .execute(&mut *tx)
+    .await?;
     // An Issue assigned to an agent becomes a Task in the same transaction.
     let task_id = match b.assignee_agent_id {
         Some(agent) => Some(
@@ -120,11 +122,12 @@ pub async fn create_issue(
 }
 
 pub async fn list_issues(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::IssueList>> {
-    let items: Vec<t::IssueSummary> = sqlx::query_as(
+    let items = sqlx::query_as!(
+        t::IssueSummary,
         "SELECT id, title, status, assignee_agent_id, created_at
          FROM issues WHERE workspace_id = $1 ORDER BY created_at DESC LIMIT 500",
+        auth.workspace_id,
     )
-    .bind(auth.workspace_id)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::IssueList { items }))
@@ -135,25 +138,27 @@ pub async fn get_issue(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Issue>> {
-    let row: Option<t::Issue> = sqlx::query_as(
-        "SELECT i.id, i.title, i.body, i.status, i.assignee_agent_id, i.created_at,
-            ARRAY(SELECT t.id FROM tasks t WHERE t.issue_id = i.id ORDER BY t.created_at) AS tasks
-         FROM issues i WHERE i.workspace_id = $1 AND i.id = $2",
+    let row = sqlx::query_as!(
+        t::Issue,
+        r#"SELECT i.id, i.title, i.body, i.status, i.assignee_agent_id, i.created_at,
+            ARRAY(SELECT t.id FROM tasks t WHERE t.issue_id = i.id ORDER BY t.created_at) AS "tasks!"
+         FROM issues i WHERE i.workspace_id = $1 AND i.id = $2"#,
+        auth.workspace_id,
+        id,
     )
-    .bind(auth.workspace_id)
-    .bind(id)
     .fetch_optional(&s.db)
     .await?;
     Ok(Json(row.ok_or_else(|| ApiError::not_found("issue"))?))
 }
 
 async fn own_issue(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<()> {
-    let own: Option<(Uuid,)> =
-        sqlx::query_as("SELECT id FROM issues WHERE id = $1 AND workspace_id = $2")
-            .bind(id)
-            .bind(auth.workspace_id)
-            .fetch_optional(&s.db)
-            .await?;
+    let own = sqlx::query_scalar!(
+        "SELECT id FROM issues WHERE id = $1 AND workspace_id = $2",
+        id,
+        auth.workspace_id,
+    )
+    .fetch_optional(&s.db)
+    .await?;
     own.map(|_| ()).ok_or_else(|| ApiError::not_found("issue"))
 }
 
@@ -175,14 +180,16 @@ pub async fn create_comment(
     let author = auth.author();
     own_issue(&s, auth, issue).await?;
     let id = Uuid::now_v7();
-    sqlx::query("INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)")
-        .bind(id)
-        .bind(auth.workspace_id)
-        .bind(issue)
-        .bind(&author)
-        .bind(&b.body)
-        .execute(&s.db)
-        .await?;
+    sqlx::query!(
+        "INSERT INTO comments (id, workspace_id, issue_id, author, body) VALUES ($1, $2, $3, $4, $5)",
+        id,
+        auth.workspace_id,
+        issue,
+        &author,
+        &b.body,
+    )
+    .execute(&s.db)
+    .await?;
     Ok((
         StatusCode::CREATED,
         Json(t::Comment {
@@ -201,10 +208,12 @@ pub async fn list_comments(
     Id(issue): Id,
 ) -> ApiResult<Json<t::CommentList>> {
     own_issue(&s, auth, issue).await?;
-    let items: Vec<t::Comment> = sqlx::query_as(
-        "SELECT id, author, body, created_at FROM comments WHERE issue_id = $1 ORDER BY created_at, id",
+    // The list of an Issue's comments leaves each comment's `issue_id` out.
+    let items = sqlx::query_as!(
+        t::Comment,
+        r#"SELECT id, NULL::uuid AS "issue_id?", author, body, created_at FROM comments WHERE issue_id = $1 ORDER BY created_at, id"#,
+        issue,
     )
-    .bind(issue)
     .fetch_all(&s.db)
     .await?;
     Ok(Json(t::CommentList { items }))
@@ -242,20 +251,20 @@ async fn insert_task(
     request_hash: Option<&str>,
 ) -> ApiResult<Uuid> {
     let id = Uuid::now_v7();
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key, request_hash)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        id,
+        workspace_id,
+        issue_id,
+        agent_id,
+        repository.as_deref(),
+        branch.as_deref(),
+        input,
+        timeout_secs,
+        idempotency_key,
+        request_hash,
     )
-    .bind(id)
-    .bind(workspace_id)
-    .bind(issue_id)
-    .bind(agent_id)
-    .bind(repository)
-    .bind(branch)
-    .bind(input)
-    .bind(timeout_secs)
-    .bind(idempotency_key)
-    .bind(request_hash)
     .execute(&mut **tx)
     .await?;
     Ok(id)
@@ -281,7 +290,7 @@ async fn submit(s: &AppState, workspace_id: Uuid, task_id: Uuid) {
     let metrics = s.metrics.clone();
     let res = match sent {
         Ok(ack) => {
-            tokio::spawn(async move {
+            s.work.spawn(async move {
                 match ack.await {
                     Ok(_) => metrics.inc("agentscope_tasks_submitted_total", &[]),
                     Err(e) => {
@@ -323,23 +332,23 @@ pub async fn create_task(
     }
     // One statement, its own transaction: the references are checked by the insert itself.
     let id = Uuid::now_v7();
-    let created = sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
+    let created = sqlx::query_scalar!(
         "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key, request_hash)
          SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10
          WHERE EXISTS (SELECT 1 FROM agents WHERE id = $4 AND workspace_id = $2)
            AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM issues WHERE id = $3 AND workspace_id = $2))
          RETURNING created_at",
+        id,
+        auth.workspace_id,
+        b.issue_id,
+        b.agent_id,
+        b.repository.as_deref(),
+        b.branch.as_deref(),
+        &b.input,
+        b.timeout_secs,
+        b.idempotency_key.as_deref(),
+        &hash,
     )
-    .bind(id)
-    .bind(auth.workspace_id)
-    .bind(b.issue_id)
-    .bind(b.agent_id)
-    .bind(&b.repository)
-    .bind(&b.branch)
-    .bind(&b.input)
-    .bind(b.timeout_secs)
-    .bind(b.idempotency_key.as_deref())
-    .bind(&hash)
     .fetch_optional(&s.db)
     .await;
     let created_at = match created {
@@ -385,26 +394,36 @@ pub async fn create_task(
 /// The task an earlier submission with `key` created, if the request was the same; another
 /// request under the same key is `409 idempotency_conflict`.
 async fn existing_task(s: &AppState, auth: Auth, key: &str, hash: &str) -> ApiResult<Option<Uuid>> {
-    let existing: Option<(Uuid, Option<String>)> = sqlx::query_as(
+    let existing = sqlx::query!(
         "SELECT id, request_hash FROM tasks WHERE workspace_id = $1 AND idempotency_key = $2",
+        auth.workspace_id,
+        key,
     )
-    .bind(auth.workspace_id)
-    .bind(key)
     .fetch_optional(&s.db)
     .await?;
     match existing {
-        Some((id, stored)) => {
-            crate::api::same_request(key, stored.as_deref(), hash)?;
-            Ok(Some(id))
+        Some(r) => {
+            crate::api::same_request(key, r.request_hash.as_deref(), hash)?;
+            Ok(Some(r.id))
         }
         None => Ok(None),
     }
 }
 
-const ATTEMPT_COLUMNS: &str =
-    "a.id, a.task_id, a.number, a.status, a.provider, a.host_id, a.lease_token,
-    a.agent_version_id, a.created_at, a.not_before, a.claimed_at, a.started_at, a.finished_at,
-    a.failure_class, a.failure_detail, a.exit_code, a.provider_session_id, a.last_seq AS events";
+/// `sqlx::query_as!` into `t::Attempt`: the attempts' shared SELECT, then `$tail` (a literal).
+/// `remedy` is filled in by [`with_remedy`].
+macro_rules! select_attempts {
+    ($tail:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query_as!(
+            t::Attempt,
+            r#"SELECT a.id, a.task_id, a.number, a.status, a.provider, a.host_id, a.lease_token,
+            a.agent_version_id, a.created_at, a.not_before, a.claimed_at, a.started_at, a.finished_at,
+            a.failure_class, a.failure_detail, a.exit_code, a.provider_session_id, a.last_seq AS events,
+            NULL::text AS "remedy?" FROM attempts a "# + $tail,
+            $($arg),+
+        )
+    };
+}
 
 fn with_remedy(mut a: t::Attempt) -> t::Attempt {
     a.remedy = a.failure_class.as_deref().map(|c| {
@@ -416,21 +435,18 @@ fn with_remedy(mut a: t::Attempt) -> t::Attempt {
 }
 
 pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Task> {
-    let row = sqlx::query(
+    let row = sqlx::query!(
         "SELECT id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key,
                 cancel_requested_at, created_at FROM tasks WHERE workspace_id = $1 AND id = $2",
+        auth.workspace_id,
+        id,
     )
-    .bind(auth.workspace_id)
-    .bind(id)
     .fetch_optional(&s.db)
     .await?
     .ok_or_else(|| ApiError::not_found("task"))?;
-    let attempts: Vec<t::Attempt> = sqlx::query_as(&format!(
-        "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.task_id = $1 ORDER BY a.number"
-    ))
-    .bind(id)
-    .fetch_all(&s.db)
-    .await?;
+    let attempts = select_attempts!("WHERE a.task_id = $1 ORDER BY a.number", id)
+        .fetch_all(&s.db)
+        .await?;
     let attempts: Vec<t::Attempt> = attempts.into_iter().map(with_remedy).collect();
     let newest = attempts
         .last()
@@ -438,15 +454,15 @@ pub(crate) async fn task_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t
     Ok(t::Task {
         id,
         status: task_status(newest).to_string(),
-        issue_id: row.try_get("issue_id")?,
-        agent_id: row.try_get("agent_id")?,
-        repository: row.try_get("repository")?,
-        branch: row.try_get("branch")?,
-        input: row.try_get("input")?,
-        timeout_secs: row.try_get("timeout_secs")?,
-        idempotency_key: row.try_get("idempotency_key")?,
-        cancel_requested_at: row.try_get("cancel_requested_at")?,
-        created_at: row.try_get("created_at")?,
+        issue_id: row.issue_id,
+        agent_id: row.agent_id,
+        repository: row.repository,
+        branch: row.branch,
+        input: row.input,
+        timeout_secs: row.timeout_secs,
+        idempotency_key: row.idempotency_key,
+        cancel_requested_at: row.cancel_requested_at,
+        created_at: row.created_at,
         attempts,
     })
 }
@@ -466,15 +482,17 @@ pub async fn list_tasks(
 ) -> ApiResult<Json<t::TaskList>> {
     let Query(q) = q?;
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let rows: Vec<t::TaskSummary> = sqlx::query_as(
-        "SELECT t.id, t.issue_id, t.agent_id, t.created_at, a.number AS newest_attempt,
-            a.status AS attempt_status, a.failure_class
+    // `status` is derived below from the newest attempt's.
+    let rows = sqlx::query_as!(
+        t::TaskSummary,
+        r#"SELECT t.id, t.issue_id, t.agent_id, t.created_at, a.number AS "newest_attempt?",
+            a.status AS "attempt_status?", a.failure_class AS "failure_class?", ''::text AS "status!"
          FROM tasks t LEFT JOIN LATERAL (SELECT number, status, failure_class FROM attempts
              WHERE task_id = t.id ORDER BY number DESC LIMIT 1) a ON true
-         WHERE t.workspace_id = $1 ORDER BY t.created_at DESC LIMIT $2",
+         WHERE t.workspace_id = $1 ORDER BY t.created_at DESC LIMIT $2"#,
+        auth.workspace_id,
+        limit,
     )
-    .bind(auth.workspace_id)
-    .bind(limit)
     .fetch_all(&s.db)
     .await?;
     let mut items = Vec::new();
@@ -506,12 +524,12 @@ pub async fn cancel_task(
             "`reason` is limited to 1024 bytes",
         ));
     }
-    let updated: Option<(Uuid,)> = sqlx::query_as(
+    let updated = sqlx::query_scalar!(
         "UPDATE tasks SET cancel_requested_at = COALESCE(cancel_requested_at, now())
          WHERE id = $1 AND workspace_id = $2 RETURNING id",
+        id,
+        auth.workspace_id,
     )
-    .bind(id)
-    .bind(auth.workspace_id)
     .fetch_optional(&s.db)
     .await?;
     if updated.is_none() {
@@ -539,11 +557,11 @@ pub async fn get_attempt(
     auth: Auth,
     Id(id): Id,
 ) -> ApiResult<Json<t::Attempt>> {
-    let row: Option<t::Attempt> = sqlx::query_as(&format!(
-        "SELECT {ATTEMPT_COLUMNS} FROM attempts a WHERE a.workspace_id = $1 AND a.id = $2"
-    ))
-    .bind(auth.workspace_id)
-    .bind(id)
+    let row = select_attempts!(
+        "WHERE a.workspace_id = $1 AND a.id = $2",
+        auth.workspace_id,
+        id
+    )
     .fetch_optional(&s.db)
     .await?;
     let a = row.ok_or_else(|| ApiError::not_found("attempt"))?;

@@ -1,0 +1,115 @@
+//! A call the policy says to ask about: the tool request published for the scheduler to record
+//! as an Approval, the wait for its decision, then the call run or the deny reported.
+
+use super::journal::{Batch, CallStatus};
+use super::pinned::Pinned;
+use super::{Runner, Session, Stop};
+use crate::model::ToolCallReq;
+use crate::tools::{ToolError, ToolOutput};
+use agentscope_domain::SessionStatus;
+use serde_json::json;
+use std::time::Duration;
+use uuid::Uuid;
+
+impl Runner {
+    /// Publishes a tool request for the scheduler to record as an Approval (idempotent).
+    pub(super) async fn ask(&self, req: &agentscope_schemas::v1::ToolRequest) {
+        use agentscope_schemas::Message as _;
+        let msg_id = format!("approval:session:{}:{}", req.session_id, req.request_id);
+        let sent = async {
+            self.js
+                .publish_with_headers(
+                    agentscope_bus::subjects::session_approval_requested(&req.session_id),
+                    agentscope_bus::headers(&msg_id),
+                    req.encode_to_vec().into(),
+                )
+                .await?
+                .await
+                .map_err(async_nats::Error::from)
+        }
+        .await;
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, session_id = %req.session_id, "publish tool request; will retry");
+        }
+    }
+}
+
+impl Session<'_> {
+    /// Waits for the Approval of `call` (asking the scheduler to record it, idempotently), then
+    /// runs the call or reports the deny to the model.
+    pub(super) async fn await_decision(
+        &self,
+        p: &Pinned,
+        input_id: Uuid,
+        call: &ToolCallReq,
+    ) -> Result<(ToolOutput, bool), Stop> {
+        let request = agentscope_schemas::v1::ToolRequest {
+            request_id: call.id.clone(),
+            attempt_id: String::new(),
+            session_id: self.id.to_string(),
+            tool_name: call.name.clone(),
+            input_json: call.input.to_string(),
+            lease_token: self.token as u64,
+            requested_at_ms: agentscope_bus::now_ms(),
+            timeout_ms: p
+                .policy
+                .approval_timeout_secs
+                .unwrap_or(600)
+                .saturating_mul(1000),
+        };
+        let mut asked_at: Option<tokio::time::Instant> = None;
+        let (status, reason, decided_by) = loop {
+            // Listening before reading: a decision's nudge that arrives during the read wakes
+            // the wait below instead of being missed until the next poll.
+            let news = self.r.news.notified();
+            tokio::pin!(news);
+            news.as_mut().enable();
+            let row = sqlx::query!(
+                "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2",
+                self.id.to_string(),
+                &call.id,
+            )
+            .fetch_optional(&self.r.db)
+            .await?
+            .map(|r| (r.status, r.reason, r.decided_by));
+            match row {
+                Some((status, reason, by)) if status != "pending" => break (status, reason, by),
+                Some(_) => {}
+                None if asked_at.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) => {
+                    self.r.ask(&request).await;
+                    asked_at = Some(tokio::time::Instant::now());
+                }
+                None => {}
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(500), news).await;
+        };
+        let allowed = status == "allowed";
+        let decided = json!({"call_id": call.id, "allow": allowed, "status": status, "reason": reason, "decided_by": decided_by});
+        if allowed {
+            return self.execute(p, input_id, call, Some(decided)).await;
+        }
+        let out = ToolError::ToolDenied.output(format!(
+            "the approval was {status}{}",
+            reason
+                .as_deref()
+                .map(|r| format!(": {r}"))
+                .unwrap_or_default()
+        ));
+        let mut b = Batch::of(input_id);
+        b.ended = Some((
+            call.id.clone(),
+            CallStatus::Denied,
+            out.output.clone(),
+            true,
+        ));
+        b.status(SessionStatus::Running, "");
+        b.result(call, &out);
+        b.event("approval_decided", decided);
+        b.event(
+            "tool_denied",
+            json!({"call_id": call.id, "tool": call.name, "input": call.input, "reason": out.output}),
+        );
+        self.write(b).await?;
+        Ok((out, true))
+    }
+}

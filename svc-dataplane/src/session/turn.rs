@@ -1,0 +1,186 @@
+//! One input of a session: model turns and tool calls until the model answers without tools,
+//! `max_iters` is reached, or the model cannot be reached.
+
+use super::journal::{Batch, CallStatus, Ended};
+use super::pinned::Pinned;
+use super::{Session, Stop};
+use crate::model::{self, Message, ModelError, ToolCallReq};
+use crate::policy::Decision;
+use crate::tools;
+use agentscope_domain::{InputOutcome, SessionStatus};
+use serde_json::json;
+use std::collections::HashSet;
+use uuid::Uuid;
+
+impl Session<'_> {
+    /// One input: model turns and tool calls until the model stops calling tools.
+    ///
+    /// The conversation is loaded once and then kept in the model API's wire format, each new
+    /// message appended ([`model::Conversation`]). A model turn is one write: its message and
+    /// events, and, when the turn's first call can run at once, that call's `started` journal row
+    /// (or, for the last turn, the input's outcome). A tool's result is another write.
+    pub(super) async fn work(&self, p: &Pinned, input_id: Uuid, text: &str) -> Result<(), Stop> {
+        let history = self.history().await?;
+        let model = self.r.model_config(&p.model);
+        let specs = tools::specs(&p.enabled);
+        let prompt = model::Prompt::new(&model, &p.instructions, &specs);
+        let mut conversation = model::Conversation::new(model.api);
+        // Every call id the session has seen: a model that repeats one goes through the journal.
+        let mut known_calls: HashSet<String> = HashSet::new();
+        let mut iterations: u32 = 0;
+        let mut has_input = false;
+        // Tool calls of the last assistant message that have no result yet (a takeover): run
+        // them, or report them interrupted.
+        let mut pending: Vec<ToolCallReq> = vec![];
+        for (i, m) in &history {
+            has_input |= *i == input_id;
+            match m {
+                Message::Assistant { tool_calls, .. } => {
+                    if *i == input_id {
+                        iterations += 1;
+                    }
+                    known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
+                    pending = tool_calls.clone();
+                }
+                Message::ToolResult { call_id, .. } => pending.retain(|c| &c.id != call_id),
+                Message::User { .. } => {}
+            }
+            conversation.push(m);
+        }
+        drop(history);
+        let mut b = Batch::of(input_id);
+        b.status(SessionStatus::Running, "");
+        if !has_input {
+            let m = Message::User {
+                text: text.to_string(),
+            };
+            b.message(&m);
+            b.event("input", json!({"input_id": input_id, "text": text}));
+            conversation.push(&m);
+        }
+        self.write(b).await?;
+        let mut denied = false;
+        // The call journaled `started` together with the turn that asked for it.
+        let mut started_with_turn: Option<String> = None;
+        // That call's end, written while the next model request is in flight (before anything
+        // else is written, so the journal's order is the conversation's).
+        let mut unwritten: Option<Ended> = None;
+        loop {
+            for call in std::mem::take(&mut pending) {
+                if let Some(ended) = unwritten.take() {
+                    self.commit(ended).await?;
+                }
+                let (out, was_denied) = if started_with_turn.as_deref() == Some(call.id.as_str()) {
+                    started_with_turn = None;
+                    let (out, ended) = self.run_started(p, input_id, &call).await?;
+                    unwritten = Some(ended);
+                    (out, false)
+                } else {
+                    self.call(p, input_id, &call).await?
+                };
+                denied |= was_denied;
+                conversation.push(&Message::ToolResult {
+                    call_id: call.id,
+                    output: out.output,
+                    is_error: out.is_error,
+                });
+            }
+            if iterations >= p.max_iters {
+                if let Some(ended) = unwritten.take() {
+                    self.commit(ended).await?;
+                }
+                let detail = format!("stopped after {iterations} model turns (max_iters)");
+                let mut b = Batch::of(input_id);
+                b.finish(InputOutcome::MaxIterations, &detail, iterations);
+                return self.write(b).await;
+            }
+            // The model already has the result; the turn is written only after it is.
+            let ((), turn) = tokio::try_join!(
+                async {
+                    match unwritten.take() {
+                        Some(ended) => self.commit(ended).await,
+                        None => Ok(()),
+                    }
+                },
+                async {
+                    Ok(model::complete_turn(&self.r.http, &model, &prompt, &conversation).await)
+                }
+            )?;
+            let turn = match turn {
+                Ok(t) => t,
+                Err(e) => {
+                    let detail = match &e {
+                        ModelError::Connection(m) | ModelError::Rejected(m) => m.clone(),
+                    };
+                    let mut b = Batch::of(input_id);
+                    b.event(
+                        "diagnostic",
+                        json!({"code": "model_connection", "message": detail}),
+                    );
+                    b.finish(InputOutcome::ModelConnection, &detail, iterations);
+                    return self.write(b).await;
+                }
+            };
+            let mut b = Batch::of(input_id);
+            if !turn.text.is_empty() {
+                b.event("assistant_message", json!({"text": turn.text}));
+            }
+            b.event(
+                "usage",
+                json!({"input_tokens": turn.input_tokens, "output_tokens": turn.output_tokens}),
+            );
+            let m = Message::Assistant {
+                text: turn.text,
+                tool_calls: turn.tool_calls,
+            };
+            b.message(&m);
+            // Appended now: a failed write ends the session's work here anyway.
+            conversation.push(&m);
+            iterations += 1;
+            let Message::Assistant { tool_calls, .. } = m else {
+                unreachable!("an assistant message")
+            };
+            if tool_calls.is_empty() {
+                let (status, detail) = if denied {
+                    (
+                        InputOutcome::ToolDenied,
+                        "the turn ended after a tool was denied by policy",
+                    )
+                } else {
+                    (InputOutcome::Completed, "")
+                };
+                b.finish(status, detail, iterations);
+                return self.write(b).await;
+            }
+            if let Some(first) = tool_calls.first()
+                && self.starts_at_once(p, first, &known_calls)
+            {
+                b.journal(first, CallStatus::Started, None);
+                b.event(
+                    "tool_call",
+                    json!({"call_id": first.id, "tool": first.name, "input": first.input}),
+                );
+                started_with_turn = Some(first.id.clone());
+            }
+            self.write(b).await?;
+            known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
+            pending = tool_calls;
+        }
+    }
+
+    /// Whether `call` (the first of a fresh turn) may be journaled `started` with the turn: the
+    /// policy allows it, it is one of the agent's tools, its id is new to the session, and it
+    /// waits for nothing (a Worker's calls first wait for the Worker to beat).
+    pub(super) fn starts_at_once(
+        &self,
+        p: &Pinned,
+        call: &ToolCallReq,
+        known_calls: &HashSet<String>,
+    ) -> bool {
+        p.worker.is_none()
+            && !known_calls.contains(&call.id)
+            && tools::ALL.contains(&call.name.as_str())
+            && (p.enabled.is_empty() || p.enabled.contains(&call.name))
+            && p.policy.decide(&call.name, &call.input).0 == Decision::Allow
+    }
+}
