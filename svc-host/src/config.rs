@@ -106,7 +106,7 @@ impl Config {
             return bad("poll_interval_ms must be positive");
         }
         for p in self.provider_list() {
-            if !agentscope_domain::KNOWN_PROVIDERS.contains(&p.as_str()) {
+            if agentscope_domain::Provider::parse(&p).is_none() {
                 return Err(config::ConfigError::Message(format!(
                     "providers: unknown provider `{p}` (known: {})",
                     agentscope_domain::KNOWN_PROVIDERS.join(", ")

@@ -251,7 +251,7 @@ pub struct Left {
 /// Live (not zombie) processes with `uid` as real, effective, saved or filesystem uid.
 pub fn uid_processes(uid: u32) -> Vec<i32> {
     let me = std::process::id() as i32;
-    crate::provider::proc_pids()
+    crate::process::proc_pids()
         .filter(|pid| *pid != me)
         .filter(|pid| {
             let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
@@ -1090,7 +1090,8 @@ mod tests {
 
     #[test]
     fn the_command_provider_env_is_inside_the_allow_list() {
-        use crate::provider::{Adapter, CommandProvider, LaunchCtx, TaskDir};
+        use crate::provider::{Adapter, LaunchCtx, TaskDir};
+        use crate::providers::command::CommandProvider;
         let dir = TaskDir {
             root: "/t".into(),
             repo: None,

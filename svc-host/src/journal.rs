@@ -71,7 +71,8 @@ pub struct Entry {
     pub lease_token: u64,
     /// Highest event seq the bus acknowledged.
     pub last_seq: u64,
-    pub state: String,
+    /// Where the attempt is (the host writes `claimed` when it takes it).
+    pub state: agentscope_domain::AttemptStatus,
     #[serde(default)]
     pub provider_session_id: String,
     #[serde(default)]
@@ -162,7 +163,7 @@ mod tests {
             lease_key: "attempt.a1".into(),
             lease_token: 7,
             last_seq: 3,
-            state: "running".into(),
+            state: agentscope_domain::AttemptStatus::Running,
             provider_session_id: String::new(),
             provider: String::new(),
             assignment_hex: String::new(),

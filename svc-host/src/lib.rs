@@ -2,11 +2,11 @@
 //! checks, claims work under KV leases, runs providers in fresh task directories and reports
 //! their events. Architecture invariant: the host talks only to NATS, never to Postgres.
 
-pub mod agents;
 pub mod attempt;
 mod config;
 pub mod isolation;
 pub mod journal;
+pub mod process;
 pub mod provider;
 pub mod providers;
 
@@ -15,11 +15,12 @@ pub use config::Config;
 use agentscope_bus::{Topology, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{
-    AttemptState, ClaimOffer, ClaimRequest, ExecutionEvent, HostCheck, HostCommand, HostHeartbeat,
+    ClaimOffer, ClaimRequest, ExecutionEvent, HostCheck, HostCommand, HostHeartbeat,
     HostRegistered, HostRegistration, Lifecycle, ProviderDescriptor, execution_event::Body,
     host_command,
 };
 use agentscope_telemetry::health::{self, Metrics};
+use agentscope_telemetry::supervisor::{Policy, Supervisor, Work};
 use anyhow::Context as _;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::{FutureExt, StreamExt};
@@ -142,7 +143,7 @@ impl Ctx {
         self.lease_ttl_ms.load(Ordering::Relaxed)
     }
 
-    /// The three separate checks (H4): connectivity, provider discovery, dispatch readiness.
+    /// The three separate checks: connectivity, provider discovery, dispatch readiness.
     fn checks(&self) -> Vec<HostCheck> {
         let now = agentscope_bus::now_ms();
         let st = self.state.lock().expect("host state");
@@ -253,16 +254,8 @@ impl App {
         let adapters: Vec<Box<dyn Adapter>> = config
             .provider_list()
             .iter()
-            .filter_map(|p| -> Option<Box<dyn Adapter>> {
-                match p.as_str() {
-                    "command" => Some(Box::new(provider::CommandProvider)),
-                    "claude-code" => Some(Box::new(agents::ClaudeCode)),
-                    "codex" => Some(Box::new(agents::Codex)),
-                    "opencode" => Some(Box::new(agents::Opencode)),
-                    "openclaw" => Some(Box::new(agents::Openclaw)),
-                    _ => None,
-                }
-            })
+            .filter_map(|p| agentscope_domain::Provider::parse(p))
+            .map(providers::adapter)
             .collect();
         let ctx = Ctx {
             host_id,
@@ -326,7 +319,14 @@ impl App {
         let registered = register(&ctx, &cancel).await?;
         let resumed = recover(&ctx).await;
         let slots = Arc::new(Semaphore::new(ctx.config.capacity as usize));
-        let attempts = tokio_util::task::TaskTracker::new();
+        // Attempts are work: at shutdown each one's `shutdown` stop fires, it stops its provider
+        // (the kill grace) and reports a retryable end before the host leaves.
+        let mut sup = Supervisor::new(
+            "svc-host",
+            cancel.clone(),
+            Duration::from_millis(ctx.config.kill_grace_ms + 10_000),
+        );
+        let attempts = sup.work();
         for (a, entry) in resumed {
             match slots.clone().try_acquire_owned() {
                 Ok(permit) => spawn_attempt(&ctx, &attempts, a, permit, Some(entry)),
@@ -335,43 +335,43 @@ impl App {
                 }
             }
         }
-        let mut tasks = tokio::task::JoinSet::new();
-        tasks.spawn(heartbeat(ctx.clone(), slots.clone(), cancel.clone()));
-        tasks.spawn(control(ctx.clone(), cancel.clone()));
-        tasks.spawn(recheck(ctx.clone(), cancel.clone()));
-        tasks.spawn(claim_loop(
-            ctx.clone(),
-            registered.pool_id.clone(),
-            slots.clone(),
-            attempts.clone(),
-            cancel.clone(),
-        ));
-        tokio::select! {
-            _ = shutdown => {}
-            Some(res) = tasks.join_next() => {
-                if let Ok(Err(e)) = res { tracing::error!(error = ?e, "host task failed; stopping"); }
-            }
-        }
-        // Stop claiming; stop what runs so it reports a retryable end before we leave.
-        cancel.cancel();
-        for stops in ctx.state.lock().expect("host state").running.values() {
-            stops.shutdown.cancel();
-        }
-        attempts.close();
-        if tokio::time::timeout(
-            Duration::from_millis(ctx.config.kill_grace_ms + 10_000),
-            attempts.wait(),
-        )
-        .await
-        .is_err()
+        // The host cannot do its job without any of these: the end of one stops the host.
         {
-            tracing::warn!("attempts did not finish within the grace period");
+            let (ctx, slots) = (ctx.clone(), slots.clone());
+            sup.spawn("heartbeat", Policy::Critical, move |stop| {
+                heartbeat(ctx.clone(), slots.clone(), stop)
+            });
         }
-        while tasks.join_next().await.is_some() {}
+        {
+            let ctx = ctx.clone();
+            sup.spawn("control", Policy::Critical, move |stop| {
+                control(ctx.clone(), stop)
+            });
+        }
+        {
+            let ctx = ctx.clone();
+            sup.spawn("recheck", Policy::Critical, move |stop| {
+                recheck(ctx.clone(), stop)
+            });
+        }
+        {
+            let (ctx, slots, attempts) = (ctx.clone(), slots.clone(), attempts.clone());
+            let pool_id = registered.pool_id.clone();
+            sup.spawn("claim_loop", Policy::Critical, move |stop| {
+                claim_loop(
+                    ctx.clone(),
+                    pool_id.clone(),
+                    slots.clone(),
+                    attempts.clone(),
+                    stop,
+                )
+            });
+        }
+        let result = sup.run(shutdown).await;
         let _ = ctx.nats.flush().await;
         let _ = self.health_task.await;
         tracing::info!("svc-host stopped");
-        Ok(())
+        result
     }
 }
 
@@ -411,7 +411,7 @@ fn identities(
     Ok(Some(Arc::new(ids)))
 }
 
-/// Provider discovery (H1, H4): each adapter probes its CLI (installed, version, credentials).
+/// Provider discovery: each adapter probes its CLI (installed, version, credentials).
 async fn discover(ctx: &Ctx) {
     let adapters = ctx.adapters.clone();
     let found = tokio::task::spawn_blocking(move || {
@@ -493,7 +493,7 @@ async fn register(ctx: &Ctx, cancel: &CancellationToken) -> anyhow::Result<HostR
 /// Attempts journaled by a previous run of this host whose process is gone: report them ended
 /// with `host_restart`, under their old fencing token. If the lease is gone the recorder refuses
 /// the report and nothing changes; if it still holds, the scheduler retries the task.
-async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, journal::Entry)> {
+async fn recover(ctx: &Ctx) -> Vec<(attempt::Assignment, journal::Entry)> {
     let entries = match ctx.journal.entries() {
         Ok(e) => e,
         Err(e) => {
@@ -504,7 +504,7 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
     let mut resume = Vec::new();
     for mut e in entries {
         // The provider the previous run started may have outlived it.
-        provider::kill_marked(&format!("AGENTSCOPE_ATTEMPT_ID={}", e.attempt_id)).await;
+        process::kill_marked(&format!("AGENTSCOPE_ATTEMPT_ID={}", e.attempt_id)).await;
         e.last_seq = e.last_seq.max(published_seq(ctx, &e.attempt_id).await);
         if let Some(a) = resumable(ctx, &e).await {
             tracing::warn!(attempt_id = %e.attempt_id, session = %e.provider_session_id, "attempt interrupted by a host restart; resuming its provider session");
@@ -519,7 +519,7 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
             host_id: ctx.host_id.to_string(),
             at_ms: agentscope_bus::now_ms(),
             body: Some(Body::Lifecycle(Lifecycle {
-                state: AttemptState::Failed as i32,
+                state: attempt::wire_state(agentscope_domain::AttemptStatus::Failed) as i32,
                 failure_class: agentscope_domain::FailureClass::HostRestart.as_str().into(),
                 detail: "the host restarted while the attempt ran".into(),
                 exit_code: 0,
@@ -554,18 +554,19 @@ async fn recover(ctx: &Ctx) -> Vec<(agentscope_schemas::v1::AttemptAssignment, j
     resume
 }
 
-/// Runs an attempt in the tracker, holding `permit` (a capacity slot) until it ends.
+/// Runs an attempt as work of the host's supervisor, holding `permit` (a capacity slot) until it
+/// ends. Its `shutdown` stop fires when the host begins to stop.
 fn spawn_attempt(
     ctx: &Ctx,
-    attempts: &tokio_util::task::TaskTracker,
-    a: agentscope_schemas::v1::AttemptAssignment,
+    attempts: &Work,
+    a: attempt::Assignment,
     permit: tokio::sync::OwnedSemaphorePermit,
     resume: Option<journal::Entry>,
 ) {
     let stops = attempt::Stops {
         cancel: CancellationToken::new(),
         lease_lost: CancellationToken::new(),
-        shutdown: CancellationToken::new(),
+        shutdown: attempts.stopping().child_token(),
     };
     let (dtx, drx) = tokio::sync::mpsc::channel(64);
     {
@@ -594,15 +595,16 @@ fn spawn_attempt(
     });
 }
 
-/// Whether a journaled attempt can resume here (H15): the provider resumes, its session exists
-/// in the task directory, the lease is still this host's, and the restart is within the window.
+/// Whether a journaled attempt can resume here after a host restart: the provider resumes, its
+/// session exists in the task directory, the lease is still this host's, and the restart is
+/// within the window.
 /// Returns the assignment with the lease's current revision.
-async fn resumable(
-    ctx: &Ctx,
-    e: &journal::Entry,
-) -> Option<agentscope_schemas::v1::AttemptAssignment> {
+async fn resumable(ctx: &Ctx, e: &journal::Entry) -> Option<attempt::Assignment> {
     let bytes = hex::decode(&e.assignment_hex).ok()?;
-    let mut a = agentscope_schemas::v1::AttemptAssignment::decode(bytes.as_slice()).ok()?;
+    let mut a: attempt::Assignment =
+        agentscope_schemas::v1::AttemptAssignment::decode(bytes.as_slice())
+            .ok()?
+            .into();
     if e.provider_session_id.is_empty()
         || agentscope_bus::now_ms() - e.saved_at_ms > RESUME_WINDOW_MS
     {
@@ -636,7 +638,6 @@ async fn resumable(
 /// How long after its last checkpoint an interrupted attempt may still resume.
 const RESUME_WINDOW_MS: i64 = 10 * 60 * 1000;
 
-/// The newest event seq of an attempt in the stream (the journal may lag it by one).
 /// The work nudges of a pool of this host's workspace.
 fn nudge_subject(ctx: &Ctx, pool_id: &str) -> String {
     let ws = ctx
@@ -650,6 +651,7 @@ fn nudge_subject(ctx: &Ctx, pool_id: &str) -> String {
     subjects::pool_work(&ws, pool_id)
 }
 
+/// The newest event seq of an attempt in the stream (the journal may lag it by one).
 async fn published_seq(ctx: &Ctx, attempt_id: &str) -> u64 {
     let Ok(stream) = ctx.js.get_stream(agentscope_bus::STREAM_EVENTS).await else {
         return 0;
@@ -854,7 +856,7 @@ async fn claim_loop(
     ctx: Ctx,
     pool_id: String,
     slots: Arc<Semaphore>,
-    attempts: tokio_util::task::TaskTracker,
+    attempts: Work,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let subject = (!pool_id.is_empty()).then(|| nudge_subject(&ctx, &pool_id));
@@ -930,11 +932,7 @@ async fn claim_loop(
 
 /// One claim request; starts the attempts offered. Returns how many were started and how many
 /// more the scheduler says are waiting.
-async fn claim_once(
-    ctx: &Ctx,
-    slots: &Arc<Semaphore>,
-    attempts: &tokio_util::task::TaskTracker,
-) -> (usize, u32) {
+async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usize, u32) {
     let free = slots.available_permits() as u32;
     let (held_attempts, ended_attempts) = {
         let st = ctx.state.lock().expect("host state");
@@ -978,7 +976,7 @@ async fn claim_once(
                         continue;
                     };
                     got += 1;
-                    spawn_attempt(ctx, attempts, a, permit, None);
+                    spawn_attempt(ctx, attempts, a.into(), permit, None);
                 }
                 return (got, offer.waiting);
             }

@@ -1,13 +1,14 @@
-//! Providers: how a task's work is started, and how its output becomes normalized events.
+//! The provider interface: the [`Adapter`] trait every provider implements (`providers/`), what
+//! a launch is made of, and the helpers the agent CLIs' adapters share.
 //! Architecture invariant: only svc-host spawns provider processes, always in their own process
 //! group, so that cancellation reaches the whole tree.
 
 use crate::providers::StreamParser;
-use agentscope_domain::FailureClass;
-use agentscope_schemas::v1::{Output, ProviderDescriptor, TaskSpec, execution_event::Body};
+use agentscope_domain::{FailureClass, Provider};
+use agentscope_schemas::v1::{ProviderDescriptor, TaskSpec};
+use serde_json::json;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
 /// How to start a provider process.
 #[derive(Debug, Clone, Default)]
@@ -79,7 +80,12 @@ pub struct LaunchCtx<'a> {
 
 /// The interface every provider adapter implements.
 pub trait Adapter: Send + Sync {
-    fn name(&self) -> &'static str;
+    /// The provider this adapter runs.
+    fn provider(&self) -> Provider;
+    /// Its name, as in `TaskSpec.provider`.
+    fn name(&self) -> &'static str {
+        self.provider().as_str()
+    }
     /// Discovery: installed, version, logged in, streaming and resume support.
     fn discover(&self) -> ProviderDescriptor;
     /// Turns the task spec into a command line, environment and files in the task directory.
@@ -114,7 +120,7 @@ pub trait Adapter: Send + Sync {
     fn model_endpoint(&self) -> String {
         String::new()
     }
-    /// How to continue provider session `session_id` in the same task directory (H15), if the
+    /// How to continue provider session `session_id` in the same task directory, if the
     /// provider can.
     fn resume_launch(
         &self,
@@ -218,301 +224,182 @@ pub fn locate(env_var: &str, name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Runs a configured command line in the task directory; each output line is an event and the
-/// exit status decides success.
-pub struct CommandProvider;
-
-struct CommandParser;
-
-impl StreamParser for CommandParser {
-    fn line(&mut self, line: &str, truncated: bool) -> Vec<Body> {
-        vec![Body::Output(Output {
-            stream: "stdout".into(),
-            text: line.to_string(),
-            truncated,
-        })]
-    }
-    fn finish(&mut self) -> Vec<Body> {
-        vec![]
-    }
-    fn session_id(&self) -> Option<&str> {
-        None
-    }
-}
-
-impl Adapter for CommandProvider {
-    fn name(&self) -> &'static str {
-        "command"
-    }
-
-    fn discover(&self) -> ProviderDescriptor {
-        ProviderDescriptor {
-            name: "command".into(),
-            installed: true,
-            version: env!("CARGO_PKG_VERSION").into(),
-            logged_in: true,
-            detail: "runs the runtime profile's `command` argv".into(),
-            live_stream: true,
-            resume: false,
-        }
-    }
-
-    fn launch(&self, ctx: &LaunchCtx) -> Result<Launch, Refusal> {
-        let spec = ctx.spec;
-        if let Some(unknown) = spec
-            .params
-            .keys()
-            .find(|k| !["timeout_secs"].contains(&k.as_str()))
-        {
-            return Err(Refusal::bad_parameter(format!(
-                "unknown parameter `{unknown}` for provider command"
-            )));
-        }
-        if spec.command.is_empty() || spec.command[0].is_empty() {
-            return Err(Refusal::bad_parameter(
-                "`command` is empty: set params.command to an argv array on the runtime profile",
-            ));
-        }
-        Ok(Launch {
-            argv: spec.command.clone(),
-            cwd: ctx.dir.workdir().to_path_buf(),
-            env: base_env(ctx.dir),
-            ..Default::default()
-        })
-    }
-
-    fn parser(&self) -> Box<dyn StreamParser> {
-        Box::new(CommandParser)
-    }
-
-    fn max_line_bytes(&self) -> usize {
-        64 * 1024
-    }
-}
-
-/// Reads one line of at most `max` bytes; the rest of a longer line is discarded and the line is
-/// marked truncated. Invalid UTF-8 is replaced, never rejected. None at end of input.
-pub async fn read_line_bounded<R: AsyncBufRead + Unpin>(
-    r: &mut R,
-    max: usize,
-) -> std::io::Result<Option<(String, bool)>> {
-    let mut buf = Vec::new();
-    let mut truncated = false;
-    let mut saw_any = false;
-    loop {
-        let chunk = r.fill_buf().await?;
-        if chunk.is_empty() {
-            if !saw_any {
-                return Ok(None);
-            }
-            break;
-        }
-        saw_any = true;
-        let (take, done) = match chunk.iter().position(|&b| b == b'\n') {
-            Some(i) => (i, true),
-            None => (chunk.len(), false),
-        };
-        let room = max.saturating_sub(buf.len());
-        if take > room {
-            truncated = true;
-        }
-        buf.extend_from_slice(&chunk[..take.min(room)]);
-        r.consume(if done { take + 1 } else { take });
-        if done {
-            break;
-        }
-    }
-    if buf.last() == Some(&b'\r') {
-        buf.pop();
-    }
-    Ok(Some((
-        String::from_utf8_lossy(&buf).into_owned(),
-        truncated,
-    )))
-}
-
-/// Every process id in `/proc`.
-pub fn proc_pids() -> impl Iterator<Item = i32> {
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-}
-
-/// Ids of live (non-zombie) processes in process group `pgid`, read from /proc.
-pub fn group_members(pgid: i32) -> Vec<i32> {
-    proc_pids()
-        .filter(|pid| {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                return false;
-            };
-            // pid (comm) state ppid pgrp ...; comm may contain spaces and parentheses.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-                return false;
-            };
-            let mut f = rest.split_whitespace();
-            let state = f.next().unwrap_or("Z");
-            let pgrp = f.nth(1).and_then(|s| s.parse::<i32>().ok());
-            pgrp == Some(pgid) && state != "Z" && state != "X"
-        })
-        .collect()
-}
-
-/// Live processes whose environment carries `marker` (e.g. `AGENTSCOPE_ATTEMPT_ID=<id>`): a
-/// provider's whole tree, including children that left its process group.
-pub fn marked_processes(marker: &str) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    proc_pids()
-        .filter(|pid| *pid != me)
-        .filter(|pid| {
-            let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    s.rsplit_once(')')
-                        .map(|(_, r)| r.split_whitespace().next().unwrap_or("Z").to_string())
-                })
-                .is_some_and(|st| st != "Z" && st != "X");
-            alive
-                && std::fs::read(format!("/proc/{pid}/environ"))
-                    .map(|env| env.split(|b| *b == 0).any(|kv| kv == marker.as_bytes()))
-                    .unwrap_or(false)
-        })
-        .collect()
-}
-
-/// SIGKILLs every process carrying `marker` until none is left (or 10 s pass); the survivors.
-pub async fn kill_marked(marker: &str) -> Vec<i32> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let m = marker.to_string();
-        let left = tokio::task::spawn_blocking(move || marked_processes(&m))
-            .await
-            .unwrap_or_default();
-        if left.is_empty() || tokio::time::Instant::now() >= deadline {
-            return left;
-        }
-        for pid in &left {
-            // SAFETY: plain signal to a process of this attempt.
-            unsafe {
-                libc::kill(*pid, libc::SIGKILL);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Stops an attempt's provider tree whose sentinel leads process group `pgid`: the sentinel is
-/// told to end whatever is left once the provider is gone; SIGTERM to the group, SIGKILL after
-/// `grace` (at once without one); then whatever still carries the attempt's `marker` (a
-/// sentinel killed by the group's SIGKILL leaves the orphans it adopted behind). The survivors.
-pub async fn stop_tree(pgid: i32, grace: Option<Duration>, marker: &str) -> Vec<i32> {
-    crate::isolation::end_rest(pgid);
-    let mut left = match grace {
-        Some(grace) => terminate_group(pgid, grace).await,
-        None => kill_group(pgid).await,
-    };
-    left.extend(kill_marked(marker).await);
-    left
-}
-
-/// Sends `signal` to every process of group `pgid`.
-pub fn signal_group(pgid: i32, signal: i32) {
-    // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
-    unsafe {
-        libc::kill(-pgid, signal);
-    }
-}
-
-/// SIGTERM, then SIGKILL after `grace`; returns once no process of the group is left (or after
-/// a further 10 s, returning the survivors).
-pub async fn terminate_group(pgid: i32, grace: Duration) -> Vec<i32> {
-    signal_group(pgid, libc::SIGTERM);
-    if wait_group_empty(pgid, grace).await {
-        return vec![];
-    }
-    signal_group(pgid, libc::SIGKILL);
-    if wait_group_empty(pgid, Duration::from_secs(10)).await {
-        return vec![];
-    }
-    group_members(pgid)
-}
-
-/// Kills the whole group at once (lease lost: the work must stop now).
-pub async fn kill_group(pgid: i32) -> Vec<i32> {
-    signal_group(pgid, libc::SIGKILL);
-    if wait_group_empty(pgid, Duration::from_secs(10)).await {
-        return vec![];
-    }
-    group_members(pgid)
-}
-
-async fn wait_group_empty(pgid: i32, within: Duration) -> bool {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let empty = tokio::task::spawn_blocking(move || group_members(pgid).is_empty())
-            .await
-            .unwrap_or(false);
-        if empty {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn long_lines_are_truncated_and_bad_utf8_is_replaced() {
-        let mut input: Vec<u8> = vec![b'a'; 5000];
-        input.push(b'\n');
-        input.extend_from_slice(&[0xff, 0xfe, b'o', b'k', b'\n', b't', b'a', b'i', b'l']);
-        let mut r = tokio::io::BufReader::with_capacity(64, &input[..]);
-        let (l1, t1) = read_line_bounded(&mut r, 1024).await.unwrap().unwrap();
-        assert_eq!((l1.len(), t1), (1024, true));
-        let (l2, t2) = read_line_bounded(&mut r, 1024).await.unwrap().unwrap();
-        assert!(l2.ends_with("ok") && !t2, "{l2:?}");
-        let (l3, _) = read_line_bounded(&mut r, 1024).await.unwrap().unwrap();
-        assert_eq!(l3, "tail");
-        assert!(read_line_bounded(&mut r, 1024).await.unwrap().is_none());
-    }
-
-    #[test]
-    fn command_provider_refuses_unknown_parameters_by_name() {
-        let dir = TaskDir {
-            root: "/tmp".into(),
-            repo: None,
-            input_dir: "/tmp".into(),
-            home: "/tmp".into(),
-            tmp: "/tmp".into(),
-        };
-        let mut spec = TaskSpec {
-            command: vec!["true".into()],
-            ..Default::default()
-        };
-        spec.params.insert("colour".into(), "blue".into());
-        let ctx = LaunchCtx {
-            spec: &spec,
-            dir: &dir,
-            attempt_id: "a",
-            api_url: "http://x",
-            task_token: "agt_x",
-            cli: "/bin/agentscope".into(),
-        };
-        let err = CommandProvider.launch(&ctx).unwrap_err();
-        assert_eq!(err.class, FailureClass::BadParameters);
-        assert!(err.detail.contains("colour"));
-    }
-}
-
 /// The unprivileged identity one attempt's provider runs as (see `isolation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunAs {
     pub uid: u32,
     pub gid: u32,
 }
+
+// Shared by the agent CLIs' adapters (`providers/*/mod.rs`).
+
+/// Parameters every agent CLI accepts.
+pub const COMMON_PARAMS: [&str; 3] = ["model", "timeout_secs", "extra_args"];
+
+pub fn check_params(
+    provider: &str,
+    params: &HashMap<String, String>,
+    extra: &[&str],
+) -> Result<(), Refusal> {
+    if let Some(k) = params
+        .keys()
+        .find(|k| !COMMON_PARAMS.contains(&k.as_str()) && !extra.contains(&k.as_str()))
+    {
+        return Err(Refusal::bad_parameter(format!(
+            "unknown parameter `{k}` for provider {provider} (accepted: {})",
+            COMMON_PARAMS
+                .iter()
+                .chain(extra)
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    Ok(())
+}
+
+pub fn extra_args(params: &HashMap<String, String>) -> Vec<String> {
+    params
+        .get("extra_args")
+        .map(|s| s.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// `approvals` (ask or native) and `approval_timeout_secs` of a runtime profile: whether tool
+/// requests are forwarded as Approvals, and how long one may wait for a decision.
+pub fn approval_params(p: &HashMap<String, String>) -> Result<(bool, u32), Refusal> {
+    let ask = match p.get("approvals").map(String::as_str) {
+        None | Some("native") => false,
+        Some("ask") => true,
+        Some(other) => {
+            return Err(Refusal::bad_parameter(format!(
+                "`approvals` must be ask or native, not `{other}`"
+            )));
+        }
+    };
+    let approval_timeout_ms = match p.get("approval_timeout_secs") {
+        None => 600_000,
+        Some(t) => t
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=86_400).contains(n))
+            .map(|n| n * 1000)
+            .ok_or_else(|| {
+                Refusal::bad_parameter(format!(
+                    "`approval_timeout_secs` must be 1 to 86400, not `{t}`"
+                ))
+            })?,
+    };
+    Ok((ask, approval_timeout_ms))
+}
+
+/// The task as a prompt: the Issue, the input material, and how to use the platform's tools.
+pub fn prompt(ctx: &LaunchCtx) -> String {
+    let s = ctx.spec;
+    let mut p = String::new();
+    if !s.issue_title.is_empty() {
+        p.push_str(&format!(
+            "You are working on the Issue \"{}\".\n\n{}\n\n",
+            s.issue_title, s.issue_body
+        ));
+    }
+    if !s.input.is_empty() {
+        p.push_str(&format!("Input material:\n{}\n\n", s.input));
+    }
+    p.push_str(
+        "The agentscope tools let you read the Issue and its comments (read_issue), read the task's \
+         input (read_input), post a comment (post_comment) and upload deliverables as Artifacts \
+         (upload_artifact). Files you leave in this directory are not shared; upload what others need.",
+    );
+    let cli = ctx.cli.to_string_lossy();
+    p.push_str(&format!(
+        "\n\nThe tools reach the platform from outside any sandbox: prefer them. The same operations \
+         are a command line, always at this absolute path (a login shell may reset PATH): \
+         `{cli} task show`, `{cli} task comment TEXT`, `{cli} task upload FILE`. The command \
+         needs network access to the platform's API, which a sandbox may refuse."
+    ));
+    p
+}
+
+/// Instructions of the agent version, in Markdown.
+pub fn instructions(ctx: &LaunchCtx) -> String {
+    format!("# Agent instructions\n\n{}\n", ctx.spec.instructions)
+}
+
+pub fn mcp_env(ctx: &LaunchCtx) -> serde_json::Value {
+    json!({"AGENTSCOPE_API": ctx.api_url, "AGENTSCOPE_TASK_TOKEN": ctx.task_token})
+}
+
+pub fn rel(ctx: &LaunchCtx, p: &Path) -> PathBuf {
+    p.strip_prefix(&ctx.dir.root)
+        .map(|r| r.to_path_buf())
+        .unwrap_or_else(|_| p.to_path_buf())
+}
+
+pub fn descriptor(
+    name: &str,
+    env_var: &str,
+    bin_name: &str,
+    key_vars: &[&str],
+    live_stream: bool,
+    resume: bool,
+) -> ProviderDescriptor {
+    let mut d = ProviderDescriptor {
+        name: name.into(),
+        live_stream,
+        resume,
+        ..Default::default()
+    };
+    let Some(bin) = locate(env_var, bin_name) else {
+        d.detail = format!(
+            "`{bin_name}` not found: install it (scripts/install-providers.sh) or set {env_var}"
+        );
+        return d;
+    };
+    match probe_version(&bin) {
+        Ok(v) => {
+            d.installed = true;
+            d.version = v;
+        }
+        Err(e) => {
+            d.detail = e;
+            return d;
+        }
+    }
+    d.logged_in = key_vars
+        .iter()
+        .any(|k| std::env::var(k).is_ok_and(|v| !v.is_empty()));
+    d.detail = if d.logged_in {
+        format!("{} at {}", bin_name, bin.display())
+    } else {
+        format!(
+            "no credentials: set {} in the host's environment",
+            key_vars.join(" or ")
+        )
+    };
+    if !live_stream {
+        d.detail
+            .push_str("; no live event stream (one result at the end)");
+    }
+    if !resume {
+        d.detail.push_str("; no session resume");
+    }
+    d
+}
+
+pub fn binary(env_var: &str, name: &str) -> Result<String, Refusal> {
+    locate(env_var, name)
+        .map(|p| p.to_string_lossy().into_owned())
+        .ok_or_else(|| Refusal {
+            class: agentscope_domain::FailureClass::ToolDependency,
+            detail: format!("`{name}` is not installed on this host"),
+        })
+}
+
+/// The OpenAI-compatible endpoint a host's providers use: OPENAI_BASE_URL, default OpenAI's.
+pub fn openai_base() -> String {
+    std::env::var("OPENAI_BASE_URL").unwrap_or_else(|_| "https://api.openai.com/v1".into())
+}
+
+/// What a resumed provider session is asked to do.
+pub const CONTINUE: &str = "The Runtime Host restarted while you worked on this task. Continue where you left off and finish it.";

@@ -8,16 +8,19 @@ use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
-/// The providers an agent version or a runtime profile may name: the hosted CLIs
-/// (`agentscope_domain::KNOWN_PROVIDERS`) and `managed` (the gateway checks they agree).
-pub const PROVIDERS: [&str; 6] = [
-    "command",
-    "claude-code",
-    "codex",
-    "opencode",
-    "openclaw",
-    "managed",
-];
+/// The providers an agent version or a runtime profile may name: the hosted ones
+/// (`agentscope_domain::Provider`) and `managed`.
+pub const PROVIDERS: [&str; agentscope_domain::KNOWN_PROVIDERS.len() + 1] = {
+    let known = agentscope_domain::KNOWN_PROVIDERS;
+    let mut names =
+        [agentscope_domain::MANAGED_PROVIDER; agentscope_domain::KNOWN_PROVIDERS.len() + 1];
+    let mut i = 0;
+    while i < known.len() {
+        names[i] = known[i];
+        i += 1;
+    }
+    names
+};
 
 fn provider_schema() -> ObjectBuilder {
     ObjectBuilder::new()

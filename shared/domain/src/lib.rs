@@ -424,11 +424,73 @@ pub fn hash_token(token: &str) -> String {
     hex::encode(sha2::Sha256::digest(token.as_bytes()))
 }
 
-/// Names a provider the platform knows how to run.
 /// The provider of agents the platform runs itself (managed execution, svc-dataplane).
 pub const MANAGED_PROVIDER: &str = "managed";
 
-pub const KNOWN_PROVIDERS: [&str; 5] = ["command", "claude-code", "codex", "opencode", "openclaw"];
+/// A provider a host knows how to run: a configured command, or one of the agent CLIs. The one
+/// list of their names (`TaskSpec.provider`, runtime profiles, host configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Provider {
+    /// The runtime profile's `command` argv.
+    Command,
+    ClaudeCode,
+    Codex,
+    Opencode,
+    Openclaw,
+}
+
+impl Provider {
+    pub const ALL: [Provider; 5] = [
+        Self::Command,
+        Self::ClaudeCode,
+        Self::Codex,
+        Self::Opencode,
+        Self::Openclaw,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Command => "command",
+            Self::ClaudeCode => "claude-code",
+            Self::Codex => "codex",
+            Self::Opencode => "opencode",
+            Self::Openclaw => "openclaw",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == s)
+    }
+}
+
+impl fmt::Display for Provider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A name that is not a [`Provider`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown provider `{0}`")]
+pub struct UnknownProvider(pub String);
+
+impl std::str::FromStr for Provider {
+    type Err = UnknownProvider;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s).ok_or_else(|| UnknownProvider(s.to_string()))
+    }
+}
+
+/// The names of [`Provider::ALL`], in order.
+pub const KNOWN_PROVIDERS: [&str; Provider::ALL.len()] = {
+    let mut names = [""; Provider::ALL.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = Provider::ALL[i].as_str();
+        i += 1;
+    }
+    names
+};
 
 /// A self-hosted Worker's id: stable per workspace and worker name.
 pub fn worker_id(workspace_id: &str, name: &str) -> String {
@@ -440,6 +502,15 @@ pub fn worker_id(workspace_id: &str, name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn provider_names_round_trip() {
+        for p in Provider::ALL {
+            assert_eq!(p.as_str().parse::<Provider>(), Ok(p));
+        }
+        assert_eq!(KNOWN_PROVIDERS.len(), Provider::ALL.len());
+        assert!("managed".parse::<Provider>().is_err());
+    }
 
     #[test]
     fn terminal_states_never_move() {

@@ -315,6 +315,30 @@ impl StreamParser for AcpParser {
     }
 }
 
+/// `initialize` and `session/new` (or `session/resume`) for an ACP agent; the parser sends
+/// `session/prompt` once the session is open.
+pub fn handshake(cwd: &str, resume: Option<&str>) -> String {
+    let session = match resume {
+        None => {
+            json!({"jsonrpc": "2.0", "id": SESSION_REQUEST_ID, "method": "session/new",
+            "params": {"cwd": cwd, "mcpServers": []}})
+        }
+        // `session/resume`, unlike `session/load`, does not replay the history as updates.
+        Some(id) => {
+            json!({"jsonrpc": "2.0", "id": SESSION_REQUEST_ID, "method": "session/resume",
+            "params": {"sessionId": id, "cwd": cwd, "mcpServers": []}})
+        }
+    };
+    [
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1,
+            "clientCapabilities": {"fs": {"readTextFile": false, "writeTextFile": false}, "terminal": false}}}),
+        session,
+    ]
+    .iter()
+    .map(|m| m.to_string() + "\n")
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

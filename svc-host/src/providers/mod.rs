@@ -1,6 +1,7 @@
-//! Stream parsers for the real agent CLIs: pure, stateful translators from one provider's stdout
-//! lines to normalized [`Body`] events. No I/O happens here; the attempt runner feeds lines and
-//! publishes what comes back.
+//! The providers, one module each: the adapter ([`adapter`], the host's registry) and the stream
+//! parser(s) of each agent CLI. The parsers are pure, stateful translators from one provider's
+//! stdout lines to normalized [`Body`] events: no I/O happens in them; the attempt runner feeds
+//! lines and publishes what comes back.
 //!
 //! Rules shared by every parser:
 //! - a line that is not valid JSON, or whose event type is unknown, or that maps to no normalized
@@ -12,12 +13,14 @@
 //! - nothing here panics, whatever the input.
 
 pub mod acp;
-pub mod claude;
+pub mod claude_code;
 pub mod codex;
-pub mod codex_app;
+pub mod command;
 pub mod openclaw;
 pub mod opencode;
 
+use crate::provider::Adapter;
+use agentscope_domain::Provider;
 use agentscope_schemas::v1::{Raw, execution_event::Body};
 use serde_json::{Map, Value};
 
@@ -55,12 +58,23 @@ pub fn denied_message(tool: &str, reason: &str) -> String {
 /// The parser for a provider name as used in `TaskSpec.provider`; None for providers without one
 /// (such as `command`).
 pub fn parser_for(provider: &str) -> Option<Box<dyn StreamParser>> {
+    match Provider::parse(provider)? {
+        Provider::ClaudeCode => Some(Box::new(claude_code::parser::ClaudeParser::new())),
+        Provider::Codex => Some(Box::new(codex::parser::CodexParser::new())),
+        Provider::Opencode => Some(Box::new(opencode::parser::OpencodeParser::new())),
+        Provider::Openclaw => Some(Box::new(openclaw::parser::OpenclawParser::new())),
+        Provider::Command => None,
+    }
+}
+
+/// The adapter of each provider: the host's registry.
+pub fn adapter(provider: Provider) -> Box<dyn Adapter> {
     match provider {
-        claude::PROVIDER => Some(Box::new(claude::ClaudeParser::new())),
-        codex::PROVIDER => Some(Box::new(codex::CodexParser::new())),
-        opencode::PROVIDER => Some(Box::new(opencode::OpencodeParser::new())),
-        openclaw::PROVIDER => Some(Box::new(openclaw::OpenclawParser::new())),
-        _ => None,
+        Provider::Command => Box::new(command::CommandProvider),
+        Provider::ClaudeCode => Box::new(claude_code::ClaudeCode),
+        Provider::Codex => Box::new(codex::Codex),
+        Provider::Opencode => Box::new(opencode::Opencode),
+        Provider::Openclaw => Box::new(openclaw::Openclaw),
     }
 }
 

@@ -9,7 +9,7 @@
 //! - `result` → `Usage` (input counts cache creation and cache reads) then `Result`;
 //! - everything else (`control_request`, `stream_event`, other `system` subtypes, …) → `Raw`.
 
-use super::{
+use crate::providers::{
     StreamParser, bool_of, cap, count_of, json_line, json_text, number_of, obj_of, str_of,
     str_or_empty, turns,
 };
@@ -19,7 +19,7 @@ use agentscope_schemas::v1::{
 };
 use serde_json::{Map, Value};
 
-pub const PROVIDER: &str = "claude-code";
+pub const PROVIDER: &str = agentscope_domain::Provider::ClaudeCode.as_str();
 
 #[derive(Debug, Default)]
 pub struct ClaudeParser {
@@ -171,7 +171,7 @@ fn content_text(content: Option<&Value>) -> String {
                     out.push('\n');
                 }
                 out.push_str(text);
-                if out.len() > super::MAX_FIELD_BYTES {
+                if out.len() > crate::providers::MAX_FIELD_BYTES {
                     break;
                 }
             }

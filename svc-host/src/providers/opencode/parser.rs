@@ -15,7 +15,7 @@
 //!   seen, the last text, `turns` = finished steps;
 //! - everything else (`step_start`, `reasoning`, unknown types) → `Raw`.
 
-use super::{
+use crate::providers::{
     StreamParser, cap, count_of, json_line, json_text, number_of, obj_of, str_of, str_or_empty,
     turns,
 };
@@ -25,7 +25,7 @@ use agentscope_schemas::v1::{
 };
 use serde_json::{Map, Value};
 
-pub const PROVIDER: &str = "opencode";
+pub const PROVIDER: &str = agentscope_domain::Provider::Opencode.as_str();
 
 #[derive(Debug, Default)]
 pub struct OpencodeParser {

@@ -16,7 +16,7 @@
 //! - everything else (`turn.started`, `item.updated`, `reasoning`, `web_search`, `todo_list`,
 //!   `plan`, `collab_tool_call`, failed patches, …) → `Raw`.
 
-use super::{
+use crate::providers::{
     StreamParser, cap, count_of, json_line, json_text, obj_of, str_of, str_or_empty, turns,
 };
 use agentscope_schemas::v1::{
@@ -26,7 +26,7 @@ use agentscope_schemas::v1::{
 use serde_json::{Map, Value};
 use std::collections::HashSet;
 
-pub const PROVIDER: &str = "codex";
+pub const PROVIDER: &str = agentscope_domain::Provider::Codex.as_str();
 
 /// Tool items seen started and not yet completed; bounded so that a stream of starts without
 /// completions cannot grow memory without limit.

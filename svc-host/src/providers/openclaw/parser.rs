@@ -14,7 +14,7 @@
 //! envelope every line is `Raw`. The older shape `{payloads, meta: {agentMeta: {sessionId,
 //! provider, model, usage}, aborted, error}}` is read too.
 
-use super::{
+use crate::providers::{
     StreamParser, bool_of, cap, count_of, number_of, obj_of, raw, str_of, str_or_empty, turns,
 };
 use agentscope_schemas::v1::{
@@ -24,7 +24,7 @@ use agentscope_schemas::v1::{
 use serde_json::{Map, Value};
 use std::collections::VecDeque;
 
-pub const PROVIDER: &str = "openclaw";
+pub const PROVIDER: &str = agentscope_domain::Provider::Openclaw.as_str();
 
 /// How much output is held for the envelope search.
 pub const MAX_BUFFER_BYTES: usize = 8 * 1024 * 1024;
@@ -181,7 +181,11 @@ impl OpenclawParser {
         out.push(Body::Result(ResultEvent {
             is_error: !ok,
             text,
-            turns: turns(field("assistantTurns").and_then(super::count).unwrap_or(0)),
+            turns: turns(
+                field("assistantTurns")
+                    .and_then(crate::providers::count)
+                    .unwrap_or(0),
+            ),
         }));
     }
 }

@@ -20,14 +20,16 @@
 //!   adapter turns into Approvals) is answered with a JSON-RPC error so that Codex never waits;
 //! - everything else (deltas, status changes, rate limits, …) → `Raw`.
 
-use super::{StreamParser, cap, count_of, json_line, json_text, obj_of, str_of, str_or_empty};
+use crate::providers::{
+    StreamParser, cap, count_of, json_line, json_text, obj_of, str_of, str_or_empty,
+};
 use agentscope_schemas::v1::{
     AssistantMessage, ErrorEvent, FileChange, Result as ResultEvent, SessionStarted, ToolCall,
     ToolResult, Usage, execution_event::Body,
 };
 use serde_json::{Map, Value, json};
 
-pub const PROVIDER: &str = "codex";
+pub const PROVIDER: &str = agentscope_domain::Provider::Codex.as_str();
 
 /// The id of the host's `thread/start` or `thread/resume` request.
 pub const THREAD_REQUEST_ID: u64 = 2;
@@ -139,7 +141,7 @@ impl CodexAppParser {
                 out.push(Body::Result(ResultEvent {
                     is_error: failed,
                     text,
-                    turns: super::turns(self.turns),
+                    turns: crate::providers::turns(self.turns),
                 }));
             }
             "error" => {

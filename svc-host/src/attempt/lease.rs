@@ -1,0 +1,34 @@
+//! The lease keeper of a running attempt.
+
+use super::Assignment;
+use crate::Ctx;
+use agentscope_schemas::Message;
+use agentscope_schemas::v1::LeaseRecord;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Keeps the lease alive (`agentscope_bus::lease`): a renewal applied while its reply was lost
+/// is still ours, and a lease that cannot be renewed is given up before its TTL ends, so the
+/// provider stops before any other host may start the same work. Fires `lost` when it ends.
+pub async fn keep_lease(ctx: Ctx, a: Assignment, lost: CancellationToken, done: CancellationToken) {
+    let ttl = Duration::from_millis(ctx.lease_ttl_ms());
+    // The value never changes while the lease is held: equal value means "still ours".
+    let record = LeaseRecord {
+        attempt_id: a.attempt_id.clone(),
+        host_id: ctx.host_id.to_string(),
+        token: a.lease_token,
+        acquired_at_ms: 0,
+        renewed_at_ms: 0,
+    };
+    let lease = agentscope_bus::lease::Lease::held(
+        &ctx.leases,
+        &a.lease_key,
+        record.encode_to_vec().into(),
+        a.lease_revision,
+        ttl,
+    );
+    if let Some(why) = lease.keep(done).await {
+        tracing::warn!(attempt_id = %a.attempt_id, reason = %why, "lease lost; stopping the provider");
+        lost.cancel();
+    }
+}
