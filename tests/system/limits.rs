@@ -199,6 +199,15 @@ async fn limits_hold_with_two_schedulers() {
         left.is_empty(),
         "counters left after every attempt ended: {left:?}"
     );
+    // Claims and recorder batches lock the counters in one global order: PostgreSQL never had
+    // to break a deadlock between them (it would after a second, and a batch would replay).
+    let deadlocks: i64 = sqlx::query_scalar(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(deadlocks, 0, "deadlocks in the database");
     // Both schedulers took part.
     for health in [stack.scheduler_health.clone(), second_health] {
         let answered = claims_answered(&health).await;
