@@ -227,6 +227,54 @@ pub(crate) async fn lock(tx: &mut Tx<'_>, attempt_id: Uuid) -> Result<Option<Act
     }))
 }
 
+/// Locks the rows of `ids` in id order (one statement; two transactions that lock overlapping
+/// sets this way cannot deadlock on them). Unknown ids are left out.
+pub(crate) async fn lock_many(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<Vec<Active>, Error> {
+    let rows = sqlx::query!(
+        "SELECT id, task_id, number, status, lease_token, host_id, pool_id, last_seq
+         FROM attempts WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        ids,
+    )
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            Ok(Active {
+                id: row.id,
+                task_id: row.task_id,
+                number: row.number,
+                status: AttemptStatus::parse(&row.status)
+                    .ok_or_else(|| Error::Rejected(format!("unknown status {}", row.status)))?,
+                lease_token: row.lease_token,
+                host_id: row.host_id,
+                pool_id: row.pool_id,
+                last_seq: row.last_seq,
+            })
+        })
+        .collect()
+}
+
+/// Locks the concurrency counters that ending these attempts will move, in the global order
+/// claims use (workspace, pool, agents by id, hosts by id). A transaction that ends several
+/// attempts would otherwise take them in the order of its attempts, and two such transactions,
+/// or one and a claim, could each hold a counter the other waits for.
+pub(crate) async fn lock_counters_of(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<(), Error> {
+    sqlx::query!(
+        r#"SELECT c.active FROM attempt_counts c
+           JOIN (SELECT 'workspace'::text AS scope, workspace_id AS id FROM attempts WHERE id = ANY($1)
+                 UNION SELECT 'pool', pool_id FROM attempts WHERE id = ANY($1) AND pool_id IS NOT NULL
+                 UNION SELECT 'agent', agent_id FROM attempts WHERE id = ANY($1)
+                 UNION SELECT 'host', host_id FROM attempts WHERE id = ANY($1) AND host_id IS NOT NULL) k
+             ON c.scope = k.scope AND c.id = k.id
+           ORDER BY CASE c.scope WHEN 'workspace' THEN 0 WHEN 'pool' THEN 1 WHEN 'agent' THEN 2 ELSE 3 END, c.id
+           FOR UPDATE OF c"#,
+        ids,
+    )
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// Moves an attempt to a terminal status and, when the class is retryable and the policy
 /// allows, creates the next Attempt in the same transaction. Returns the retry's pool to nudge.
 pub(crate) async fn finish(

@@ -345,7 +345,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     let mut ids: Vec<Uuid> = by_attempt.iter().map(|(a, _)| *a).collect();
     ids.sort();
     let mut tx = ctx.db.begin().await?;
-    let locked = lock_all(&mut tx, &ids).await?;
+    let locked = attempts::lock_many(&mut tx, &ids).await?;
 
     let mut rows = Rows::default();
     let mut last_seqs: (Vec<Uuid>, Vec<i64>) = (vec![], vec![]);
@@ -489,6 +489,17 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         .execute(&mut *tx)
         .await?;
     }
+    // Several ends in one transaction: their counters first, in the global order.
+    let ending: Vec<Uuid> = changes
+        .iter()
+        .filter_map(|(_, c)| match c {
+            Change::Finish { a, .. } => Some(a.id),
+            _ => None,
+        })
+        .collect();
+    if ending.len() > 1 {
+        attempts::lock_counters_of(&mut tx, &ending).await?;
+    }
     // Transitions in event order, each against the attempt as the events before it left it.
     for (i, change) in changes {
         let attempt_id = items[i].ev.as_ref().expect("checked item").0;
@@ -568,20 +579,6 @@ fn copy(a: &attempts::Active) -> attempts::Active {
         pool_id: a.pool_id,
         last_seq: a.last_seq,
     }
-}
-
-/// Locks the rows of `ids` (sorted, so two transactions lock in the same order).
-async fn lock_all(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    ids: &[Uuid],
-) -> Result<Vec<attempts::Active>, Error> {
-    let mut out = Vec::with_capacity(ids.len());
-    for id in ids {
-        if let Some(a) = attempts::lock(tx, *id).await? {
-            out.push(a);
-        }
-    }
-    Ok(out)
 }
 
 enum Outcome {
