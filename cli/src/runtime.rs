@@ -2,6 +2,7 @@
 
 use crate::api::*;
 use crate::output::*;
+use agentscope_api::sse::SseParser;
 use anyhow::Result;
 use anyhow::{anyhow, bail};
 use clap::Subcommand;
@@ -56,67 +57,6 @@ pub(crate) async fn logs(api: &Api, raw_id: &str, follow: bool, json: bool) -> R
             return Ok(());
         }
         after = Some(next.to_string());
-    }
-}
-
-/// One parsed server-sent event.
-struct SseEvent {
-    id: Option<String>,
-    event: String,
-    data: String,
-}
-
-/// An incremental `text/event-stream` parser.
-#[derive(Default)]
-struct SseParser {
-    buf: Vec<u8>,
-    id: Option<String>,
-    event: Option<String>,
-    data: Vec<String>,
-}
-
-impl SseParser {
-    fn feed(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
-        self.buf.extend_from_slice(chunk);
-        let mut events = Vec::new();
-        while let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
-            let raw: Vec<u8> = self.buf.drain(..=pos).collect();
-            let line = String::from_utf8_lossy(&raw);
-            if let Some(ev) = self.line(line.trim_end_matches(['\n', '\r'])) {
-                events.push(ev);
-            }
-        }
-        events
-    }
-
-    fn line(&mut self, line: &str) -> Option<SseEvent> {
-        if line.is_empty() {
-            let data = std::mem::take(&mut self.data);
-            let event = self.event.take();
-            let id = self.id.take();
-            if data.is_empty() && event.is_none() {
-                return None;
-            }
-            return Some(SseEvent {
-                id,
-                event: event.unwrap_or_else(|| "message".into()),
-                data: data.join("\n"),
-            });
-        }
-        if line.starts_with(':') {
-            return None;
-        }
-        let (field, value) = match line.split_once(':') {
-            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
-            None => (line, ""),
-        };
-        match field {
-            "id" => self.id = Some(value.to_string()),
-            "event" => self.event = Some(value.to_string()),
-            "data" => self.data.push(value.to_string()),
-            _ => {}
-        }
-        None
     }
 }
 

@@ -162,21 +162,7 @@ impl App {
                 sweep(runner.clone(), every, stop)
             });
         }
-        let probe_nats = nats.clone();
-        let probe: health::Probe = Arc::new(move || {
-            let db = db.clone();
-            let nats = probe_nats.clone();
-            Box::pin(async move {
-                if nats.connection_state() != async_nats::connection::State::Connected {
-                    return Err("nats: not connected".into());
-                }
-                sqlx::query_scalar!("SELECT 1 AS one")
-                    .fetch_one(&db)
-                    .await
-                    .map_err(|e| format!("postgres: {e}"))?;
-                Ok(())
-            })
-        });
+        let probe = health::nats_and_postgres(nats.clone(), db.clone());
         let (health_addr, health_task) = health::serve(
             &config.health_addr,
             "svc-dataplane",
@@ -188,15 +174,8 @@ impl App {
         .with_context(|| format!("bind health listener {}", config.health_addr))?;
         // The listener is bound above (its address is known before `build` returns); the
         // supervisor owns the task serving it.
-        let health_task = Mutex::new(Some(health_task));
-        sup.spawn("health", Policy::Critical, move |_stop| {
-            let task = health_task.lock().unwrap_or_else(|e| e.into_inner()).take();
-            async move {
-                match task {
-                    Some(task) => task.await.context("health listener"),
-                    None => anyhow::bail!("the health listener cannot be started again"),
-                }
-            }
+        sup.spawn_once("health", move |_stop| async move {
+            health_task.await.context("health listener")
         });
         tracing::info!(%health_addr, "svc-dataplane listening for health checks");
         Ok(App {

@@ -31,41 +31,41 @@ use uuid::Uuid;
 /// The id of Worker `name` in `workspace_id`.
 pub use agentscope_domain::worker_id;
 
-/// Answers Worker registrations (any replica; queue group `dataplane`) until `cancel` fires; an
-/// error when the subscription cannot be made or ends.
+/// Answers Worker registrations (any replica; queue group `dataplane`, one at a time) until
+/// `cancel` fires; an error when the subscription cannot be made or ends.
 pub async fn serve_registrations(
     db: sqlx::PgPool,
     nats: async_nats::Client,
     heartbeat_ms: u32,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut sub = nats
-        .queue_subscribe(
-            agentscope_bus::subjects::WORKER_REGISTER,
-            "dataplane".into(),
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("subscribe worker registrations: {e}"))?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = sub.next() => match m {
-                Some(m) => m,
-                None => anyhow::bail!("the subscription to worker registrations ended"),
-            },
-        };
-        let Some(reply) = msg.reply.clone() else {
-            continue;
-        };
-        let answer = match WorkerRegistration::decode(msg.payload.as_ref()) {
-            Err(_) => refused("malformed WorkerRegistration"),
-            Ok(r) => register(&db, &r, heartbeat_ms).await,
-        };
-        if let Err(e) = nats.publish(reply, answer.encode_to_vec().into()).await {
-            // The Worker asks again when its request times out.
-            tracing::warn!(error = %e, "answer a worker registration");
-        }
+    let at = agentscope_bus::Endpoint {
+        subject: agentscope_bus::subjects::WORKER_REGISTER,
+        queue_group: "dataplane",
+        concurrency: 1,
+    };
+    // A reply that cannot be sent is not retried: the Worker asks again when its request times
+    // out.
+    agentscope_bus::serve(
+        &nats,
+        at,
+        cancel.clone(),
+        |req: agentscope_bus::Request<WorkerRegistration>| {
+            let db = db.clone();
+            async move {
+                match req.body {
+                    Err(_) => refused("malformed WorkerRegistration"),
+                    Ok(r) => register(&db, &r, heartbeat_ms).await,
+                }
+            }
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("subscribe worker registrations: {e}"))?;
+    if !cancel.is_cancelled() {
+        anyhow::bail!("the subscription to worker registrations ended");
     }
+    Ok(())
 }
 
 fn refused(why: &str) -> WorkerRegistered {

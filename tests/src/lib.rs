@@ -624,44 +624,23 @@ pub async fn sse_collect(
         bail!("SSE {path} -> {}", res.status());
     }
     let mut body = res.bytes_stream();
-    let mut buf = String::new();
+    let mut parser = agentscope_api::sse::SseParser::default();
     let mut out = Vec::new();
-    let mut cur = Sse {
-        id: String::new(),
-        event: String::new(),
-        data: String::new(),
-    };
     let deadline = tokio::time::Instant::now() + within;
     loop {
         let chunk = tokio::time::timeout_at(deadline, body.next())
             .await
             .context("SSE stream did not end in time")?;
         let Some(chunk) = chunk else { return Ok(out) };
-        buf.push_str(&String::from_utf8_lossy(&chunk?));
-        while let Some(i) = buf.find('\n') {
-            let line = buf[..i].trim_end_matches('\r').to_string();
-            buf.drain(..=i);
-            if line.is_empty() {
-                if !cur.event.is_empty() || !cur.data.is_empty() {
-                    let done = cur.event == "end";
-                    out.push(std::mem::replace(
-                        &mut cur,
-                        Sse {
-                            id: String::new(),
-                            event: String::new(),
-                            data: String::new(),
-                        },
-                    ));
-                    if done || max.is_some_and(|m| out.len() >= m) {
-                        return Ok(out);
-                    }
-                }
-            } else if let Some(v) = line.strip_prefix("id:") {
-                cur.id = v.trim_start().to_string();
-            } else if let Some(v) = line.strip_prefix("event:") {
-                cur.event = v.trim_start().to_string();
-            } else if let Some(v) = line.strip_prefix("data:") {
-                cur.data.push_str(v.strip_prefix(' ').unwrap_or(v));
+        for ev in parser.feed(&chunk?) {
+            let done = ev.event == "end";
+            out.push(Sse {
+                id: ev.id.unwrap_or_default(),
+                event: ev.event,
+                data: ev.data,
+            });
+            if done || max.is_some_and(|m| out.len() >= m) {
+                return Ok(out);
             }
         }
     }

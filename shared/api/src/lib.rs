@@ -5,10 +5,12 @@
 //! tests) can read responses into them instead of indexing JSON by hand.
 //!
 //! Light on purpose: serde, uuid, chrono and utoipa's derive only; no HTTP or database types.
+//! [`sse`] reads the gateway's event streams back.
 
 pub mod error;
 pub mod requests;
 pub mod responses;
+pub mod sse;
 
 pub use error::{ErrorBody, ErrorDetail, codes};
 pub use requests::*;

@@ -208,7 +208,7 @@ impl fmt::Display for InputOutcome {
     }
 }
 
-/// Why an Attempt did not succeed (B6). Every class carries a remedy hint.
+/// Why an Attempt did not succeed. Every class carries a remedy hint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureClass {

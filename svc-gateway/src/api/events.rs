@@ -594,3 +594,32 @@ async fn finished(s: &AppState, scope: Scope, c: Cursor) -> ApiResult<Option<Str
     };
     Ok((terminal && caught_up).then_some(status))
 }
+
+#[cfg(test)]
+mod tests {
+    use agentscope_api::sse::{SseEvent, SseParser};
+
+    /// What [`super::frame`] writes, the clients' parser reads back as it was.
+    #[test]
+    fn frames_read_back() {
+        let mut out = bytes::BytesMut::new();
+        super::frame(&mut out, Some("c1"), "output", r#"{"line":"a"}"#);
+        super::frame(&mut out, None, "end", "two\nlines");
+        let got = SseParser::default().feed(&out);
+        assert_eq!(
+            got,
+            vec![
+                SseEvent {
+                    id: Some("c1".into()),
+                    event: "output".into(),
+                    data: r#"{"line":"a"}"#.into(),
+                },
+                SseEvent {
+                    id: None,
+                    event: "end".into(),
+                    data: "two\nlines".into(),
+                },
+            ]
+        );
+    }
+}

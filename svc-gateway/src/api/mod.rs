@@ -25,9 +25,8 @@ pub struct Route {
     pub method: &'static str,
     pub path: &'static str,
     pub summary: &'static str,
-    /// "bearer" (workspace API token), "task" (task-scoped executor credential), "admin"
-    /// (deployment admin token) or "none".
-    pub auth: &'static str,
+    /// The credential the route takes (its extractors check it; this is what the document says).
+    pub auth: RouteAuth,
     /// Success status.
     pub status: u16,
     pub handler: MethodRouter<AppState>,
@@ -37,6 +36,42 @@ pub struct Route {
     pub response: Option<SchemaFn>,
     /// Query parameters.
     pub query: fn() -> Vec<Value>,
+}
+
+/// The credential a route in the table takes. Routes outside the table (`/v1/openapi.json`,
+/// health and metrics) take none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteAuth {
+    /// A workspace API token (`ags_...`).
+    Bearer,
+    /// A task-scoped executor credential (`agt_...`), valid while its attempt runs.
+    Task,
+    /// The deployment's admin token.
+    Admin,
+}
+
+impl RouteAuth {
+    pub const ALL: [RouteAuth; 3] = [RouteAuth::Bearer, RouteAuth::Task, RouteAuth::Admin];
+
+    /// The name of its security scheme in the document's components.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            RouteAuth::Bearer => "bearer",
+            RouteAuth::Task => "task",
+            RouteAuth::Admin => "admin",
+        }
+    }
+
+    /// Its security scheme's description.
+    fn description(self) -> &'static str {
+        match self {
+            RouteAuth::Bearer => "workspace API token (ags_...)",
+            RouteAuth::Task => {
+                "task-scoped executor credential (agt_...), valid while its attempt runs"
+            }
+            RouteAuth::Admin => "the deployment's admin token",
+        }
+    }
 }
 
 impl Route {
@@ -63,12 +98,12 @@ impl Route {
 }
 
 macro_rules! route {
-    (GET $path:literal, $h:path, $auth:literal, $summary:literal) => {
+    (GET $path:literal, $h:path, $auth:ident, $summary:literal) => {
         Route {
             method: "get",
             path: $path,
             summary: $summary,
-            auth: $auth,
+            auth: RouteAuth::$auth,
             status: 200,
             handler: get($h),
             body: None,
@@ -76,12 +111,12 @@ macro_rules! route {
             query: Vec::new,
         }
     };
-    (POST $path:literal, $h:path, $auth:literal, $status:literal, $summary:literal) => {
+    (POST $path:literal, $h:path, $auth:ident, $status:literal, $summary:literal) => {
         Route {
             method: "post",
             path: $path,
             summary: $summary,
-            auth: $auth,
+            auth: RouteAuth::$auth,
             status: $status,
             handler: post($h),
             body: None,
@@ -97,57 +132,57 @@ pub fn routes(config: &crate::Config) -> Vec<Route> {
     use work::*;
     let upload_limit = axum::extract::DefaultBodyLimit::max(config.max_artifact_bytes);
     vec![
-        route!(POST "/v1/workspaces", create_workspace, "admin", 201, "Create a workspace and its first API token").body::<t::NewWorkspace>().answers::<t::WorkspaceCreated>(),
-        route!(GET "/v1/workspace", get_workspace, "bearer", "The caller's workspace").answers::<t::Workspace>(),
-        route!(POST "/v1/api-tokens", create_api_token, "bearer", 201, "Create a workspace API token").body::<t::NewToken>().answers::<t::TokenCreated>(),
-        route!(POST "/v1/host-tokens", create_host_token, "bearer", 201, "Create a host registration token").body::<t::NewToken>().answers::<t::TokenCreated>(),
-        route!(POST "/v1/worker-tokens", create_worker_token, "bearer", 201, "Create a self-hosted Worker token").body::<t::NewToken>().answers::<t::TokenCreated>(),
-        route!(POST "/v1/agents", create_agent, "bearer", 201, "Create an agent with its first version").body::<t::NewAgent>().answers::<t::Agent>(),
-        route!(GET "/v1/agents", list_agents, "bearer", "List agents").answers::<t::AgentList>(),
-        route!(GET "/v1/agents/{id}", get_agent, "bearer", "Show an agent and its current version").answers::<t::Agent>(),
-        route!(POST "/v1/agents/{id}/versions", create_version, "bearer", 201, "Save a new immutable agent version").body::<t::NewVersion>().answers::<t::VersionSummary>(),
-        route!(GET "/v1/agents/{id}/versions", list_versions, "bearer", "List an agent's versions").answers::<t::AgentVersionList>(),
-        route!(POST "/v1/runtime-profiles", create_profile, "bearer", 201, "Create a runtime profile").body::<t::NewProfile>().answers::<t::RuntimeProfile>(),
-        route!(GET "/v1/runtime-profiles", list_profiles, "bearer", "List runtime profiles").answers::<t::RuntimeProfileList>(),
-        route!(POST "/v1/pools", create_pool, "bearer", 201, "Create a pool").body::<t::NewPool>().answers::<t::Pool>(),
-        route!(GET "/v1/pools", list_pools, "bearer", "List pools").answers::<t::PoolList>(),
-        route!(POST "/v1/bindings", create_binding, "bearer", 201, "Bind an agent to a pool and runtime profile").body::<t::NewBinding>().answers::<t::Binding>(),
-        route!(GET "/v1/bindings", list_bindings, "bearer", "List bindings").answers::<t::BindingList>(),
-        route!(GET "/v1/hosts", list_hosts, "bearer", "List hosts with their three checks").answers::<t::HostList>(),
-        route!(GET "/v1/hosts/{id}", get_host, "bearer", "Show a host with its three checks").answers::<t::Host>(),
-        route!(POST "/v1/issues", create_issue, "bearer", 201, "Create an issue; with an assignee it becomes a task").body::<t::NewIssue>().answers::<t::IssueCreated>(),
-        route!(GET "/v1/issues", list_issues, "bearer", "List issues").answers::<t::IssueList>(),
-        route!(GET "/v1/issues/{id}", get_issue, "bearer", "Show an issue").answers::<t::Issue>(),
-        route!(POST "/v1/issues/{id}/comments", create_comment, "bearer", 201, "Comment on an issue").body::<t::NewComment>().answers::<t::Comment>(),
-        route!(GET "/v1/issues/{id}/comments", list_comments, "bearer", "List an issue's comments").answers::<t::CommentList>(),
-        route!(POST "/v1/tasks", create_task, "bearer", 201, "Submit a task (idempotent with idempotency_key: a repeat answers 200 with the first task)").body::<t::NewTask>().answers::<t::Task>(),
-        route!(GET "/v1/tasks", list_tasks, "bearer", "List tasks").query::<t::TaskFilter>().answers::<t::TaskList>(),
-        route!(GET "/v1/tasks/{id}", get_task, "bearer", "Show a task with its attempts").answers::<t::Task>(),
-        route!(POST "/v1/tasks/{id}/cancel", cancel_task, "bearer", 202, "Cancel a task").optional_body::<t::CancelTask>().answers::<t::Task>(),
-        route!(GET "/v1/tasks/{id}/explain", explain::explain, "bearer", "Why a task waits or failed: each host's failing predicate, or the failure class, evidence and remedy").answers::<t::Explanation>(),
-        route!(GET "/v1/tasks/{id}/events", task_events, "bearer", "A task's events across attempts (JSON, or SSE with follow)").query::<t::EventQuery>().answers::<t::EventPage>(),
-        route!(GET "/v1/attempts/{id}", get_attempt, "bearer", "Show an attempt").answers::<t::Attempt>(),
-        route!(GET "/v1/attempts/{id}/events", attempt_events, "bearer", "An attempt's events (JSON, or SSE with follow)").query::<t::EventQuery>().answers::<t::EventPage>(),
-        route!(GET "/v1/issues/{id}/artifacts", artifacts::list_for_issue, "bearer", "List an issue's Artifacts").answers::<t::ArtifactList>(),
-        route!(GET "/v1/tasks/{id}/artifacts", artifacts::list_for_task, "bearer", "List a task's Artifacts").answers::<t::ArtifactList>(),
-        route!(GET "/v1/artifacts/{id}", artifacts::get, "bearer", "Show an Artifact's metadata").answers::<t::Artifact>(),
-        route!(GET "/v1/artifacts/{id}/content", artifacts::content, "bearer", "Download an Artifact"),
-        route!(GET "/v1/approvals", approvals::list, "bearer", "List approvals (filter by status, task_id, session_id)").query::<t::ApprovalFilter>().answers::<t::ApprovalList>(),
-        route!(GET "/v1/approvals/{id}", approvals::get, "bearer", "Show an approval").answers::<t::Approval>(),
-        route!(POST "/v1/approvals/{id}/approve", approvals::approve, "bearer", 200, "Allow a tool request (once; a conflicting second decision is refused)").optional_body::<t::Decision>().answers::<t::Approval>(),
-        route!(POST "/v1/approvals/{id}/deny", approvals::deny, "bearer", 200, "Deny a tool request (once)").optional_body::<t::Decision>().answers::<t::Approval>(),
-        route!(POST "/v1/secrets", secrets::put, "bearer", 201, "Store (or replace) a tool credential in the Vault; its value is never returned").body::<t::NewSecret>().answers::<t::SecretStored>(),
-        route!(GET "/v1/secrets", secrets::list, "bearer", "List the Vault's secret names and key ids (never values)").answers::<t::SecretList>(),
-        route!(POST "/v1/secrets/rotate", secrets::rotate, "bearer", 200, "Re-seal every secret under the current Vault key (no body)").answers::<t::Rotated>(),
-        route!(POST "/v1/sessions", sessions::create, "bearer", 201, "Start a managed session of a managed agent, pinned to its current version (idempotent with idempotency_key: a repeat answers 200 with the first session)").body::<t::NewSession>().answers::<t::Session>(),
-        route!(GET "/v1/sessions/{id}", sessions::get, "bearer", "Show a session: status, pinned version, inputs and their outcomes").answers::<t::Session>(),
-        route!(POST "/v1/sessions/{id}/inputs", sessions::submit, "bearer", 202, "Submit work to a session (idempotent with idempotency_key: a repeat answers 200)").body::<t::NewInput>().answers::<t::InputAccepted>(),
-        route!(GET "/v1/sessions/{id}/events", sessions::events, "bearer", "A session's events").answers::<t::SessionEventList>(),
-        route!(GET "/v1/task", task_api::context, "task", "Executor: the task, its Issue, comments, input and Artifacts").answers::<t::TaskContext>(),
-        route!(POST "/v1/task/comments", task_api::comment, "task", 201, "Executor: comment on the task's Issue").body::<t::NewTaskComment>().answers::<t::Comment>(),
+        route!(POST "/v1/workspaces", create_workspace, Admin, 201, "Create a workspace and its first API token").body::<t::NewWorkspace>().answers::<t::WorkspaceCreated>(),
+        route!(GET "/v1/workspace", get_workspace, Bearer, "The caller's workspace").answers::<t::Workspace>(),
+        route!(POST "/v1/api-tokens", create_api_token, Bearer, 201, "Create a workspace API token").body::<t::NewToken>().answers::<t::TokenCreated>(),
+        route!(POST "/v1/host-tokens", create_host_token, Bearer, 201, "Create a host registration token").body::<t::NewToken>().answers::<t::TokenCreated>(),
+        route!(POST "/v1/worker-tokens", create_worker_token, Bearer, 201, "Create a self-hosted Worker token").body::<t::NewToken>().answers::<t::TokenCreated>(),
+        route!(POST "/v1/agents", create_agent, Bearer, 201, "Create an agent with its first version").body::<t::NewAgent>().answers::<t::Agent>(),
+        route!(GET "/v1/agents", list_agents, Bearer, "List agents").answers::<t::AgentList>(),
+        route!(GET "/v1/agents/{id}", get_agent, Bearer, "Show an agent and its current version").answers::<t::Agent>(),
+        route!(POST "/v1/agents/{id}/versions", create_version, Bearer, 201, "Save a new immutable agent version").body::<t::NewVersion>().answers::<t::VersionSummary>(),
+        route!(GET "/v1/agents/{id}/versions", list_versions, Bearer, "List an agent's versions").answers::<t::AgentVersionList>(),
+        route!(POST "/v1/runtime-profiles", create_profile, Bearer, 201, "Create a runtime profile").body::<t::NewProfile>().answers::<t::RuntimeProfile>(),
+        route!(GET "/v1/runtime-profiles", list_profiles, Bearer, "List runtime profiles").answers::<t::RuntimeProfileList>(),
+        route!(POST "/v1/pools", create_pool, Bearer, 201, "Create a pool").body::<t::NewPool>().answers::<t::Pool>(),
+        route!(GET "/v1/pools", list_pools, Bearer, "List pools").answers::<t::PoolList>(),
+        route!(POST "/v1/bindings", create_binding, Bearer, 201, "Bind an agent to a pool and runtime profile").body::<t::NewBinding>().answers::<t::Binding>(),
+        route!(GET "/v1/bindings", list_bindings, Bearer, "List bindings").answers::<t::BindingList>(),
+        route!(GET "/v1/hosts", list_hosts, Bearer, "List hosts with their three checks").answers::<t::HostList>(),
+        route!(GET "/v1/hosts/{id}", get_host, Bearer, "Show a host with its three checks").answers::<t::Host>(),
+        route!(POST "/v1/issues", create_issue, Bearer, 201, "Create an issue; with an assignee it becomes a task").body::<t::NewIssue>().answers::<t::IssueCreated>(),
+        route!(GET "/v1/issues", list_issues, Bearer, "List issues").answers::<t::IssueList>(),
+        route!(GET "/v1/issues/{id}", get_issue, Bearer, "Show an issue").answers::<t::Issue>(),
+        route!(POST "/v1/issues/{id}/comments", create_comment, Bearer, 201, "Comment on an issue").body::<t::NewComment>().answers::<t::Comment>(),
+        route!(GET "/v1/issues/{id}/comments", list_comments, Bearer, "List an issue's comments").answers::<t::CommentList>(),
+        route!(POST "/v1/tasks", create_task, Bearer, 201, "Submit a task (idempotent with idempotency_key: a repeat answers 200 with the first task)").body::<t::NewTask>().answers::<t::Task>(),
+        route!(GET "/v1/tasks", list_tasks, Bearer, "List tasks").query::<t::TaskFilter>().answers::<t::TaskList>(),
+        route!(GET "/v1/tasks/{id}", get_task, Bearer, "Show a task with its attempts").answers::<t::Task>(),
+        route!(POST "/v1/tasks/{id}/cancel", cancel_task, Bearer, 202, "Cancel a task").optional_body::<t::CancelTask>().answers::<t::Task>(),
+        route!(GET "/v1/tasks/{id}/explain", explain::explain, Bearer, "Why a task waits or failed: each host's failing predicate, or the failure class, evidence and remedy").answers::<t::Explanation>(),
+        route!(GET "/v1/tasks/{id}/events", task_events, Bearer, "A task's events across attempts (JSON, or SSE with follow)").query::<t::EventQuery>().answers::<t::EventPage>(),
+        route!(GET "/v1/attempts/{id}", get_attempt, Bearer, "Show an attempt").answers::<t::Attempt>(),
+        route!(GET "/v1/attempts/{id}/events", attempt_events, Bearer, "An attempt's events (JSON, or SSE with follow)").query::<t::EventQuery>().answers::<t::EventPage>(),
+        route!(GET "/v1/issues/{id}/artifacts", artifacts::list_for_issue, Bearer, "List an issue's Artifacts").answers::<t::ArtifactList>(),
+        route!(GET "/v1/tasks/{id}/artifacts", artifacts::list_for_task, Bearer, "List a task's Artifacts").answers::<t::ArtifactList>(),
+        route!(GET "/v1/artifacts/{id}", artifacts::get, Bearer, "Show an Artifact's metadata").answers::<t::Artifact>(),
+        route!(GET "/v1/artifacts/{id}/content", artifacts::content, Bearer, "Download an Artifact"),
+        route!(GET "/v1/approvals", approvals::list, Bearer, "List approvals (filter by status, task_id, session_id)").query::<t::ApprovalFilter>().answers::<t::ApprovalList>(),
+        route!(GET "/v1/approvals/{id}", approvals::get, Bearer, "Show an approval").answers::<t::Approval>(),
+        route!(POST "/v1/approvals/{id}/approve", approvals::approve, Bearer, 200, "Allow a tool request (once; a conflicting second decision is refused)").optional_body::<t::Decision>().answers::<t::Approval>(),
+        route!(POST "/v1/approvals/{id}/deny", approvals::deny, Bearer, 200, "Deny a tool request (once)").optional_body::<t::Decision>().answers::<t::Approval>(),
+        route!(POST "/v1/secrets", secrets::put, Bearer, 201, "Store (or replace) a tool credential in the Vault; its value is never returned").body::<t::NewSecret>().answers::<t::SecretStored>(),
+        route!(GET "/v1/secrets", secrets::list, Bearer, "List the Vault's secret names and key ids (never values)").answers::<t::SecretList>(),
+        route!(POST "/v1/secrets/rotate", secrets::rotate, Bearer, 200, "Re-seal every secret under the current Vault key (no body)").answers::<t::Rotated>(),
+        route!(POST "/v1/sessions", sessions::create, Bearer, 201, "Start a managed session of a managed agent, pinned to its current version (idempotent with idempotency_key: a repeat answers 200 with the first session)").body::<t::NewSession>().answers::<t::Session>(),
+        route!(GET "/v1/sessions/{id}", sessions::get, Bearer, "Show a session: status, pinned version, inputs and their outcomes").answers::<t::Session>(),
+        route!(POST "/v1/sessions/{id}/inputs", sessions::submit, Bearer, 202, "Submit work to a session (idempotent with idempotency_key: a repeat answers 200)").body::<t::NewInput>().answers::<t::InputAccepted>(),
+        route!(GET "/v1/sessions/{id}/events", sessions::events, Bearer, "A session's events").answers::<t::SessionEventList>(),
+        route!(GET "/v1/task", task_api::context, Task, "Executor: the task, its Issue, comments, input and Artifacts").answers::<t::TaskContext>(),
+        route!(POST "/v1/task/comments", task_api::comment, Task, 201, "Executor: comment on the task's Issue").body::<t::NewTaskComment>().answers::<t::Comment>(),
         Route {
             handler: post(artifacts::upload).layer(upload_limit),
-            ..route!(POST "/v1/task/artifacts", artifacts::upload, "task", 201, "Executor: upload an Artifact (raw body, ?name=FILE, Content-Type kept)")
+            ..route!(POST "/v1/task/artifacts", artifacts::upload, Task, 201, "Executor: upload an Artifact (raw body, ?name=FILE, Content-Type kept)")
         }
         .query::<t::UploadQuery>()
         .answers::<t::ArtifactUploaded>(),
@@ -166,9 +201,8 @@ fn error_statuses(r: &Route) -> Vec<(u16, &'static str)> {
     if has_id || has_query || takes_body || r.path.ends_with("/events") {
         out.push((400, "the request cannot be read: `malformed_json`, `invalid_id`, `invalid_query`, `invalid_cursor` or `invalid_field` (a value out of range)"));
     }
-    if r.auth != "none" {
-        out.push((401, "`unauthorized`: no valid credential for this route"));
-    }
+    // Every route in the table takes a credential (a [`RouteAuth`]).
+    out.push((401, "`unauthorized`: no valid credential for this route"));
     // A session names its agent and Issue in its body; they are looked up like ids.
     if has_id || r.path == "/v1/sessions" {
         out.push((
@@ -255,12 +289,7 @@ pub fn openapi(routes: &[Route]) -> Value {
         } else if r.path == "/v1/task/artifacts" {
             op["requestBody"] = json!({"required": true, "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}});
         }
-        op["security"] = match r.auth {
-            "none" => json!([]),
-            "admin" => json!([{"admin": []}]),
-            "task" => json!([{"task": []}]),
-            _ => json!([{"bearer": []}]),
-        };
+        op["security"] = json!([{ r.auth.scheme(): [] }]);
         entry[r.method] = op;
     }
     let components: Map<String, Value> = schemas
@@ -272,17 +301,23 @@ pub fn openapi(routes: &[Route]) -> Value {
             )
         })
         .collect();
+    // Every credential is an HTTP bearer token; they differ in what issues them.
+    let security_schemes: Map<String, Value> = RouteAuth::ALL
+        .into_iter()
+        .map(|a| {
+            (
+                a.scheme().to_string(),
+                json!({"type": "http", "scheme": "bearer", "description": a.description()}),
+            )
+        })
+        .collect();
     json!({
         "openapi": "3.1.0",
         "info": {"title": "agentscope", "version": env!("CARGO_PKG_VERSION")},
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {
-                "bearer": {"type": "http", "scheme": "bearer", "description": "workspace API token (ags_...)"},
-                "admin": {"type": "http", "scheme": "bearer", "description": "the deployment's admin token"},
-                "task": {"type": "http", "scheme": "bearer", "description": "task-scoped executor credential (agt_...), valid while its attempt runs"},
-            },
+            "securitySchemes": security_schemes,
         },
     })
 }

@@ -9,7 +9,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body, Id};
 use agentscope_api as t;
 use agentscope_api::{NewInput, NewSession};
-use agentscope_domain::MANAGED_PROVIDER;
+use agentscope_domain::{MANAGED_PROVIDER, SessionStatus};
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -253,8 +253,9 @@ pub async fn submit(
         )
         .fetch_all(&s.db)
         .await?;
+        let status = st.as_deref().and_then(SessionStatus::parse);
         (
-            st.is_some_and(|s| s == "awaiting_approval") || !pending.is_empty(),
+            status == Some(SessionStatus::AwaitingApproval) || !pending.is_empty(),
             pending,
         )
     };
@@ -350,7 +351,7 @@ async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Sessio
         r#"SELECT json_build_object('id', s.id, 'agent_id', s.agent_id, 'environment', s.environment,
             'worker', s.worker, 'issue_id', s.issue_id,
             'agent_version', json_build_object('id', v.id, 'version', v.version),
-            'status', COALESCE(st.status, 'queued'), 'detail', COALESCE(st.detail, ''),
+            'status', COALESCE(st.status, $3), 'detail', COALESCE(st.detail, ''),
             'created_at', s.created_at,
             'inputs', (SELECT COALESCE(json_agg(json_build_object('id', i.id, 'text', i.text,
                     'idempotency_key', i.idempotency_key,
@@ -364,6 +365,8 @@ async fn session_json(s: &AppState, auth: Auth, id: Uuid) -> ApiResult<t::Sessio
          WHERE s.id = $1 AND s.workspace_id = $2"#,
         id,
         auth.workspace_id,
+        // A session no replica has taken up yet has no state row.
+        SessionStatus::Queued.as_str(),
     )
     .fetch_optional(&s.db)
     .await?;

@@ -135,9 +135,8 @@ async fn follow(
     }
     let _ = ready.send(()).await;
     let mut body = res.bytes_stream();
-    let mut buf: Vec<u8> = Vec::new();
+    let mut parser = agentscope_api::sse::SseParser::default();
     let mut out = Vec::new();
-    let (mut id, mut event, mut data) = (String::new(), String::new(), String::new());
     let deadline = tokio::time::Instant::now() + within;
     loop {
         let chunk = tokio::time::timeout_at(deadline, body.next())
@@ -147,34 +146,16 @@ async fn follow(
             return Ok((out, false));
         };
         let recv_ms = now_ms();
-        buf.extend_from_slice(&chunk?);
-        let mut start = 0;
-        while let Some(i) = buf[start..].iter().position(|b| *b == b'\n') {
-            let line = String::from_utf8_lossy(&buf[start..start + i]);
-            let line = line.trim_end_matches('\r');
-            start += i + 1;
-            if line.is_empty() {
-                if event == "end" {
-                    return Ok((out, true));
-                }
-                if !event.is_empty() || !data.is_empty() {
-                    out.push(Got {
-                        id: std::mem::take(&mut id),
-                        recv_ms,
-                        at_ms: at_of(&data),
-                    });
-                }
-                event.clear();
-                data.clear();
-            } else if let Some(v) = line.strip_prefix("id:") {
-                id = v.trim_start().to_string();
-            } else if let Some(v) = line.strip_prefix("event:") {
-                event = v.trim_start().to_string();
-            } else if let Some(v) = line.strip_prefix("data:") {
-                data.push_str(v.strip_prefix(' ').unwrap_or(v));
+        for ev in parser.feed(&chunk?) {
+            if ev.event == "end" {
+                return Ok((out, true));
             }
+            out.push(Got {
+                id: ev.id.unwrap_or_default(),
+                recv_ms,
+                at_ms: at_of(&ev.data),
+            });
         }
-        buf.drain(..start);
     }
 }
 
