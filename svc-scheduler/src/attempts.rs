@@ -206,25 +206,7 @@ pub(crate) struct Active {
 
 /// Locks an attempt row for the rest of the transaction.
 pub(crate) async fn lock(tx: &mut Tx<'_>, attempt_id: Uuid) -> Result<Option<Active>, Error> {
-    let row = sqlx::query!(
-        "SELECT id, task_id, number, status, lease_token, host_id, pool_id, last_seq
-         FROM attempts WHERE id = $1 FOR UPDATE",
-        attempt_id,
-    )
-    .fetch_optional(&mut **tx)
-    .await?;
-    let Some(row) = row else { return Ok(None) };
-    Ok(Some(Active {
-        id: row.id,
-        task_id: row.task_id,
-        number: row.number,
-        status: AttemptStatus::parse(&row.status)
-            .ok_or_else(|| Error::Rejected(format!("unknown status {}", row.status)))?,
-        lease_token: row.lease_token,
-        host_id: row.host_id,
-        pool_id: row.pool_id,
-        last_seq: row.last_seq,
-    }))
+    Ok(lock_many(tx, &[attempt_id]).await?.pop())
 }
 
 /// Locks the rows of `ids` in id order (one statement; two transactions that lock overlapping
