@@ -2,15 +2,14 @@
 //! AGENTSCOPE_CONTROL.
 
 use crate::Ctx;
-use agentscope_bus::subjects;
-use agentscope_schemas::Message;
+use agentscope_bus::{Consume, subjects};
 use agentscope_schemas::v1::{HostCommand, host_command};
 use async_nats::jetstream::{self, AckKind, consumer::pull};
-use futures::StreamExt;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// Commands for this host (cancel) from its durable consumer on AGENTSCOPE_CONTROL.
+/// Commands for this host (cancels, approval decisions) from its durable consumer on
+/// AGENTSCOPE_CONTROL, through the bus's consumer loop; returns once `cancel` fires.
 pub(crate) async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let stream = loop {
         match ctx.js.get_stream(agentscope_bus::STREAM_CONTROL).await {
@@ -40,65 +39,75 @@ pub(crate) async fn control(ctx: Ctx, cancel: CancellationToken) -> anyhow::Resu
         )
         .await
         .map_err(|e| anyhow::anyhow!("create control consumer: {e}"))?;
-    let mut messages = consumer
+    let messages = consumer
         .messages()
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = messages.next() => match m {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => { tracing::warn!(error = %e, "control consumer"); continue }
-                None => return Ok(()),
-            },
-        };
-        match HostCommand::decode(msg.payload.as_ref()) {
-            Ok(HostCommand {
-                command: Some(host_command::Command::ApprovalDecision(d)),
-                ..
-            }) => {
-                let to = ctx
-                    .state
-                    .lock()
-                    .expect("host state")
-                    .decisions
-                    .get(&d.attempt_id)
-                    .cloned();
-                match to {
-                    Some(tx) => {
-                        tracing::info!(attempt_id = %d.attempt_id, request_id = %d.request_id, allow = d.allow, "approval decision");
-                        let _ = tx.send(d).await;
-                    }
-                    None => {
-                        tracing::debug!(attempt_id = %d.attempt_id, "decision for an attempt not running here")
-                    }
+    let ctx = &ctx;
+    // One command after another, in delivery order; every one is acked once handled, and a
+    // malformed one (logged by the loop) is acked too: dropped.
+    agentscope_bus::consume_decoded(
+        messages,
+        Consume {
+            name: "control",
+            concurrency: 1,
+        },
+        cancel,
+        |_, cmd: HostCommand| async move {
+            handle(ctx, cmd).await;
+            AckKind::Ack
+        },
+        |_, _| async { AckKind::Ack },
+    )
+    .await;
+    Ok(())
+}
+
+/// One command: a decision goes to its attempt's approvals, a cancel fires its cancel stop.
+async fn handle(ctx: &Ctx, cmd: HostCommand) {
+    match cmd {
+        HostCommand {
+            command: Some(host_command::Command::ApprovalDecision(d)),
+            ..
+        } => {
+            let to = ctx
+                .state
+                .lock()
+                .expect("host state")
+                .decisions
+                .get(&d.attempt_id)
+                .cloned();
+            match to {
+                Some(tx) => {
+                    tracing::info!(attempt_id = %d.attempt_id, request_id = %d.request_id, allow = d.allow, "approval decision");
+                    let _ = tx.send(d).await;
+                }
+                None => {
+                    tracing::debug!(attempt_id = %d.attempt_id, "decision for an attempt not running here")
                 }
             }
-            Ok(HostCommand {
-                command: Some(host_command::Command::Cancel(c)),
-                ..
-            }) => {
-                let stops = ctx
-                    .state
-                    .lock()
-                    .expect("host state")
-                    .running
-                    .get(&c.attempt_id)
-                    .cloned();
-                match stops {
-                    Some(s) => {
-                        tracing::info!(attempt_id = %c.attempt_id, "cancel requested");
-                        s.cancel.cancel();
-                    }
-                    None => {
-                        tracing::debug!(attempt_id = %c.attempt_id, "cancel for an attempt not running here")
-                    }
-                }
-            }
-            Ok(_) => tracing::debug!("control command ignored"),
-            Err(_) => tracing::warn!("malformed control command dropped"),
         }
-        let _ = msg.ack_with(AckKind::Ack).await;
+        HostCommand {
+            command: Some(host_command::Command::Cancel(c)),
+            ..
+        } => {
+            let stops = ctx
+                .state
+                .lock()
+                .expect("host state")
+                .running
+                .get(&c.attempt_id)
+                .cloned();
+            match stops {
+                Some(s) => {
+                    tracing::info!(attempt_id = %c.attempt_id, "cancel requested");
+                    s.cancel.cancel();
+                }
+                None => {
+                    tracing::debug!(attempt_id = %c.attempt_id, "cancel for an attempt not running here")
+                }
+            }
+        }
+        _ => tracing::debug!("control command ignored"),
     }
 }
