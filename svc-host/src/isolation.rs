@@ -1099,7 +1099,7 @@ mod tests {
             home: "/t/home".into(),
             tmp: "/t/tmp".into(),
         };
-        let spec = agentscope_schemas::v1::TaskSpec {
+        let spec = crate::attempt::Spec {
             command: vec!["env".into()],
             ..Default::default()
         };

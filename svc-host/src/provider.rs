@@ -3,9 +3,10 @@
 //! Architecture invariant: only svc-host spawns provider processes, always in their own process
 //! group, so that cancellation reaches the whole tree.
 
+use crate::attempt::Spec;
 use crate::providers::StreamParser;
 use agentscope_domain::{FailureClass, Provider};
-use agentscope_schemas::v1::{ProviderDescriptor, TaskSpec};
+use agentscope_schemas::v1::ProviderDescriptor;
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -68,7 +69,7 @@ impl Refusal {
 
 /// What an adapter needs to know to start its provider for one Attempt.
 pub struct LaunchCtx<'a> {
-    pub spec: &'a TaskSpec,
+    pub spec: &'a Spec,
     pub dir: &'a TaskDir,
     pub attempt_id: &'a str,
     /// The API and credential executors use for the platform's tools.
@@ -82,7 +83,7 @@ pub struct LaunchCtx<'a> {
 pub trait Adapter: Send + Sync {
     /// The provider this adapter runs.
     fn provider(&self) -> Provider;
-    /// Its name, as in `TaskSpec.provider`.
+    /// Its name, as in `Spec.provider`.
     fn name(&self) -> &'static str {
         self.provider().as_str()
     }

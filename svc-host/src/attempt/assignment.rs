@@ -1,7 +1,9 @@
-//! The Attempt as the host works with it. The protobuf `AttemptAssignment` stays at the edges:
-//! it is converted on receipt (a claim offer, a journal entry) and back only for the journal.
+//! The Attempt as the host works with it. The protobuf `AttemptAssignment` and its `TaskSpec`
+//! stay at the edges: they are converted on receipt (a claim offer, a journal entry) and back
+//! only for the journal.
 
 use agentscope_schemas::v1::{AttemptAssignment, TaskSpec};
+use std::collections::HashMap;
 
 /// An Attempt handed to this host.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -17,7 +19,7 @@ pub struct Assignment {
     /// The lease's current revision, renewed from by compare-and-set.
     pub lease_revision: u64,
     /// What to run: the task resolved with its runtime profile.
-    pub spec: TaskSpec,
+    pub spec: Spec,
     /// W3C trace context of the attempt (empty: none).
     pub traceparent: String,
     /// The executor's task-scoped credential; never logged, never in an event.
@@ -34,7 +36,7 @@ impl From<AttemptAssignment> for Assignment {
             lease_key: a.lease_key,
             lease_token: a.lease_token,
             lease_revision: a.lease_revision,
-            spec: a.spec.unwrap_or_default(),
+            spec: a.spec.unwrap_or_default().into(),
             traceparent: a.traceparent,
             task_token: a.task_token,
         }
@@ -52,9 +54,79 @@ impl Assignment {
             lease_key: self.lease_key.clone(),
             lease_token: self.lease_token,
             lease_revision: self.lease_revision,
-            spec: Some(self.spec.clone()),
+            spec: Some(self.spec.to_wire()),
             traceparent: self.traceparent.clone(),
             task_token: self.task_token.clone(),
+        }
+    }
+}
+
+/// What an Attempt runs, as the host uses it: the task resolved with its runtime profile (the
+/// fields of `TaskSpec` the host reads; the scheduler's agent and issue ids are not among them).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Spec {
+    /// The provider's name as the scheduler sent it (`agentscope_domain::Provider`'s name; one
+    /// this host has no adapter for fails the attempt naming it, so it is kept as sent).
+    pub provider: String,
+    /// A local path or URL to clone into the task directory; empty: none.
+    pub repository: String,
+    pub branch: String,
+    /// Input material, written to the task directory.
+    pub input: String,
+    pub instructions: String,
+    /// The runtime profile's parameters, checked by the adapter.
+    pub params: HashMap<String, String>,
+    pub issue_title: String,
+    pub issue_body: String,
+    /// The argv of the `command` provider.
+    pub command: Vec<String>,
+    /// The run timeout (0: the spec predates resolved timeouts) and where it comes from:
+    /// `task`, `profile` or the deployment default.
+    pub timeout_secs: u32,
+    pub timeout_source: String,
+    /// A retry's previous provider session, continued when it is on this host.
+    pub resume_session_id: String,
+    pub resume_from_attempt_id: String,
+}
+
+impl From<TaskSpec> for Spec {
+    fn from(s: TaskSpec) -> Self {
+        Spec {
+            provider: s.provider,
+            repository: s.repository,
+            branch: s.branch,
+            input: s.input,
+            instructions: s.instructions,
+            params: s.params,
+            issue_title: s.issue_title,
+            issue_body: s.issue_body,
+            command: s.command,
+            timeout_secs: s.timeout_secs,
+            timeout_source: s.timeout_source,
+            resume_session_id: s.resume_session_id,
+            resume_from_attempt_id: s.resume_from_attempt_id,
+        }
+    }
+}
+
+impl Spec {
+    /// The spec as the bus carries it (for the journal).
+    pub fn to_wire(&self) -> TaskSpec {
+        TaskSpec {
+            provider: self.provider.clone(),
+            repository: self.repository.clone(),
+            branch: self.branch.clone(),
+            input: self.input.clone(),
+            instructions: self.instructions.clone(),
+            params: self.params.clone(),
+            issue_title: self.issue_title.clone(),
+            issue_body: self.issue_body.clone(),
+            command: self.command.clone(),
+            timeout_secs: self.timeout_secs,
+            timeout_source: self.timeout_source.clone(),
+            resume_session_id: self.resume_session_id.clone(),
+            resume_from_attempt_id: self.resume_from_attempt_id.clone(),
+            ..Default::default()
         }
     }
 }
@@ -65,7 +137,7 @@ mod tests {
 
     #[test]
     fn the_wire_form_round_trips() {
-        let mut spec = TaskSpec {
+        let mut spec = Spec {
             provider: "command".into(),
             command: vec!["true".into()],
             ..Default::default()

@@ -7,13 +7,13 @@ use super::limits::{ModelWatch, run_limit};
 use super::scope::{scope_ids, scoped_id};
 use super::sink::EventSink;
 use super::task_dir::{INPUT_FILES, existing_task_dir, prepare};
-use super::{Assignment, Outcome, Stops, failed};
+use super::{Assignment, Outcome, Spec, Stops, failed};
 use crate::Ctx;
 use crate::isolation;
 use crate::process;
 use crate::provider::{self, Launch, RunAs, TaskDir};
 use agentscope_domain::{AttemptStatus, FailureClass};
-use agentscope_schemas::v1::{ApprovalDecision, TaskSpec, execution_event::Body};
+use agentscope_schemas::v1::{ApprovalDecision, execution_event::Body};
 use std::process::Stdio;
 use std::time::Duration;
 use tokio::io::BufReader;
@@ -179,7 +179,7 @@ async fn task_dir(
 async fn reuse_session(
     ctx: &Ctx,
     adapter: &dyn provider::Adapter,
-    spec: &TaskSpec,
+    spec: &Spec,
     dir: &TaskDir,
     sink: &mut EventSink,
 ) -> Option<String> {
@@ -235,7 +235,7 @@ async fn launch(
     ctx: &Ctx,
     a: &Assignment,
     adapter: &dyn provider::Adapter,
-    spec: &TaskSpec,
+    spec: &Spec,
     dir: &TaskDir,
     resumed_session: Option<&str>,
     who: Option<RunAs>,
@@ -419,7 +419,7 @@ async fn pump(
     stops: &Stops,
     decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,
     adapter: &dyn provider::Adapter,
-    spec: &TaskSpec,
+    spec: &Spec,
     launch: &Launch,
     started: Started,
     marker: &str,

@@ -29,7 +29,7 @@ impl ModelWatch {
 
 /// The run timeout of an attempt, from the scheduler's resolution (task, then runtime profile,
 /// then the deployment default), and the words naming the limit that applies.
-pub fn run_limit(spec: &agentscope_schemas::v1::TaskSpec) -> (Duration, String) {
+pub fn run_limit(spec: &super::Spec) -> (Duration, String) {
     /// An attempt whose spec carries no timeout (created before timeouts were resolved).
     const FALLBACK_SECS: u64 = 4 * 3600;
     let secs = match spec.timeout_secs {
@@ -67,7 +67,7 @@ mod tests {
 
     #[test]
     fn the_timeout_names_its_limit() {
-        let spec = |secs, source: &str| agentscope_schemas::v1::TaskSpec {
+        let spec = |secs, source: &str| super::super::Spec {
             timeout_secs: secs,
             timeout_source: source.into(),
             ..Default::default()

@@ -11,7 +11,7 @@ mod sink;
 mod task_dir;
 mod truncate;
 
-pub use assignment::Assignment;
+pub use assignment::{Assignment, Spec};
 pub use lease::keep_lease;
 pub use limits::{ModelWatch, run_limit};
 pub use scope::{scope_ids, scoped_id};

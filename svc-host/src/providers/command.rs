@@ -80,9 +80,9 @@ impl Adapter for CommandProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attempt::Spec;
     use crate::provider::TaskDir;
     use agentscope_domain::FailureClass;
-    use agentscope_schemas::v1::TaskSpec;
 
     #[test]
     fn command_provider_refuses_unknown_parameters_by_name() {
@@ -93,7 +93,7 @@ mod tests {
             home: "/tmp".into(),
             tmp: "/tmp".into(),
         };
-        let mut spec = TaskSpec {
+        let mut spec = Spec {
             command: vec!["true".into()],
             ..Default::default()
         };

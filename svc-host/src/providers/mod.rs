@@ -55,7 +55,7 @@ pub fn denied_message(tool: &str, reason: &str) -> String {
     }
 }
 
-/// The parser for a provider name as used in `TaskSpec.provider`; None for providers without one
+/// The parser for a provider name as used in `Spec.provider`; None for providers without one
 /// (such as `command`).
 pub fn parser_for(provider: &str) -> Option<Box<dyn StreamParser>> {
     match Provider::parse(provider)? {
