@@ -4,7 +4,7 @@
 use crate::{Ctx, attempt, journal, process};
 use agentscope_bus::subjects;
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::{ExecutionEvent, Lifecycle, execution_event::Body};
+use agentscope_schemas::v1::{Diagnostic, ExecutionEvent, Lifecycle, execution_event::Body};
 
 /// Attempts journaled by a previous run of this host whose process is gone: report them ended
 /// with `host_restart`, under their old fencing token. If the lease is gone the recorder refuses
@@ -21,7 +21,14 @@ pub(crate) async fn recover(ctx: &Ctx) -> Vec<(attempt::Assignment, journal::Ent
     for mut e in entries {
         // The provider the previous run started may have outlived it.
         process::kill_marked(&format!("AGENTSCOPE_ATTEMPT_ID={}", e.attempt_id)).await;
-        e.last_seq = e.last_seq.max(published_seq(ctx, &e.attempt_id).await);
+        // The journal's `last_seq` was acknowledged with every event before it; the stream may
+        // hold later ones. Between the two, an event lost across a reconnect (a later one was
+        // stored) would stop the recorder at the gap for good: fill it (see `fill_gaps`).
+        let published = published_seq(ctx, &e.attempt_id).await;
+        if published > e.last_seq + 1 {
+            fill_gaps(ctx, &e, e.last_seq + 1, published).await;
+        }
+        e.last_seq = e.last_seq.max(published);
         if let Some(a) = resumable(ctx, &e).await {
             tracing::warn!(attempt_id = %e.attempt_id, session = %e.provider_session_id, "attempt interrupted by a host restart; resuming its provider session");
             resume.push((a, e));
@@ -114,6 +121,58 @@ async fn resumable(ctx: &Ctx, e: &journal::Entry) -> Option<attempt::Assignment>
 const RESUME_WINDOW_MS: i64 = 10 * 60 * 1000;
 
 /// The newest event seq of an attempt in the stream (the journal may lag it by one).
+/// Publishes an `event_lost` diagnostic for every seq in `from..to` under the event's own
+/// `Nats-Msg-Id`: the stream drops it where the event is stored (within its duplicate window;
+/// after that, the recorder takes the first of a seq and drops the second), so only a seq the
+/// stream never got is filled, and the recorder can go past it.
+async fn fill_gaps(ctx: &Ctx, e: &journal::Entry, from: u64, to: u64) {
+    let subject = subjects::events(&ctx.host_id.to_string(), &e.attempt_id);
+    let mut acks = Vec::new();
+    for seq in from..to {
+        let ev = ExecutionEvent {
+            attempt_id: e.attempt_id.clone(),
+            seq,
+            lease_token: e.lease_token,
+            host_id: ctx.host_id.to_string(),
+            at_ms: agentscope_bus::now_ms(),
+            body: Some(Body::Diagnostic(Diagnostic {
+                level: "warn".into(),
+                code: "event_lost".into(),
+                message: "an event of this seq was not stored before the host restarted".into(),
+            })),
+        };
+        let msg_id = format!("{}:{seq}", e.attempt_id);
+        match ctx
+            .js
+            .publish_with_headers(
+                subject.clone(),
+                agentscope_bus::headers(&msg_id),
+                ev.encode_to_vec().into(),
+            )
+            .await
+        {
+            Ok(ack) => acks.push(ack),
+            Err(err) => {
+                tracing::warn!(attempt_id = %e.attempt_id, seq, error = %err, "fill an event gap");
+                return;
+            }
+        }
+    }
+    let mut filled = 0;
+    for ack in acks {
+        match ack.await {
+            Ok(a) if !a.duplicate => filled += 1,
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(attempt_id = %e.attempt_id, error = %err, "fill an event gap")
+            }
+        }
+    }
+    if filled > 0 {
+        tracing::warn!(attempt_id = %e.attempt_id, filled, "events lost before the restart were marked lost");
+    }
+}
+
 async fn published_seq(ctx: &Ctx, attempt_id: &str) -> u64 {
     let Ok(stream) = ctx.js.get_stream(agentscope_bus::STREAM_EVENTS).await else {
         return 0;

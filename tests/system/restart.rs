@@ -219,3 +219,128 @@ async fn invalid_configuration_stops_a_service_with_a_clear_message() {
         );
     }
 }
+
+/// A host killed after an event of its attempt was lost but a later one was stored (a reconnect
+/// can do that to pipelined publishes) marks the lost seq when it restarts, so the recorder
+/// goes past the gap and records the attempt's end, instead of waiting at the gap until the
+/// lease expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_host_fills_a_gap_left_by_a_lost_event() {
+    use agentscope_schemas::Message as _;
+    use agentscope_schemas::v1::{ExecutionEvent, Output, execution_event::Body};
+    let stack = Stack::start(
+        "hostgap",
+        StackOptions {
+            // Long enough that only the restarted host's report can end the attempt in time.
+            lease_ttl_ms: 60_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (agent, _) = stack
+        .command_agent(
+            "g",
+            "pool",
+            &["sh", "-c", "echo one; echo two; sleep 60"],
+            None,
+        )
+        .await
+        .unwrap();
+    let (mut host, state_dir) = stack.host("h", "pool", 1).await.unwrap();
+    let host_id = std::fs::read_to_string(state_dir.join("host_id"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let task = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent}))
+        .await
+        .unwrap();
+    let task_id = task["id"].as_str().unwrap().to_string();
+    let attempt = stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let attempt_id = attempt["id"].as_str().unwrap().to_string();
+    let path = format!("/v1/attempts/{attempt_id}/events");
+    kit::wait_for(
+        "the second line recorded",
+        Duration::from_secs(30),
+        || async {
+            let events = stack.events(&path).await.ok()?;
+            events
+                .iter()
+                .any(|e| e["payload"]["text"] == "two")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    host.kill9();
+    let (stored, token): (i64, i64) =
+        sqlx::query_as("SELECT last_seq, lease_token FROM attempts WHERE id = $1::uuid")
+            .bind(&attempt_id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+
+    // The stream gets seq stored + 2 but never stored + 1, as the host's window would have
+    // left it had the connection dropped stored + 1 and carried stored + 2.
+    let nc = async_nats::ConnectOptions::new()
+        .user_and_password(host_id.clone(), stack.host_token.clone())
+        .custom_inbox_prefix(agentscope_bus::auth::host_inbox(&host_id))
+        .connect(stack.nats.url())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(nc);
+    let seq = stored as u64 + 2;
+    let ev = ExecutionEvent {
+        attempt_id: attempt_id.clone(),
+        seq,
+        lease_token: token as u64,
+        host_id: host_id.clone(),
+        at_ms: agentscope_bus::now_ms(),
+        body: Some(Body::Output(Output {
+            stream: "stdout".into(),
+            text: "after the gap".into(),
+            truncated: false,
+        })),
+    };
+    js.publish_with_headers(
+        agentscope_bus::subjects::events(&host_id, &attempt_id),
+        agentscope_bus::headers(&format!("{attempt_id}:{seq}")),
+        ev.encode_to_vec().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+
+    let _host = stack.spawn_host("h", "pool", 1, &state_dir, &[]).unwrap();
+    let first = stack
+        .wait_attempt(&task_id, 1, "failed", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(first["failure_class"], "host_restart", "{first:#}");
+    let events = stack.events(&path).await.unwrap();
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "{events:#?}"
+    );
+    let at = |s: i64| &events[(s - 1) as usize];
+    assert_eq!(at(stored + 1)["kind"], "diagnostic", "{events:#?}");
+    assert_eq!(
+        at(stored + 1)["payload"]["code"],
+        "event_lost",
+        "{events:#?}"
+    );
+    assert_eq!(
+        at(stored + 2)["payload"]["text"],
+        "after the gap",
+        "{events:#?}"
+    );
+    let _ = stack.cancel_task(&task_id, Duration::from_secs(30)).await;
+}
