@@ -12,7 +12,7 @@ use uuid::Uuid;
 /// A JSON request body of a type of `agentscope-api`. Malformed JSON is `400 malformed_json`;
 /// a body that is JSON but not an object (an array, a string...) is `422 invalid_body`; an
 /// unknown field or a field of the wrong type is `422 invalid_field` naming the field; a NUL
-/// character in any string of it is `422 invalid_field` too (see [`refuse_nul`]).
+/// character in any string of it is `422 invalid_field` too, a number beyond ±1e300 `400 invalid_field` (see [`refuse_unstorable`]).
 pub struct Body<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
@@ -33,7 +33,7 @@ fn typed<T: DeserializeOwned>(v: Value) -> Result<T, ApiError> {
             "request body must be a JSON object",
         ));
     }
-    refuse_nul(&v)?;
+    refuse_unstorable(&v)?;
     serde_path_to_error::deserialize(v).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
@@ -74,11 +74,12 @@ pub fn optional_body<T: DeserializeOwned + Default>(
 /// JSON value overflows and every later read of the record would fail. A request carrying
 /// either is refused naming the JSON path of the first one (`input.files[2]`, `params.<key>`):
 /// a NUL with `422 invalid_field`, a number with `400 invalid_field` (a value out of range).
-pub fn refuse_nul(v: &Value) -> Result<(), ApiError> {
+pub fn refuse_unstorable(v: &Value) -> Result<(), ApiError> {
     if let Some(path) = nul_path(v, String::new()) {
         return Err(nul_error(if path.is_empty() { "(body)" } else { &path }));
     }
     if let Some(path) = huge_number_path(v, String::new()) {
+        let path = if path.is_empty() { "(body)" } else { &path };
         return Err(ApiError::bad_request(
             "invalid_field",
             format!("`{path}` is a number beyond ±1e300, which cannot be stored"),
@@ -89,27 +90,11 @@ pub fn refuse_nul(v: &Value) -> Result<(), ApiError> {
 
 /// The JSON path of the first number in `v` whose magnitude is 1e300 or more.
 fn huge_number_path(v: &Value, at: String) -> Option<String> {
-    let join = |key: &str| {
-        if at.is_empty() {
-            key.to_string()
-        } else {
-            format!("{at}.{key}")
-        }
+    let huge = |v: &Value| match v {
+        Value::Number(n) => n.as_f64().is_none_or(|f| f.abs() >= 1e300),
+        _ => false,
     };
-    match v {
-        Value::Number(n) => n
-            .as_f64()
-            .is_none_or(|f| f.abs() >= 1e300)
-            .then(|| if at.is_empty() { "(body)".into() } else { at }),
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .find_map(|(i, item)| huge_number_path(item, format!("{at}[{i}]"))),
-        Value::Object(map) => map
-            .iter()
-            .find_map(|(k, item)| huge_number_path(item, join(k))),
-        _ => None,
-    }
+    first_path(v, at, &|_| false, &huge)
 }
 
 pub(crate) fn nul_error(field: &str) -> ApiError {
@@ -121,25 +106,38 @@ pub(crate) fn nul_error(field: &str) -> ApiError {
 }
 
 fn nul_path(v: &Value, at: String) -> Option<String> {
-    let join = |key: &str| {
-        let key = key.replace('\0', "\\u0000");
-        if at.is_empty() {
-            key
-        } else {
-            format!("{at}.{key}")
-        }
-    };
+    let nul = |v: &Value| v.as_str().is_some_and(|s| s.contains('\0'));
+    first_path(v, at, &|k| k.contains('\0'), &nul)
+}
+
+/// The JSON path (`input.files[2]`, `params.<key>`; NUL in a key written `\u0000`) of the first
+/// place in `v`, in document order, where `key_hit` holds for an object's key or `value_hit` for a
+/// value.
+fn first_path(
+    v: &Value,
+    at: String,
+    key_hit: &dyn Fn(&str) -> bool,
+    value_hit: &dyn Fn(&Value) -> bool,
+) -> Option<String> {
+    if value_hit(v) {
+        return Some(at);
+    }
     match v {
-        Value::String(s) => s.contains('\0').then_some(at),
         Value::Array(items) => items
             .iter()
             .enumerate()
-            .find_map(|(i, item)| nul_path(item, format!("{at}[{i}]"))),
+            .find_map(|(i, item)| first_path(item, format!("{at}[{i}]"), key_hit, value_hit)),
         Value::Object(map) => map.iter().find_map(|(k, item)| {
-            if k.contains('\0') {
-                Some(join(k))
+            let key = k.replace('\0', "\\u0000");
+            let path = if at.is_empty() {
+                key
             } else {
-                nul_path(item, join(k))
+                format!("{at}.{key}")
+            };
+            if key_hit(k) {
+                Some(path)
+            } else {
+                first_path(item, path, key_hit, value_hit)
             }
         }),
         _ => None,
@@ -382,7 +380,7 @@ mod tests {
             huge_number_path(&json!({"policy": {"limits": [1, -1e300]}}), String::new()).as_deref(),
             Some("policy.limits[1]")
         );
-        match refuse_nul(&json!({"params": {"x": 1e305}})) {
+        match refuse_unstorable(&json!({"params": {"x": 1e305}})) {
             Err(ApiError::Client { status, code, .. }) => {
                 assert_eq!(status, StatusCode::BAD_REQUEST);
                 assert_eq!(code, "invalid_field");

@@ -26,7 +26,13 @@ pub(crate) async fn recover(ctx: &Ctx) -> Vec<(attempt::Assignment, journal::Ent
         // stored) would stop the recorder at the gap for good: fill it (see `fill_gaps`).
         let published = published_seq(ctx, &e.attempt_id).await;
         if published > e.last_seq + 1 {
-            fill_gaps(ctx, &e, e.last_seq + 1, published).await;
+            // Only seqs the publisher had in flight can be missing: its window, and what it
+            // handed over before the last checkpoint. Anything wider is not a lost publish.
+            if published - e.last_seq <= 2 * attempt::PUBLISH_WINDOW as u64 {
+                fill_gaps(ctx, &e, e.last_seq + 1, published).await;
+            } else {
+                tracing::error!(attempt_id = %e.attempt_id, journaled = e.last_seq, published, "the stream is far ahead of the journal; no gap filled");
+            }
         }
         e.last_seq = e.last_seq.max(published);
         if let Some(a) = resumable(ctx, &e).await {

@@ -176,7 +176,8 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     };
     // The host's capacity counts what runs there: not the attempts it says ended whose ends
     // are not recorded yet (its free slots already say so).
-    let host_active = host_active - plan.ended_active.unwrap_or(0);
+    let ended_first_look = plan.ended_active.unwrap_or(0);
+    let host_active = host_active - ended_first_look;
     let want = (req.free_slots as i64 - assignments.len() as i64).min(capacity - host_active);
     if want <= 0 || waiting_before == 0 {
         tx.commit().await?;
@@ -255,8 +256,9 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     };
     // Exact now that the host's counter is locked: an end the recorder committed before the
     // lock is out of both the counter and this count; one it is committing waits on the lock
-    // and is still in both.
-    let ended_active = if req.ended_attempts.is_empty() {
+    // and is still in both. An ended attempt never becomes active again, so when the first look
+    // found none there is none now.
+    let ended_active = if ended_first_look == 0 {
         0
     } else {
         sqlx::query_scalar!(

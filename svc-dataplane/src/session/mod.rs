@@ -169,7 +169,7 @@ impl Runner {
         // Nothing to do (a nudge or sweep that came after the last input's outcome): leave the
         // session as it is. Taking it over would set it `running` with nothing running and tell
         // its followers of a takeover that never happened.
-        let Some(first) = self.next_input(session_id).await? else {
+        let Some(mut next) = self.next_input(session_id).await? else {
             return Ok(());
         };
         let taken: Option<i64> = sqlx::query_scalar!(
@@ -198,7 +198,7 @@ impl Runner {
             && sqlx::query_scalar!(
                 r#"SELECT EXISTS (SELECT 1 FROM session_messages WHERE session_id = $1 AND input_id = $2) AS "begun!""#,
                 session_id,
-                first,
+                next.0,
             )
             .fetch_one(&self.db)
             .await?;
@@ -215,27 +215,25 @@ impl Runner {
         }
         s.materialize(&pinned).await?;
         loop {
-            let Some(input_id) = self.next_input(session_id).await? else {
-                return Ok(());
+            s.work(&pinned, next.0, &next.1).await?;
+            next = match self.next_input(session_id).await? {
+                Some(n) => n,
+                None => return Ok(()),
             };
-            let text =
-                sqlx::query_scalar!("SELECT text FROM session_inputs WHERE id = $1", input_id)
-                    .fetch_one(&self.db)
-                    .await?;
-            s.work(&pinned, input_id, &text).await?;
         }
     }
 
-    /// The session's first input without an outcome.
-    async fn next_input(&self, session_id: Uuid) -> Result<Option<Uuid>, sqlx::Error> {
-        sqlx::query_scalar!(
-            "SELECT i.id FROM session_inputs i WHERE i.session_id = $1
+    /// The session's first input without an outcome: its id and text.
+    async fn next_input(&self, session_id: Uuid) -> Result<Option<(Uuid, String)>, sqlx::Error> {
+        let row = sqlx::query!(
+            "SELECT i.id, i.text FROM session_inputs i WHERE i.session_id = $1
              AND NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id)
              ORDER BY i.id LIMIT 1",
             session_id,
         )
         .fetch_optional(&self.db)
-        .await
+        .await?;
+        Ok(row.map(|r| (r.id, r.text)))
     }
 }
 

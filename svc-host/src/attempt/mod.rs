@@ -15,6 +15,7 @@ pub use assignment::{Assignment, Spec};
 pub use lease::keep_lease;
 pub use limits::{ModelWatch, run_limit};
 pub use scope::{scope_ids, scoped_id};
+pub(crate) use sink::WINDOW as PUBLISH_WINDOW;
 pub use sink::{EventSink, wire_state};
 pub use task_dir::existing_task_dir;
 pub use truncate::shrink;

@@ -35,7 +35,7 @@ pub struct EventSink {
 }
 
 /// Publishes awaiting their acknowledgement at most, per attempt.
-const WINDOW: usize = 512;
+pub(crate) const WINDOW: usize = 512;
 /// Bytes of payload awaiting acknowledgement at most, per attempt.
 const WINDOW_BYTES: usize = 8 << 20;
 /// How often the journal's `last_seq` is written while events flow.
