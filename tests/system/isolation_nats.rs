@@ -131,6 +131,7 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         agentscope_bus::subjects::TASK_SUBMITTED.to_string(),
         agentscope_bus::subjects::TASK_CANCEL.to_string(),
         agentscope_bus::subjects::ISSUE_WRITE.to_string(),
+        agentscope_bus::subjects::SESSIONS_NUDGE.to_string(),
         agentscope_bus::subjects::control(&host_a),
         // Another workspace's pool nudges.
         agentscope_bus::subjects::pool_work(&uuid::Uuid::new_v4().to_string(), &pool_id),
