@@ -22,10 +22,13 @@ pub(crate) async fn recover(ctx: &Ctx) -> Vec<(attempt::Assignment, journal::Ent
         // The provider the previous run started may have outlived it.
         process::kill_marked(&format!("AGENTSCOPE_ATTEMPT_ID={}", e.attempt_id)).await;
         // The journal's `last_seq` was acknowledged with every event before it; the stream may
-        // hold later ones. Between the two, an event lost across a reconnect (a later one was
-        // stored) would stop the recorder at the gap for good: fill it (see `fill_gaps`).
-        let published = published_seq(ctx, &e.attempt_id).await;
-        if published > e.last_seq + 1 {
+        // hold later ones. A gap between the two (an event lost across a reconnect while a later
+        // one was stored) would stop the recorder at it for good: fill it (see `fill_gaps`).
+        // This host's publisher keeps one message in flight and so leaves no gap; a stream
+        // whose newest message is a batch was written that way (and the seqs inside a batch
+        // have no `Nats-Msg-Id` of their own that would keep a fill from landing beside them).
+        let (newest_first, published) = published_seqs(ctx, &e.attempt_id).await;
+        if newest_first == published && published > e.last_seq + 1 {
             // Only seqs the publisher had in flight can be missing: its window, and what it
             // handed over before the last checkpoint. Anything wider is not a lost publish.
             if published - e.last_seq <= 2 * attempt::PUBLISH_WINDOW as u64 {
@@ -126,7 +129,6 @@ async fn resumable(ctx: &Ctx, e: &journal::Entry) -> Option<attempt::Assignment>
 /// How long after its last checkpoint an interrupted attempt may still resume.
 const RESUME_WINDOW_MS: i64 = 10 * 60 * 1000;
 
-/// The newest event seq of an attempt in the stream (the journal may lag it by one).
 /// Publishes an `event_lost` diagnostic for every seq in `from..to` under the event's own
 /// `Nats-Msg-Id`: the stream drops it where the event is stored (within its duplicate window;
 /// after that, the recorder takes the first of a seq and drops the second), so only a seq the
@@ -179,17 +181,23 @@ async fn fill_gaps(ctx: &Ctx, e: &journal::Entry, from: u64, to: u64) {
     }
 }
 
-async fn published_seq(ctx: &Ctx, attempt_id: &str) -> u64 {
+/// The first and last seq of the newest message of the attempt in the stream (one event, or a
+/// batch); zeros when there is none.
+async fn published_seqs(ctx: &Ctx, attempt_id: &str) -> (u64, u64) {
     let Ok(stream) = ctx.js.get_stream(agentscope_bus::STREAM_EVENTS).await else {
-        return 0;
+        return (0, 0);
     };
     match stream
         .direct_get_last_for_subject(subjects::events(&ctx.host_id.to_string(), attempt_id))
         .await
     {
-        Ok(m) => ExecutionEvent::decode(m.payload.as_ref())
-            .map(|e| e.seq)
-            .unwrap_or(0),
-        Err(_) => 0,
+        Ok(m) => match agentscope_schemas::decode_events(m.payload.as_ref()) {
+            Ok(events) => (
+                events.first().map(|e| e.seq).unwrap_or(0),
+                events.last().map(|e| e.seq).unwrap_or(0),
+            ),
+            Err(_) => (0, 0),
+        },
+        Err(_) => (0, 0),
     }
 }

@@ -214,13 +214,13 @@ pub(crate) async fn last_published(
     host_id: uuid::Uuid,
     attempt_id: uuid::Uuid,
 ) -> Result<Option<(u64, i64)>, Error> {
-    use agentscope_schemas::Message;
     use async_nats::jetstream::stream::LastRawMessageErrorKind;
     let subject = agentscope_bus::subjects::events(&host_id.to_string(), &attempt_id.to_string());
     match ctx.events.get_last_raw_message_by_subject(&subject).await {
         Ok(m) => Ok(Some(
-            agentscope_schemas::v1::ExecutionEvent::decode(m.payload.as_ref())
-                .map(|e| (e.seq, e.at_ms))
+            agentscope_schemas::decode_events(m.payload.as_ref())
+                .ok()
+                .and_then(|events| events.last().map(|e| (e.seq, e.at_ms)))
                 .unwrap_or((0, 0)),
         )),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),

@@ -5,7 +5,6 @@
 use crate::{Ctx, Error, attempts};
 use agentscope_bus::{CONSUMER_RECORDER, STREAM_EVENTS, lease_key};
 use agentscope_domain::{AttemptStatus, FailureClass};
-use agentscope_schemas::Message;
 use agentscope_schemas::v1::{AttemptState, ExecutionEvent, execution_event::Body};
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{AckKind, Message as JsMessage};
@@ -86,13 +85,21 @@ fn fxhash(s: &str) -> usize {
 /// The most messages one transaction records.
 const BATCH_MAX: usize = 1024;
 
+/// Payload bytes one transaction records at most (besides [`BATCH_MAX`] messages): a message
+/// may carry a batch of events.
+const BATCH_BYTES: usize = 1 << 20;
+
 async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
     while let Some(first) = rx.recv().await {
         // Whatever arrived while the previous batch was being written goes into this one.
+        let mut size = first.payload.len();
         let mut batch = vec![first];
-        while batch.len() < BATCH_MAX {
+        while batch.len() < BATCH_MAX && size < BATCH_BYTES {
             match rx.try_recv() {
-                Ok(m) => batch.push(m),
+                Ok(m) => {
+                    size += m.payload.len();
+                    batch.push(m)
+                }
                 Err(_) => break,
             }
         }
@@ -105,10 +112,10 @@ async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
     }
 }
 
-/// Records one message in its own transaction and settles it.
+/// Records one message (one event, or a batch of them) in its own transaction and settles it.
 async fn handle_one(ctx: &Ctx, msg: JsMessage) {
     let subject = msg.subject.to_string();
-    let ack = match ExecutionEvent::decode(msg.payload.as_ref()) {
+    let ack = match agentscope_schemas::decode_events(msg.payload.as_ref()) {
         Err(_) => {
             crate::reject(
                 ctx,
@@ -120,7 +127,8 @@ async fn handle_one(ctx: &Ctx, msg: JsMessage) {
             .await;
             AckKind::Term
         }
-        Ok(ev) => {
+        Ok(mut events) if events.len() == 1 => {
+            let ev = events.pop().expect("one event");
             let span = tracing::info_span!("record", attempt_id = %ev.attempt_id, seq = ev.seq);
             agentscope_bus::set_parent(
                 &span,
@@ -129,10 +137,38 @@ async fn handle_one(ctx: &Ctx, msg: JsMessage) {
             let res = record(ctx, &subject, ev).instrument(span).await;
             settle(ctx, &msg, res).await
         }
+        Ok(events) => {
+            let mut items = items_of(0, &subject, Ok(events));
+            let span = tracing::info_span!("record_batch", events = items.len());
+            let res = match record_checked(ctx, &mut items).instrument(span).await {
+                Ok(after) => {
+                    after_commit(ctx, after).await;
+                    combined(items.into_iter().map(|it| it.res))
+                }
+                Err(e) => Err(e),
+            };
+            settle(ctx, &msg, res).await
+        }
     };
     if let Err(e) = msg.ack_with(ack).await {
         tracing::warn!(error = ?e, "ack event");
     }
+}
+
+/// The outcome of a message from those of its events: the first error, else a gap (an earlier
+/// event is missing: the message comes again), else stored.
+fn combined(
+    results: impl Iterator<Item = Option<Result<Outcome, Error>>>,
+) -> Result<Outcome, Error> {
+    let mut out = Ok(Outcome::Stored);
+    for r in results {
+        match r.unwrap_or(Ok(Outcome::Duplicate)) {
+            Err(e) => return Err(e),
+            Ok(Outcome::Gap) => out = Ok(Outcome::Gap),
+            Ok(_) => {}
+        }
+    }
+    out
 }
 
 /// How a message whose handling ended with `res` is acknowledged (rejections recorded first).
@@ -174,12 +210,45 @@ async fn settle(ctx: &Ctx, msg: &JsMessage, res: Result<Outcome, Error>) -> AckK
     }
 }
 
-/// One decoded message of a batch and what became of it.
+/// One event of a batch's messages (or a message that did not decode) and what became of it.
 struct Item {
-    msg: JsMessage,
+    /// Its message's index in the batch.
+    msg: usize,
     /// The event when it decoded and passed the checks that need no database.
     ev: Option<(Uuid, ExecutionEvent)>,
     res: Option<Result<Outcome, Error>>,
+}
+
+/// The items of message `msg`: its events, each checked, or the message's decoding error.
+fn items_of(
+    msg: usize,
+    subject: &str,
+    events: Result<Vec<ExecutionEvent>, agentscope_schemas::DecodeError>,
+) -> Vec<Item> {
+    match events {
+        Err(_) => vec![Item {
+            msg,
+            ev: None,
+            res: Some(Err(Error::Rejected(
+                "malformed ExecutionEvent payload".into(),
+            ))),
+        }],
+        Ok(events) => events
+            .into_iter()
+            .map(|ev| match precheck(subject, &ev) {
+                Ok(id) => Item {
+                    msg,
+                    ev: Some((id, ev)),
+                    res: None,
+                },
+                Err(e) => Item {
+                    msg,
+                    ev: None,
+                    res: Some(Err(e)),
+                },
+            })
+            .collect(),
+    }
 }
 
 /// A lifecycle transition or session update a stored event carries, applied in event order.
@@ -205,20 +274,12 @@ enum Change {
 /// by message, so a poison message is rejected alone and the others still land.
 async fn record_batch(ctx: &Ctx, batch: Vec<JsMessage>) {
     let mut items: Vec<Item> = Vec::with_capacity(batch.len());
-    for msg in batch {
-        let (ev, res) = match ExecutionEvent::decode(msg.payload.as_ref()) {
-            Err(_) => (
-                None,
-                Some(Err(Error::Rejected(
-                    "malformed ExecutionEvent payload".into(),
-                ))),
-            ),
-            Ok(ev) => match precheck(msg.subject.as_str(), &ev) {
-                Ok(id) => (Some((id, ev)), None),
-                Err(e) => (None, Some(Err(e))),
-            },
-        };
-        items.push(Item { msg, ev, res });
+    for (i, msg) in batch.iter().enumerate() {
+        items.extend(items_of(
+            i,
+            msg.subject.as_str(),
+            agentscope_schemas::decode_events(msg.payload.as_ref()),
+        ));
     }
     let span = tracing::info_span!("record_batch", events = items.len());
     let done = record_checked(ctx, &mut items).instrument(span).await;
@@ -230,30 +291,25 @@ async fn record_batch(ctx: &Ctx, batch: Vec<JsMessage>) {
             if e.retryable()
                 && let Some(more) = RETRY_WARNING.check()
             {
-                tracing::warn!(error = ?e, "record batch failed; recording its events one by one{more}");
+                tracing::warn!(error = ?e, "record batch failed; recording its messages one by one{more}");
             }
             // One by one: the offending message fails alone, the others are recorded.
-            for it in items {
-                if it.res.is_some() && it.ev.is_none() {
-                    // Rejected before the database was involved: settled below as before.
-                    settle_item(ctx, it).await;
-                } else {
-                    handle_one(ctx, it.msg).await;
-                }
+            for msg in batch {
+                handle_one(ctx, msg).await;
             }
             return;
         }
     }
+    let mut results: Vec<Vec<Option<Result<Outcome, Error>>>> =
+        batch.iter().map(|_| Vec::new()).collect();
     for it in items {
-        settle_item(ctx, it).await;
+        results[it.msg].push(it.res);
     }
-}
-
-async fn settle_item(ctx: &Ctx, it: Item) {
-    let res = it.res.unwrap_or(Ok(Outcome::Duplicate));
-    let ack = settle(ctx, &it.msg, res).await;
-    if let Err(e) = it.msg.ack_with(ack).await {
-        tracing::warn!(error = ?e, "ack event");
+    for (msg, res) in batch.into_iter().zip(results) {
+        let ack = settle(ctx, &msg, combined(res.into_iter())).await;
+        if let Err(e) = msg.ack_with(ack).await {
+            tracing::warn!(error = ?e, "ack event");
+        }
     }
 }
 

@@ -125,6 +125,30 @@ async fn twenty_followers_of_a_busy_task_each_get_every_event_once_in_order() {
         .unwrap();
     let all = stored_ids(&stack, &task_id).await;
     assert!(all.len() > LINES as usize, "{} events", all.len());
+    // A busy attempt's events travel in batches: fewer messages than events in the stream.
+    let attempt_id: String =
+        sqlx::query_scalar("SELECT id::text FROM attempts WHERE task_id = $1::uuid")
+            .bind(&task_id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+    let js = async_nats::jetstream::new(stack.nats.service_client("scheduler").await.unwrap());
+    let mut per_subject = js
+        .get_stream(agentscope_bus::STREAM_EVENTS)
+        .await
+        .unwrap()
+        .info_with_subjects(format!("agentscope.events.*.{attempt_id}"))
+        .await
+        .unwrap();
+    let mut messages = 0;
+    while let Some(s) = futures::StreamExt::next(&mut per_subject).await {
+        messages += s.unwrap().1;
+    }
+    assert!(
+        messages > 0 && messages < all.len(),
+        "{messages} messages for {} events",
+        all.len()
+    );
     for f in followers {
         let got = f.await.unwrap().unwrap();
         let (end, data) = got.split_last().unwrap();
@@ -287,6 +311,8 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
         }
         .encode_to_vec()
     };
+    let several =
+        |events: &[Vec<u8>]| agentscope_schemas::encode_batch(events.iter().map(|e| e.as_slice()));
     let batch: Vec<Vec<u8>> = vec![
         event(last + 1, token, "good-1"),
         event(last + 2, token, "good-2"),
@@ -295,7 +321,16 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
         b"not an event".to_vec(),
         event(last + 3, token, "good-3"),
         event(last + 2, token, "good-2"),
-        event(last + 4, token, "good-4"),
+        // Messages of several events: one ahead of its time (recorded once the gap is filled)
+        // and one that repeats an event and adds the missing one.
+        several(&[
+            event(last + 5, token, "good-5"),
+            event(last + 6, token, "good-6"),
+        ]),
+        several(&[
+            event(last + 3, token, "good-3"),
+            event(last + 4, token, "good-4"),
+        ]),
     ];
 
     // Published while no scheduler runs, so the recorder finds them together.
@@ -326,7 +361,7 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
                 .fetch_all(&pg)
                 .await
                 .ok()?;
-                (rows.len() >= 4).then_some(rows)
+                (rows.len() >= 6).then_some(rows)
             }
         },
     )
@@ -334,12 +369,9 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
     .unwrap();
     assert_eq!(
         texts,
-        vec![
-            (last + 1, "good-1".to_string()),
-            (last + 2, "good-2".to_string()),
-            (last + 3, "good-3".to_string()),
-            (last + 4, "good-4".to_string()),
-        ]
+        (1..=6)
+            .map(|i| (last + i, format!("good-{i}")))
+            .collect::<Vec<_>>()
     );
     let pg = stack.pg.clone();
     let reasons: Vec<String> = kit::wait_for("the bad ones rejected", Duration::from_secs(30), || {
@@ -373,7 +405,7 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
             .fetch_one(&stack.pg)
             .await
             .unwrap();
-    assert_eq!((status.as_str(), last_seq), ("running", last + 4));
+    assert_eq!((status.as_str(), last_seq), ("running", last + 6));
 }
 
 /// A stopping gateway ends every open live stream with `shutdown` (the client resumes elsewhere

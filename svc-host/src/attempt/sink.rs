@@ -17,13 +17,15 @@ use tracing::Instrument;
 
 /// Publishes the events of one attempt with consecutive seq numbers and its fencing token.
 ///
-/// Pipelined: `emit` hands the event to the attempt's publisher task, which keeps up to
-/// [`WINDOW`] publishes awaiting their stream acknowledgement, in seq order. A failed publish is
-/// sent again, with every later one of the window, in order and under the same `Nats-Msg-Id`
-/// (the stream drops the copies it already holds). The journal's `last_seq` is the highest seq
-/// acknowledged with every earlier one, checkpointed at most every [`CHECKPOINT_EVERY`] and
-/// whenever the sink is flushed; a restarted host takes the stream's newest event of the attempt
-/// when that is further (`recover`), as before.
+/// `emit` hands the event to the attempt's publisher task, which keeps one message awaiting its
+/// stream acknowledgement at a time: whatever events were handed over meanwhile go out together
+/// as one `ExecutionEventBatch` when the acknowledgement comes (up to [`BATCH_EVENTS`] events,
+/// [`BATCH_BYTES`]); an event handed over while nothing is in flight goes out alone, at once. A
+/// failed publish is sent again under the same `Nats-Msg-Id` (the stream drops a copy it already
+/// holds) before anything later, so the stream never holds an event without every earlier one.
+/// The journal's `last_seq` is the highest seq acknowledged, checkpointed at most every
+/// [`CHECKPOINT_EVERY`] and whenever the sink is flushed; a restarted host takes the stream's
+/// newest event of the attempt when that is further (`recover`).
 pub struct EventSink {
     ctx: Ctx,
     /// `last_seq` here is the newest seq handed to the publisher.
@@ -34,10 +36,13 @@ pub struct EventSink {
     out: tokio::sync::mpsc::Sender<Out>,
 }
 
-/// Publishes awaiting their acknowledgement at most, per attempt.
+/// Events handed to the publisher and not yet acknowledged, at most: the channel's capacity
+/// (emit waits while it is full) besides the message in flight.
 pub(crate) const WINDOW: usize = 512;
-/// Bytes of payload awaiting acknowledgement at most, per attempt.
-const WINDOW_BYTES: usize = 8 << 20;
+/// Events in one message at most.
+const BATCH_EVENTS: usize = 256;
+/// Bytes of events in one batch at most (a larger event goes alone).
+const BATCH_BYTES: usize = 64 << 10;
 /// How often the journal's `last_seq` is written while events flow.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(20);
 
@@ -198,99 +203,177 @@ pub fn wire_state(state: AttemptStatus) -> AttemptState {
     }
 }
 
-/// A publish awaiting its acknowledgement.
+/// The message awaiting its acknowledgement: one event, or a batch of consecutive ones.
 struct InFlight {
+    /// Its newest seq.
     seq: u64,
+    msg_id: String,
     payload: bytes::Bytes,
     ack: InFlightAck,
 }
 
-/// The attempt's publisher: owns the in-flight window and the journal entry's writes.
+/// The publisher's state besides the message in flight.
+struct Publisher {
+    ctx: Ctx,
+    entry: Entry,
+    /// Events handed over and not yet published, in seq order.
+    ready: std::collections::VecDeque<(u64, bytes::Bytes)>,
+    acked: u64,
+    saved: u64,
+    saved_at: tokio::time::Instant,
+    flushes: Vec<tokio::sync::oneshot::Sender<()>>,
+    /// The sink still hands over work.
+    open: bool,
+}
+
+impl Publisher {
+    fn take(&mut self, cmd: Option<Out>) {
+        match cmd {
+            None => self.open = false,
+            Some(Out::Event { seq, payload }) => self.ready.push_back((seq, payload)),
+            Some(Out::Save {
+                entry,
+                durable,
+                done,
+            }) => {
+                self.entry = entry;
+                self.checkpoint(durable);
+                let _ = done.send(());
+            }
+            Some(Out::Flush(done)) => self.flushes.push(done),
+        }
+    }
+
+    fn checkpoint(&mut self, durable: bool) {
+        self.entry.last_seq = self.acked;
+        self.entry.saved_at_ms = agentscope_bus::now_ms();
+        if let Err(e) = self.ctx.journal.save(&self.entry, durable) {
+            tracing::error!(error = ?e, "write journal checkpoint");
+        }
+        self.saved = self.acked;
+        self.saved_at = tokio::time::Instant::now();
+    }
+}
+
+/// The attempt's publisher: owns the message in flight and the journal entry's writes.
 async fn publisher(
     ctx: Ctx,
     subject: String,
-    mut entry: Entry,
+    entry: Entry,
     lease_lost: CancellationToken,
     mut rx: tokio::sync::mpsc::Receiver<Out>,
 ) {
-    use std::collections::VecDeque;
-    let mut window: VecDeque<InFlight> = VecDeque::new();
-    let mut bytes = 0usize;
-    let mut acked = entry.last_seq;
-    let mut saved = acked;
-    let mut saved_at = tokio::time::Instant::now();
-    let mut flushes: Vec<tokio::sync::oneshot::Sender<()>> = Vec::new();
-    let mut open = true;
-    let write = |entry: &mut Entry, acked: u64, durable: bool| {
-        entry.last_seq = acked;
-        entry.saved_at_ms = agentscope_bus::now_ms();
-        if let Err(e) = ctx.journal.save(entry, durable) {
-            tracing::error!(error = ?e, "write journal checkpoint");
-        }
+    let mut in_flight: Option<InFlight> = None;
+    let mut p = Publisher {
+        ctx: ctx.clone(),
+        acked: entry.last_seq,
+        saved: entry.last_seq,
+        entry,
+        ready: Default::default(),
+        saved_at: tokio::time::Instant::now(),
+        flushes: Vec::new(),
+        open: true,
     };
     loop {
-        let room = window.len() < WINDOW && bytes < WINDOW_BYTES;
-        let next_checkpoint = saved_at + CHECKPOINT_EVERY;
+        if in_flight.is_none() {
+            // Everything handed over by now goes into the next message.
+            while p.open && p.ready.len() < WINDOW {
+                match rx.try_recv() {
+                    Ok(cmd) => p.take(Some(cmd)),
+                    Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                    Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => p.take(None),
+                }
+            }
+            if !p.ready.is_empty() {
+                let (msg_id, payload, seq) = next_message(&p.entry.attempt_id, &mut p.ready);
+                in_flight = Some(publish(&ctx, &subject, msg_id, payload, seq).await);
+            }
+        }
+        let next_checkpoint = p.saved_at + CHECKPOINT_EVERY;
         tokio::select! {
             biased;
             _ = lease_lost.cancelled() => return,
-            r = async { window.front_mut().expect("in flight").ack.as_mut().await }, if !window.is_empty() => match r {
-                Ok(_) => {
-                    let f = window.pop_front().expect("in flight");
-                    bytes -= f.payload.len();
-                    acked = f.seq;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, seq = window.front().map(|f| f.seq), "publish event; retrying (with the later ones in flight)");
-                    let pending: Vec<(u64, bytes::Bytes)> =
-                        window.drain(..).map(|f| (f.seq, f.payload)).collect();
-                    bytes = 0;
-                    if !resend(&ctx, &subject, &entry.attempt_id, &pending, &lease_lost).await {
+            r = async { in_flight.as_mut().expect("in flight").ack.as_mut().await }, if in_flight.is_some() => {
+                let f = in_flight.take().expect("in flight");
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, seq = f.seq, "publish event; retrying");
+                    if !resend(&ctx, &subject, &f.msg_id, &f.payload, &lease_lost).await {
                         return;
                     }
-                    acked = pending.last().map(|f| f.0).unwrap_or(acked);
                 }
+                p.acked = f.seq;
             },
-            cmd = rx.recv(), if open && room => match cmd {
-                None => open = false,
-                Some(Out::Event { seq, payload }) => {
-                    let msg_id = format!("{}:{seq}", entry.attempt_id);
-                    let sent = ctx
-                        .js
-                        .publish_with_headers(subject.clone(), agentscope_bus::headers(&msg_id), payload.clone())
-                        .await;
-                    let ack: InFlightAck = match sent {
-                        Ok(f) => std::future::IntoFuture::into_future(f),
-                        // Not even handed to the connection: settled by sending it again.
-                        Err(e) => Box::pin(std::future::ready(Err(e))),
-                    };
-                    bytes += payload.len();
-                    window.push_back(InFlight { seq, payload, ack });
-                }
-                Some(Out::Save { entry: e, durable, done }) => {
-                    entry = e;
-                    write(&mut entry, acked, durable);
-                    saved = acked;
-                    saved_at = tokio::time::Instant::now();
-                    let _ = done.send(());
-                }
-                Some(Out::Flush(done)) => flushes.push(done),
-            },
-            _ = tokio::time::sleep_until(next_checkpoint), if acked > saved => {}
+            cmd = rx.recv(), if p.open && p.ready.len() < WINDOW => p.take(cmd),
+            _ = tokio::time::sleep_until(next_checkpoint), if p.acked > p.saved => {}
         }
-        if acked > saved && (window.is_empty() || saved_at.elapsed() >= CHECKPOINT_EVERY) {
-            write(&mut entry, acked, false);
-            saved = acked;
-            saved_at = tokio::time::Instant::now();
+        let idle = in_flight.is_none() && p.ready.is_empty();
+        if p.acked > p.saved && (idle || p.saved_at.elapsed() >= CHECKPOINT_EVERY) {
+            p.checkpoint(false);
         }
-        if window.is_empty() {
-            for f in flushes.drain(..) {
+        if idle {
+            for f in p.flushes.drain(..) {
                 let _ = f.send(());
             }
-            if !open {
+            if !p.open {
                 return;
             }
         }
+    }
+}
+
+/// The next message of `ready`: its first event alone, or as many as fit in one batch. Returns
+/// its `Nats-Msg-Id`, payload and newest seq.
+fn next_message(
+    attempt_id: &str,
+    ready: &mut std::collections::VecDeque<(u64, bytes::Bytes)>,
+) -> (String, bytes::Bytes, u64) {
+    let mut n = 0;
+    let mut size = 0;
+    for (_, p) in ready.iter() {
+        // A tag and a length before each event.
+        let framed = p.len() + 8;
+        if n == BATCH_EVENTS || (n > 0 && size + framed > BATCH_BYTES) {
+            break;
+        }
+        n += 1;
+        size += framed;
+    }
+    let first = ready.front().expect("an event is ready").0;
+    if n == 1 {
+        let (seq, payload) = ready.pop_front().expect("an event is ready");
+        return (format!("{attempt_id}:{seq}"), payload, seq);
+    }
+    let events: Vec<(u64, bytes::Bytes)> = ready.drain(..n).collect();
+    let last = events.last().expect("a batch").0;
+    let payload = agentscope_schemas::encode_batch(events.iter().map(|(_, p)| p.as_ref()));
+    (format!("{attempt_id}:{first}-{last}"), payload.into(), last)
+}
+
+async fn publish(
+    ctx: &Ctx,
+    subject: &str,
+    msg_id: String,
+    payload: bytes::Bytes,
+    seq: u64,
+) -> InFlight {
+    let sent = ctx
+        .js
+        .publish_with_headers(
+            subject.to_string(),
+            agentscope_bus::headers(&msg_id),
+            payload.clone(),
+        )
+        .await;
+    let ack: InFlightAck = match sent {
+        Ok(f) => std::future::IntoFuture::into_future(f),
+        // Not even handed to the connection: settled by sending it again.
+        Err(e) => Box::pin(std::future::ready(Err(e))),
+    };
+    InFlight {
+        seq,
+        msg_id,
+        payload,
+        ack,
     }
 }
 
@@ -305,46 +388,98 @@ type InFlightAck = std::pin::Pin<
     >,
 >;
 
-/// Publishes the window's events again, in order, each until the stream acknowledges it, while
-/// the lease holds. Returns false when the lease is lost.
+/// Publishes a message again until the stream acknowledges it, while the lease holds. Returns
+/// false when the lease is lost.
 async fn resend(
     ctx: &Ctx,
     subject: &str,
-    attempt_id: &str,
-    pending: &[(u64, bytes::Bytes)],
+    msg_id: &str,
+    payload: &bytes::Bytes,
     lease_lost: &CancellationToken,
 ) -> bool {
     let mut delay = Duration::from_millis(50);
-    for (seq, payload) in pending {
-        let msg_id = format!("{attempt_id}:{seq}");
-        loop {
-            if lease_lost.is_cancelled() {
-                return false;
-            }
-            let res = async {
-                ctx.js
-                    .publish_with_headers(
-                        subject.to_string(),
-                        agentscope_bus::headers(&msg_id),
-                        payload.clone(),
-                    )
-                    .await?
-                    .await
-                    .map_err(async_nats::Error::from)
-            }
-            .await;
-            match res {
-                Ok(_) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, seq, "publish event; retrying");
-                    tokio::select! {
-                        _ = lease_lost.cancelled() => return false,
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                    delay = (delay * 2).min(Duration::from_secs(2));
+    loop {
+        if lease_lost.is_cancelled() {
+            return false;
+        }
+        let res = async {
+            ctx.js
+                .publish_with_headers(
+                    subject.to_string(),
+                    agentscope_bus::headers(msg_id),
+                    payload.clone(),
+                )
+                .await?
+                .await
+                .map_err(async_nats::Error::from)
+        }
+        .await;
+        match res {
+            Ok(_) => return true,
+            Err(e) => {
+                tracing::warn!(error = %e, msg_id, "publish event; retrying");
+                tokio::select! {
+                    _ = lease_lost.cancelled() => return false,
+                    _ = tokio::time::sleep(delay) => {}
                 }
+                delay = (delay * 2).min(Duration::from_secs(2));
             }
         }
     }
-    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    fn ready(sizes: &[usize]) -> VecDeque<(u64, bytes::Bytes)> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let ev = ExecutionEvent {
+                    attempt_id: "a".into(),
+                    seq: i as u64 + 1,
+                    body: Some(Body::Diagnostic(Diagnostic {
+                        message: "x".repeat(*n),
+                        ..Default::default()
+                    })),
+                    ..Default::default()
+                };
+                (ev.seq, bytes::Bytes::from(ev.encode_to_vec()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_ready_event_goes_alone_under_its_own_id() {
+        let mut r = ready(&[10]);
+        let alone = r[0].1.clone();
+        let (id, payload, seq) = next_message("a", &mut r);
+        assert_eq!((id.as_str(), &payload, seq), ("a:1", &alone, 1));
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn ready_events_go_together_up_to_the_batch_bounds() {
+        let mut r = ready(&[100; BATCH_EVENTS + 5]);
+        let (id, payload, seq) = next_message("a", &mut r);
+        assert_eq!(
+            (id.as_str(), seq),
+            (format!("a:1-{BATCH_EVENTS}").as_str(), BATCH_EVENTS as u64)
+        );
+        let events = agentscope_schemas::decode_events(&payload).unwrap();
+        let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (1..=BATCH_EVENTS as u64).collect::<Vec<_>>());
+        assert_eq!(r.len(), 5);
+        assert_eq!(r.front().unwrap().0, BATCH_EVENTS as u64 + 1);
+
+        // Bytes bound: a large event is not added to a batch; it goes alone next.
+        let mut r = ready(&[1000, 1000, BATCH_BYTES, 10]);
+        assert_eq!(next_message("a", &mut r).0, "a:1-2");
+        assert_eq!(next_message("a", &mut r).0, "a:3");
+        assert_eq!(next_message("a", &mut r).0, "a:4");
+        assert!(r.is_empty());
+    }
 }
