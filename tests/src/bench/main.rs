@@ -165,12 +165,16 @@ fn headline(name: &str, v: &Value) -> String {
             g("complete")
         ),
         "w2_sse" => format!(
-            "delivery after emission p50 {} p99 {} ms, after commit p50 {} p99 {} ms; every follower complete and in order: {}",
+            "burst: delivery after emission p50 {} p99 {} ms, after commit p50 {} p99 {} ms; steady {}/s: after emission p50 {} p99 {} ms; every follower complete and in order: {} {}",
             g("delivery_after_host_emitted_ms.p50"),
             g("delivery_after_host_emitted_ms.p99"),
             g("delivery_after_commit_ms.p50"),
             g("delivery_after_commit_ms.p99"),
-            g("every_follower_got_every_event_once_in_order")
+            g("steady.lines_per_s"),
+            g("steady.delivery_after_host_emitted_ms.p50"),
+            g("steady.delivery_after_host_emitted_ms.p99"),
+            g("every_follower_got_every_event_once_in_order"),
+            g("steady.every_follower_got_every_event_once_in_order")
         ),
         "w3_loop" => format!(
             "overhead {} ms/iter (first 20 {} → last 20 {}); model server {} → {} ms; {} MB per 200 iterations; complete {}",
@@ -243,6 +247,8 @@ async fn main() -> Result<()> {
             One::Sse(w2::SseArgs {
                 followers: a.followers,
                 lines: a.sse_lines,
+                steady_lines: 2000,
+                steady_rate: 1000,
             }),
             One::Loop(managed::LoopArgs {
                 iterations: a.iterations,

@@ -22,9 +22,15 @@ pub struct SseArgs {
     /// SSE followers of the one task.
     #[arg(long, default_value_t = 100)]
     pub followers: usize,
-    /// Lines the task prints once every follower is attached.
+    /// Lines the task prints at once (a burst) once every follower is attached.
     #[arg(long, default_value_t = 5000)]
     pub lines: u64,
+    /// Then a second task prints this many lines as a steady stream ...
+    #[arg(long, default_value_t = 2000)]
+    pub steady_lines: u64,
+    /// ... at this many lines per second.
+    #[arg(long, default_value_t = 1000)]
+    pub steady_rate: u64,
 }
 
 /// One attempt prints `lines` lines (`seq 1 N`); the time from the provider's start (the host's
@@ -167,30 +173,67 @@ fn at_of(data: &str) -> Option<f64> {
     Some(t.timestamp_micros() as f64 / 1000.0)
 }
 
-/// `followers` SSE clients follow one task that prints `lines` lines once all are attached.
+/// `followers` SSE clients follow one task that prints `lines` lines at once when all are
+/// attached (a burst: the figure is mostly the time to deliver the whole burst), then another
+/// that prints `steady_lines` at `steady_rate` per second (the pipeline's own latency).
 pub async fn sse(args: &SseArgs) -> Result<Value> {
     let stack = setup::stack("bench-w2-sse", setup::bench_options()).await?;
     let pg = setup::bench_pool(&stack).await?;
-    let go = stack.shared.join("go");
+    let stamp = setup::stamp_bin(&stack)?;
+    let burst = agent(&stack, "burst", &format!("exec seq 1 {}", args.lines)).await?;
+    let steady = format!(
+        "exec {} lines {} {}",
+        stamp.display(),
+        args.steady_lines,
+        1_000_000 / args.steady_rate.max(1)
+    );
+    let steady = agent(&stack, "steady", &steady).await?;
+    let host = stack.host("sse-0", "bench", 1).await?;
+    let mut out = follow_task(&stack, &pg, args.followers, &burst).await?;
+    let steady = follow_task(&stack, &pg, args.followers, &steady).await?;
+    drop(host);
+    out["lines"] = json!(args.lines);
+    out["steady"] = steady;
+    out["steady"]["lines"] = json!(args.steady_lines);
+    out["steady"]["lines_per_s"] = json!(args.steady_rate);
+    Ok(out)
+}
+
+/// An agent whose command (`sh -c`) starts once the file `go-<name>` exists in the stack's
+/// shared directory: its id and that file.
+async fn agent(
+    stack: &agentscope_system_tests::Stack,
+    name: &str,
+    command: &str,
+) -> Result<(String, std::path::PathBuf)> {
+    let go = stack.shared.join(format!("go-{name}"));
     let script = format!(
-        "while [ ! -e {go} ]; do sleep 0.01; done; exec seq 1 {}",
-        args.lines,
+        "while [ ! -e {go} ]; do sleep 0.01; done; {command}",
         go = go.display()
     );
     let (agent, _) = stack
-        .command_agent("printer", "bench", &["sh", "-c", &script], None)
+        .command_agent(name, "bench", &["sh", "-c", &script], None)
         .await?;
-    let host = stack.host("sse-0", "bench", 1).await?;
-    let id = setup::submit(&stack, &agent, "print").await?;
-    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(args.followers);
-    let mut followers = Vec::new();
-    for _ in 0..args.followers {
+    Ok((agent, go))
+}
+
+/// `followers` SSE clients of one task of `agent`, whose command starts once all are attached.
+async fn follow_task(
+    stack: &agentscope_system_tests::Stack,
+    pg: &sqlx::PgPool,
+    followers: usize,
+    (agent, go): &(String, std::path::PathBuf),
+) -> Result<Value> {
+    let id = setup::submit(stack, agent, "print").await?;
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(followers);
+    let mut tasks = Vec::new();
+    for _ in 0..followers {
         // A client of its own per follower: one connection each, as separate viewers have.
         let api = Api {
             client: agentscope_system_tests::kit::http_client(),
             ..stack.api.clone()
         };
-        followers.push(tokio::spawn(follow(
+        tasks.push(tokio::spawn(follow(
             api,
             format!("/v1/tasks/{id}/events?follow=true"),
             ready_tx.clone(),
@@ -198,16 +241,16 @@ pub async fn sse(args: &SseArgs) -> Result<Value> {
         )));
     }
     drop(ready_tx);
-    for _ in 0..args.followers {
+    for _ in 0..followers {
         ready_rx
             .recv()
             .await
             .context("a follower failed to attach")?;
     }
-    let probe = Probe::start(&pg, &stack.db.name).await;
-    std::fs::write(&go, "go")?;
+    let probe = Probe::start(pg, &stack.db.name).await;
+    std::fs::write(go, "go")?;
     let mut got = Vec::new();
-    for f in followers {
+    for f in tasks {
         got.push(f.await??);
     }
     let cpu = probe.stop().await;
@@ -217,7 +260,7 @@ pub async fn sse(args: &SseArgs) -> Result<Value> {
          WHERE a.task_id = $1 ORDER BY a.number, e.seq",
     )
     .bind(uuid::Uuid::parse_str(&id)?)
-    .fetch_all(&pg)
+    .fetch_all(pg)
     .await?;
     let expected: Vec<String> = rows
         .iter()
@@ -245,13 +288,11 @@ pub async fn sse(args: &SseArgs) -> Result<Value> {
         }
     }
     let lines_recorded = expected.len();
-    drop(host);
     Ok(json!({
-        "followers": args.followers,
-        "lines": args.lines,
+        "followers": followers,
         "events": lines_recorded,
         "followers_complete_in_order": complete,
-        "every_follower_got_every_event_once_in_order": complete == args.followers,
+        "every_follower_got_every_event_once_in_order": complete == followers,
         "delivery_after_host_emitted_ms": summary(&after_emit),
         "delivery_after_commit_ms": summary(&after_commit),
         "cpu_per_delivered_event_us": num(crate::w1::stack_cpu(&cpu) * 1e6 / after_commit.len().max(1) as f64),
