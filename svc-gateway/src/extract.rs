@@ -250,21 +250,53 @@ impl FromRequestParts<AppState> for Auth {
         if !token.starts_with(agentscope_domain::TokenKind::Api.prefix()) || token.len() > 256 {
             return Err(ApiError::unauthorized());
         }
-        let hash = agentscope_domain::hash_token(token);
-        let row = sqlx::query!(
-            "SELECT workspace_id, id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
-            hash,
-        )
-        .fetch_optional(&state.db)
-        .await?;
-        let (workspace_id, token_id) = row
-            .map(|r| (r.workspace_id, r.id))
+        let (workspace_id, token_id) = verify_api_token(state, token)
+            .await?
             .ok_or_else(ApiError::unauthorized)?;
         tracing::Span::current().record("workspace_id", tracing::field::display(workspace_id));
         Ok(Auth {
             workspace_id,
             token_id,
         })
+    }
+}
+
+/// How long a verified API token is trusted without asking the database again: a token revoked
+/// in the database stops working within this time.
+const TOKEN_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The workspace and id of an API token, if it is valid. Valid answers are cached per token hash
+/// for [`TOKEN_CACHE_TTL`]; refusals are not cached.
+async fn verify_api_token(state: &AppState, token: &str) -> Result<Option<(Uuid, Uuid)>, ApiError> {
+    type Cache =
+        std::sync::Mutex<std::collections::HashMap<String, (Uuid, Uuid, std::time::Instant)>>;
+    static CACHE: std::sync::OnceLock<Cache> = std::sync::OnceLock::new();
+    let hash = agentscope_domain::hash_token(token);
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some((ws, id, at)) = cache.lock().expect("token cache").get(&hash).copied()
+        && at.elapsed() < TOKEN_CACHE_TTL
+    {
+        return Ok(Some((ws, id)));
+    }
+    let row = sqlx::query!(
+        "SELECT workspace_id, id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
+        hash,
+    )
+    .fetch_optional(&state.db)
+    .await?;
+    let mut cache = cache.lock().expect("token cache");
+    match row {
+        Some(r) => {
+            if cache.len() > 10_000 {
+                cache.retain(|_, (_, _, at)| at.elapsed() < TOKEN_CACHE_TTL);
+            }
+            cache.insert(hash, (r.workspace_id, r.id, std::time::Instant::now()));
+            Ok(Some((r.workspace_id, r.id)))
+        }
+        None => {
+            cache.remove(&hash);
+            Ok(None)
+        }
     }
 }
 

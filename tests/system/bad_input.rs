@@ -339,3 +339,45 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
         .unwrap();
     assert!(events.iter().any(|e| e["payload"]["text"] == "still-alive"));
 }
+
+/// A token revoked in the database stops working within the gateway's trust period (1 s), even
+/// right after it was used and verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_api_token_stops_working_within_a_second() {
+    let stack = Stack::start("revoke", StackOptions::default())
+        .await
+        .unwrap();
+    let admin = stack.api.with_token(ADMIN_TOKEN);
+    let ws = admin
+        .post("/v1/workspaces", json!({"name": "short-lived"}))
+        .await
+        .unwrap();
+    let token = ws["api_token"].as_str().unwrap().to_string();
+    let (st, _) = raw(&stack.api, "GET", "/v1/tasks", Some(&token), None).await;
+    assert_eq!(st, 200, "the new token works");
+    sqlx::query("UPDATE api_tokens SET revoked_at = now() WHERE workspace_id = $1::uuid")
+        .bind(ws["workspace"]["id"].as_str().unwrap())
+        .execute(&stack.pg)
+        .await
+        .unwrap();
+    let revoked = std::time::Instant::now();
+    let api = stack.api.clone();
+    let t = token.clone();
+    kit::wait_for("the revoked token refused", Duration::from_secs(10), || {
+        let (api, t) = (api.clone(), t.clone());
+        async move {
+            let (st, v) = raw(&api, "GET", "/v1/tasks", Some(&t), None).await;
+            (st == 401).then_some(v)
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        revoked.elapsed() < Duration::from_secs(5),
+        "refused only after {:?}",
+        revoked.elapsed()
+    );
+    // And it stays refused (refusals are not cached as valid).
+    let (st, v) = raw(&stack.api, "GET", "/v1/tasks", Some(&token), None).await;
+    assert_eq!((st, code(&v)), (401, "unauthorized"));
+}
