@@ -307,7 +307,12 @@ async fn publisher(
             _ = tokio::time::sleep_until(next_checkpoint), if p.acked > p.saved => {}
         }
         let idle = in_flight.is_none() && p.ready.is_empty();
-        if p.acked > p.saved && (idle || p.saved_at.elapsed() >= CHECKPOINT_EVERY) {
+        // At most every CHECKPOINT_EVERY (the timer above catches up), and before a flush is
+        // answered: not after every acknowledgement of a slow stream of events.
+        if p.acked > p.saved
+            && (p.saved_at.elapsed() >= CHECKPOINT_EVERY
+                || (idle && (!p.flushes.is_empty() || !p.open)))
+        {
             p.checkpoint(false);
         }
         if idle {
