@@ -6,10 +6,11 @@
 //! attempt. A slot holds a chain of framed records from its start (length, the chain's nonce,
 //! checksum, compact JSON of a whole [`Entry`]); the chain's last complete record is the entry.
 //! A save appends a record (one `pwrite`); the first save of an attempt starts a chain with a new
-//! nonce at offset 0 of a free slot; removing it writes an empty header there. A record cut short
-//! (the process killed during its write) fails its checksum and the one before it stands; bytes
-//! of an earlier chain after the current one carry another nonce and are not read. A chain grown
-//! past [`COMPACT_AT`] is written whole to a temp file and renamed over its slot.
+//! nonce at offset 0 of a free slot; removing it zeroes what the slot held (entries carry the
+//! task credential), its first header first. A record cut short (the process killed during its
+//! write) fails its checksum and the one before it stands; bytes of an earlier chain after the
+//! current one carry another nonce and are not read. A chain grown past [`COMPACT_AT`] is written
+//! whole to a temp file and renamed over its slot.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -139,6 +140,9 @@ struct Slot {
     /// Where the chain ends (the next record goes there).
     len: u64,
     nonce: u64,
+    /// Bytes from the start that may be other than zero (records with task credentials): a
+    /// removal clears them all.
+    size: u64,
 }
 
 impl Journal {
@@ -207,6 +211,7 @@ impl Journal {
                 file: Arc::new(file),
                 len,
                 nonce,
+                size: bytes.len() as u64,
             };
             match chain {
                 Some(e) => {
@@ -310,6 +315,7 @@ impl Journal {
                         file: Arc::new(f),
                         len: 0,
                         nonce,
+                        size: 0,
                     });
                 }
                 // Not counted yet (made after the scan): the next number.
@@ -330,6 +336,7 @@ impl Journal {
         let bytes = record(e, slot.nonce);
         let n = bytes.len() as u64;
         if slot.len == 0 || slot.len + n <= COMPACT_AT.max(8 * n) {
+            slot.size = slot.size.max(slot.len + n);
             if let Err(err) = slot.file.write_all_at(&bytes, slot.len) {
                 let err = io("write", &slot.path)(err);
                 return Err((slot, err));
@@ -343,6 +350,7 @@ impl Journal {
                 file: Arc::new(f),
                 len: n,
                 nonce,
+                size: n,
                 ..slot
             }),
             Err(err) => Err((slot, err)),
@@ -353,14 +361,15 @@ impl Journal {
         let Some(slot) = self.slots.lock().expect("journal").used.remove(attempt_id) else {
             return Ok(());
         };
-        use std::os::unix::fs::FileExt;
-        let res = slot
-            .file
-            .write_all_at(&[0u8; HEADER], 0)
-            .map_err(io("clear", &slot.path));
+        // Cleared from the start: a removal cut short frees the slot all the same.
+        let res = clear(&slot);
         let mut slots = self.slots.lock().expect("journal");
         match res {
-            Ok(()) => slots.free.push(Slot { len: 0, ..slot }),
+            Ok(()) => slots.free.push(Slot {
+                len: 0,
+                size: 0,
+                ..slot
+            }),
             Err(e) => {
                 slots.used.insert(attempt_id.to_string(), slot);
                 return Err(e);
@@ -410,8 +419,27 @@ impl Journal {
     }
 }
 
+/// A slot found free (or holding an older copy of an attempt's entry) at start-up, cleared.
 fn release(slots: &mut Slots, slot: Slot) {
-    slots.free.push(Slot { len: 0, ..slot });
+    if let Err(e) = clear(&slot) {
+        tracing::warn!(error = %e, "clear a journal slot");
+    }
+    slots.free.push(Slot {
+        len: 0,
+        size: 0,
+        ..slot
+    });
+}
+
+/// Zeroes whatever the slot may hold.
+fn clear(slot: &Slot) -> Result<(), Error> {
+    use std::os::unix::fs::FileExt;
+    if slot.size == 0 {
+        return Ok(());
+    }
+    slot.file
+        .write_all_at(&vec![0u8; slot.size as usize], 0)
+        .map_err(io("clear", &slot.path))
 }
 
 /// When a used slot's entry was saved (for two slots of one attempt: the newer stands).
@@ -553,6 +581,13 @@ mod tests {
             j.save(&entry("a1", seq), false).unwrap();
         }
         j.remove("a1").unwrap();
+        // Nothing of the removed entry (its assignment holds the task credential) is left.
+        assert!(
+            std::fs::read(slot_file(&dir))
+                .unwrap()
+                .iter()
+                .all(|b| *b == 0)
+        );
         // The same slot, a shorter chain over the longer one of the same sizes.
         j.save(&entry("a2", 1), true).unwrap();
         j.save(&entry("a2", 2), false).unwrap();
