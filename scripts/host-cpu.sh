@@ -14,7 +14,7 @@ TCK=$(getconf CLK_TCK)
 
 host_ticks() { # tasks -> the host's user and system CPU ticks at its end
     local tasks=$1 last="" bench
-    "$BIN/agentscope-bench" --tasks "$tasks" --hosts 1 --capacity "$CAPACITY" >&2 &
+    "$BIN/agentscope-bench" bulk --tasks "$tasks" --hosts 1 --capacity "$CAPACITY" >&2 &
     bench=$!
     while kill -0 "$bench" 2>/dev/null; do
         for p in $(pgrep -P "$bench" -x svc-host || true); do
