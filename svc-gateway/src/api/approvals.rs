@@ -201,6 +201,9 @@ async fn decide_session_request(
     {
         tracing::warn!(error = %e, session_id = %session, "nudge dataplane");
     }
+    // On the wire before the answer is written, not after: the waiting session starts the
+    // call meanwhile. Bounded: the decision is committed whatever NATS does.
+    let _ = tokio::time::timeout(Duration::from_millis(50), s.nats.flush()).await;
     s.metrics
         .inc("agentscope_approvals_decided_total", &[("status", status)]);
     tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided");
