@@ -1131,23 +1131,21 @@ impl Drop for SessionCgroup {
     }
 }
 
-/// Kills a process group with SIGKILL. Without libc the signal is sent through the shell's
-/// `kill` builtin (`kill -KILL -PGID`).
+/// Kills a process group with SIGKILL (a group already gone is no error).
 fn kill_group(pgid: u32) {
     // Never signal 0 (our own group) or 1 (`kill -1` = every process we may signal).
+    let Ok(pgid) = libc::pid_t::try_from(pgid) else {
+        return;
+    };
     if pgid <= 1 {
         return;
     }
-    let result = std::process::Command::new("/bin/sh")
-        .arg("-c")
-        .arg(format!("kill -KILL -{pgid}"))
-        .env_clear()
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    if let Err(e) = result {
-        tracing::warn!(pgid, error = %e, "could not run kill for a shell tool's process group");
+    // SAFETY: kill has no memory arguments; a negative pid names the process group.
+    if unsafe { libc::kill(-pgid, libc::SIGKILL) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ESRCH) {
+            tracing::warn!(pgid, error = %e, "could not kill a shell tool's process group");
+        }
     }
 }
 
