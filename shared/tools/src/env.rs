@@ -358,10 +358,17 @@ impl Environment {
         limits: &Limits,
     ) -> Result<ShellOutput, ToolError> {
         let root = self.root().to_path_buf();
-        ensure_root_dir(&root).await?;
-        let root = tokio::fs::canonicalize(&root)
-            .await
-            .map_err(|e| io_err("session directory", e))?;
+        // Checked and resolved in one trip to the blocking pool.
+        let root = tokio::task::spawn_blocking(move || {
+            match std::fs::metadata(&root) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => return Err(ToolError::new("io", "session directory is not a directory")),
+                Err(e) => return Err(io_err("session directory", e)),
+            }
+            std::fs::canonicalize(&root).map_err(|e| io_err("session directory", e))
+        })
+        .await
+        .map_err(|e| io_err("session directory", std::io::Error::other(e)))??;
         // Who the tool code runs as: the session's uid, never root.
         let (run_as, switch) = match (self.identity(), is_root()) {
             (Some(id), _) if id.uid == 0 || id.gid == 0 => {
@@ -505,14 +512,6 @@ impl ChildLimits {
             set(libc::RLIMIT_CPU, v)?;
         }
         Ok(())
-    }
-}
-
-async fn ensure_root_dir(root: &Path) -> Result<(), ToolError> {
-    match tokio::fs::metadata(root).await {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(ToolError::new("io", "session directory is not a directory")),
-        Err(e) => Err(io_err("session directory", e)),
     }
 }
 
