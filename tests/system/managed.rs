@@ -646,6 +646,26 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
         1,
         "{events:#?}"
     );
+    // The decision as recorded, then the call's start, in that order.
+    let at = events
+        .iter()
+        .position(|e| e["kind"] == "approval_decided")
+        .unwrap();
+    let call_id = ap["request_id"].as_str().unwrap();
+    assert_eq!(
+        events[at]["payload"],
+        json!({"call_id": call_id, "allow": true, "status": "allowed", "reason": null, "decided_by": "api"}),
+        "{events:#?}"
+    );
+    assert_eq!(
+        (
+            events[at + 1]["kind"].as_str(),
+            events[at + 1]["payload"]["call_id"].as_str(),
+            events[at + 1]["payload"]["tool"].as_str(),
+        ),
+        (Some("tool_call"), Some(call_id), Some("shell")),
+        "{events:#?}"
+    );
     assert!(
         std::fs::read_to_string(&log)
             .unwrap()

@@ -19,12 +19,31 @@ pub enum Error {
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// How long a pooled connection may sit idle before it is checked (a ping) when taken again.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+
 /// Connect with a bounded pool; fails fast (10 s) when Postgres is unreachable.
+///
+/// sqlx pings every connection when it goes back to the pool; by default it pings it again
+/// when it is taken, one more round trip before every statement. Here only a connection idle
+/// for longer than [`IDLE_CHECK`] is pinged when taken (a restarted server has closed it; it
+/// is then dropped and another one taken or opened). A connection that breaks in between
+/// fails its query like any outage in the middle of one.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, Error> {
     let options = PgConnectOptions::from_str(url).map_err(Error::Url)?;
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for > IDLE_CHECK {
+                    use sqlx::Connection as _;
+                    conn.ping().await?;
+                }
+                Ok(true)
+            })
+        })
         .connect_with(options)
         .await
         .map_err(Error::Connect)

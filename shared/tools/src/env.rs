@@ -358,10 +358,17 @@ impl Environment {
         limits: &Limits,
     ) -> Result<ShellOutput, ToolError> {
         let root = self.root().to_path_buf();
-        ensure_root_dir(&root).await?;
-        let root = tokio::fs::canonicalize(&root)
-            .await
-            .map_err(|e| io_err("session directory", e))?;
+        // Checked and resolved in one trip to the blocking pool.
+        let root = tokio::task::spawn_blocking(move || {
+            match std::fs::metadata(&root) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => return Err(ToolError::new("io", "session directory is not a directory")),
+                Err(e) => return Err(io_err("session directory", e)),
+            }
+            std::fs::canonicalize(&root).map_err(|e| io_err("session directory", e))
+        })
+        .await
+        .map_err(|e| io_err("session directory", std::io::Error::other(e)))??;
         // Who the tool code runs as: the session's uid, never root.
         let (run_as, switch) = match (self.identity(), is_root()) {
             (Some(id), _) if id.uid == 0 || id.gid == 0 => {
@@ -505,14 +512,6 @@ impl ChildLimits {
             set(libc::RLIMIT_CPU, v)?;
         }
         Ok(())
-    }
-}
-
-async fn ensure_root_dir(root: &Path) -> Result<(), ToolError> {
-    match tokio::fs::metadata(root).await {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(ToolError::new("io", "session directory is not a directory")),
-        Err(e) => Err(io_err("session directory", e)),
     }
 }
 
@@ -1131,23 +1130,21 @@ impl Drop for SessionCgroup {
     }
 }
 
-/// Kills a process group with SIGKILL. Without libc the signal is sent through the shell's
-/// `kill` builtin (`kill -KILL -PGID`).
+/// Kills a process group with SIGKILL (a group already gone is no error).
 fn kill_group(pgid: u32) {
     // Never signal 0 (our own group) or 1 (`kill -1` = every process we may signal).
+    let Ok(pgid) = libc::pid_t::try_from(pgid) else {
+        return;
+    };
     if pgid <= 1 {
         return;
     }
-    let result = std::process::Command::new("/bin/sh")
-        .arg("-c")
-        .arg(format!("kill -KILL -{pgid}"))
-        .env_clear()
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    if let Err(e) = result {
-        tracing::warn!(pgid, error = %e, "could not run kill for a shell tool's process group");
+    // SAFETY: kill has no memory arguments; a negative pid names the process group.
+    if unsafe { libc::kill(-pgid, libc::SIGKILL) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ESRCH) {
+            tracing::warn!(pgid, error = %e, "could not kill a shell tool's process group");
+        }
     }
 }
 

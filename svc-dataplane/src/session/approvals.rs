@@ -34,7 +34,61 @@ impl Runner {
     }
 }
 
+/// What [`Session::start_if_allowed`] found.
+enum Decided {
+    /// The call was allowed and is now journaled `started`, with its decision.
+    Started,
+    /// Not allowed (yet): the Approval's status, reason and decider, if it is recorded.
+    Read(Option<(String, Option<String>, Option<String>)>),
+}
+
 impl Session<'_> {
+    /// Reads the Approval of `call` and, if it is allowed, writes what [`Self::execute`] writes
+    /// for an approved call (its `approval_decided` and `tool_call` events, the session
+    /// `running`, the call `started`) in the same statement: one round trip from the decision
+    /// to the tool. The write is fenced like every [`Self::write`]: this replica's token, and
+    /// the call still waiting; an allowed call that cannot be started so was taken over.
+    async fn start_if_allowed(&self, call: &ToolCallReq) -> Result<Decided, Stop> {
+        let tool_call = json!({"call_id": call.id, "tool": call.name, "input": call.input});
+        let row = sqlx::query!(
+            r#"WITH ap AS (
+    SELECT status, reason, decided_by FROM approvals WHERE session_id = $1::uuid::text AND request_id = $3
+), fence AS (
+    UPDATE session_state SET last_seq = last_seq + 2, status = 'running', detail = '', updated_at = now()
+    WHERE session_id = $1 AND lease_token = $2
+      AND EXISTS (SELECT 1 FROM ap WHERE ap.status = 'allowed')
+      AND EXISTS (SELECT 1 FROM session_tool_calls
+          WHERE session_id = $1 AND call_id = $3 AND status = 'awaiting_approval')
+    RETURNING last_seq - 2 AS base
+), events AS (
+    INSERT INTO session_events (session_id, seq, kind, payload)
+    SELECT $1, fence.base + 1, 'approval_decided', jsonb_build_object('call_id', $3::text,
+        'allow', true, 'status', ap.status, 'reason', ap.reason, 'decided_by', ap.decided_by)
+    FROM fence, ap
+    UNION ALL
+    SELECT $1, fence.base + 2, 'tool_call', $4::jsonb FROM fence
+), started AS (
+    UPDATE session_tool_calls c SET status = 'started' FROM fence
+    WHERE c.session_id = $1 AND c.call_id = $3 AND c.status = 'awaiting_approval'
+)
+SELECT ap.status AS "status!", ap.reason AS "reason?", ap.decided_by AS "decided_by?",
+    (SELECT base FROM fence) AS "base?"
+FROM ap"#,
+            self.id,
+            self.token,
+            &call.id,
+            tool_call,
+        )
+        .fetch_optional(&self.r.db)
+        .await?;
+        Ok(match row {
+            Some(r) if r.base.is_some() => Decided::Started,
+            Some(r) if r.status == "allowed" => return Err(Stop::Fenced),
+            Some(r) => Decided::Read(Some((r.status, r.reason, r.decided_by))),
+            None => Decided::Read(None),
+        })
+    }
+
     /// Waits for the Approval of `call` (asking the scheduler to record it, idempotently), then
     /// runs the call or reports the deny to the model.
     pub(super) async fn await_decision(
@@ -57,6 +111,9 @@ impl Session<'_> {
                 .unwrap_or(600)
                 .saturating_mul(1000),
         };
+        // Without a Worker to wait for, an allowed call starts in the statement that reads its
+        // decision (see `start_if_allowed`).
+        let at_once = p.worker.is_none() || call.name.starts_with("memory_");
         let mut asked_at: Option<tokio::time::Instant> = None;
         let (status, reason, decided_by) = loop {
             // Listening before reading: a decision's nudge that arrives during the read wakes
@@ -64,14 +121,25 @@ impl Session<'_> {
             let news = self.r.news.notified();
             tokio::pin!(news);
             news.as_mut().enable();
-            let row = sqlx::query!(
-                "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2",
-                self.id.to_string(),
-                &call.id,
-            )
-            .fetch_optional(&self.r.db)
-            .await?
-            .map(|r| (r.status, r.reason, r.decided_by));
+            let row = if at_once {
+                match self.start_if_allowed(call).await? {
+                    Decided::Started => {
+                        let (out, ended) = self.run_started(p, input_id, call).await?;
+                        self.commit(ended).await?;
+                        return Ok((out, false));
+                    }
+                    Decided::Read(row) => row,
+                }
+            } else {
+                sqlx::query!(
+                    "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2",
+                    self.id.to_string(),
+                    &call.id,
+                )
+                .fetch_optional(&self.r.db)
+                .await?
+                .map(|r| (r.status, r.reason, r.decided_by))
+            };
             match row {
                 Some((status, reason, by)) if status != "pending" => break (status, reason, by),
                 Some(_) => {}

@@ -6,7 +6,7 @@ use super::pinned::Pinned;
 use super::{Session, Stop};
 use crate::model::{self, Message, ModelError, ToolCallReq};
 use crate::policy::Decision;
-use crate::tools;
+use crate::tools::{self, ToolOutput};
 use agentscope_domain::{InputOutcome, SessionStatus};
 use serde_json::json;
 use std::collections::HashSet;
@@ -18,7 +18,8 @@ impl Session<'_> {
     /// The conversation is loaded once and then kept in the model API's wire format, each new
     /// message appended ([`model::Conversation`]). A model turn is one write: its message and
     /// events, and, when the turn's first call can run at once, that call's `started` journal row
-    /// (or, for the last turn, the input's outcome). A tool's result is another write.
+    /// (or, for the last turn, the input's outcome); a call that only reads runs during that
+    /// write. A tool's result is another write.
     pub(super) async fn work(&self, p: &Pinned, input_id: Uuid, text: &str) -> Result<(), Stop> {
         let history = self.history().await?;
         let model = self.r.model_config(&p.model);
@@ -65,6 +66,8 @@ impl Session<'_> {
         // That call's end, written while the next model request is in flight (before anything
         // else is written, so the journal's order is the conversation's).
         let mut unwritten: Option<Ended> = None;
+        // That call's output and end when it only reads and so ran while its turn was written.
+        let mut ran_with_turn: Option<(ToolOutput, Ended)> = None;
         loop {
             for call in std::mem::take(&mut pending) {
                 if let Some(ended) = unwritten.take() {
@@ -72,7 +75,10 @@ impl Session<'_> {
                 }
                 let (out, was_denied) = if started_with_turn.as_deref() == Some(call.id.as_str()) {
                     started_with_turn = None;
-                    let (out, ended) = self.run_started(p, input_id, &call).await?;
+                    let (out, ended) = match ran_with_turn.take() {
+                        Some(ran) => ran,
+                        None => self.run_started(p, input_id, &call).await?,
+                    };
                     unwritten = Some(ended);
                     (out, false)
                 } else {
@@ -152,6 +158,7 @@ impl Session<'_> {
                 b.finish(status, detail, iterations);
                 return self.write(b).await;
             }
+            let mut reading = None;
             if let Some(first) = tool_calls.first()
                 && self.starts_at_once(p, first, &known_calls)
             {
@@ -161,8 +168,19 @@ impl Session<'_> {
                     json!({"call_id": first.id, "tool": first.name, "input": first.input}),
                 );
                 started_with_turn = Some(first.id.clone());
+                reading = reads_only(p, first).then_some(first);
             }
-            self.write(b).await?;
+            match reading {
+                // Nothing to repeat or undo: a call that only reads runs while the turn that
+                // starts it is written, and its output is used only once that write committed.
+                Some(first) => {
+                    let (written, ran) =
+                        tokio::join!(self.write(b), self.run_started(p, input_id, first));
+                    written?;
+                    ran_with_turn = Some(ran?);
+                }
+                None => self.write(b).await?,
+            }
             known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
             pending = tool_calls;
         }
@@ -183,4 +201,10 @@ impl Session<'_> {
             && (p.enabled.is_empty() || p.enabled.contains(&call.name))
             && p.policy.decide(&call.name, &call.input).0 == Decision::Allow
     }
+}
+
+/// A file tool that only reads, in the session's own Environment (an E2B sandbox is created on
+/// first use, a Worker's calls wait for the Worker).
+fn reads_only(p: &Pinned, call: &ToolCallReq) -> bool {
+    !p.e2b && p.worker.is_none() && matches!(call.name.as_str(), "read_file" | "list_files")
 }

@@ -1,5 +1,7 @@
 //! Approvals: tool requests waiting for a person's decision. The scheduler owns the records and
-//! applies a decision exactly once; a second, conflicting decision is refused (409).
+//! applies a decision exactly once; a second, conflicting decision is refused (409). A managed
+//! session's pending request is decided here by one conditional update (it too applies once) and
+//! its session nudged, one hop shorter; everything else goes through the scheduler.
 
 use crate::AppState;
 use crate::error::{ApiError, ApiResult};
@@ -92,6 +94,9 @@ pub(crate) async fn decide_as(
             "`reason` is limited to 4096 bytes",
         ));
     }
+    if let Some(decided) = decide_session_request(s, &auth, id, allow, &reason, decided_by).await? {
+        return Ok(Json(decided));
+    }
     let req = DecideApproval {
         approval_id: id.to_string(),
         workspace_id: auth.workspace_id.to_string(),
@@ -145,6 +150,64 @@ pub(crate) async fn decide_as(
         .fetch_one(&s.db)
         .await?;
     Ok(Json(approval))
+}
+
+/// A managed session's pending request, decided here: one statement applies the decision once
+/// (the row lock of the update), and the dataplane replica holding the session is nudged at once
+/// to read it from the record. `None` when the approval is not a pending session request of the
+/// caller's workspace (a hosted attempt's, a replay, another workspace, an unknown id) or a field
+/// could not be stored: the scheduler's path decides those, as it did before.
+async fn decide_session_request(
+    s: &AppState,
+    auth: &Auth,
+    id: Uuid,
+    allow: bool,
+    reason: &str,
+    decided_by: &str,
+) -> ApiResult<Option<t::Approval>> {
+    if reason.contains('\0') || decided_by.contains('\0') {
+        return Ok(None);
+    }
+    let status = if allow { "allowed" } else { "denied" };
+    let decided = sqlx::query_as!(
+        t::Approval,
+        r#"UPDATE approvals ap SET status = $3, decided_at = now(), decided_by = $4, reason = NULLIF($5, '')
+        WHERE ap.id = $1 AND ap.workspace_id = $2 AND ap.status = 'pending'
+          AND ap.attempt_id IS NULL AND ap.session_id IS NOT NULL
+        RETURNING ap.id, ap.attempt_id, NULL::uuid AS "task_id?", ap.session_id, ap.request_id,
+            ap.tool_name, ap.input, ap.status, ap.decided_by, ap.reason, ap.created_at, ap.expires_at,
+            ap.decided_at"#,
+        id,
+        auth.workspace_id,
+        status,
+        decided_by,
+        reason,
+    )
+    .fetch_optional(&s.db)
+    .await?;
+    let Some(decided) = decided else {
+        return Ok(None);
+    };
+    // A lost nudge only delays the session: the replica waiting for the decision reads the
+    // record again within its poll interval.
+    if let Some(session) = &decided.session_id
+        && let Err(e) = s
+            .nats
+            .publish(
+                agentscope_bus::subjects::SESSIONS_NUDGE,
+                session.clone().into(),
+            )
+            .await
+    {
+        tracing::warn!(error = %e, session_id = %session, "nudge dataplane");
+    }
+    // On the wire before the answer is written, not after: the waiting session starts the
+    // call meanwhile. Bounded: the decision is committed whatever NATS does.
+    let _ = tokio::time::timeout(Duration::from_millis(50), s.nats.flush()).await;
+    s.metrics
+        .inc("agentscope_approvals_decided_total", &[("status", status)]);
+    tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided");
+    Ok(Some(decided))
 }
 
 pub async fn approve(
