@@ -35,8 +35,9 @@ pub struct AppState {
     pub js: async_nats::jetstream::Context,
     pub config: Arc<Config>,
     pub metrics: Metrics,
-    /// (attempt id, task id) of every event the recorder committed: wakes live streams.
-    pub recorded: broadcast::Sender<(Uuid, Uuid)>,
+    /// (attempt id, task id, whether the attempt ended) of every commit of the recorder (and of
+    /// the scheduler's own ends): wakes live streams.
+    pub recorded: broadcast::Sender<(Uuid, Uuid, bool)>,
     /// Live readers of followed attempts and tasks, shared by their SSE clients.
     pub feeds: api::events::Feeds,
     /// Fired when the gateway stops: live streams end (clients resume with `Last-Event-ID`).
@@ -152,7 +153,7 @@ async fn fan_out_recorded(s: AppState, cancel: CancellationToken) -> anyhow::Res
         if let Ok(n) = agentscope_schemas::v1::Recorded::decode(msg.payload.as_ref())
             && let (Ok(a), Ok(t)) = (Uuid::parse_str(&n.attempt_id), Uuid::parse_str(&n.task_id))
         {
-            let _ = s.recorded.send((a, t));
+            let _ = s.recorded.send((a, t, n.ended));
         }
     }
 }

@@ -122,7 +122,7 @@ pub(crate) async fn cancel_task(ctx: &Ctx, task_id: Uuid, reason: &str) -> Resul
             )
             .await?;
             tx.commit().await?;
-            notify(ctx, a.id, a.task_id, a.last_seq as u64).await;
+            notify(ctx, a.id, a.task_id, a.last_seq as u64, true).await;
         }
         s if s.is_active() => {
             tx.commit().await?;
@@ -152,12 +152,13 @@ pub(crate) async fn cancel_task(ctx: &Ctx, task_id: Uuid, reason: &str) -> Resul
     Ok(())
 }
 
-/// Wakes live followers of an attempt's events.
-pub(crate) async fn notify(ctx: &Ctx, attempt_id: Uuid, task_id: Uuid, seq: u64) {
+/// Wakes live followers of an attempt's events; `ended`: the attempt's end was just committed.
+pub(crate) async fn notify(ctx: &Ctx, attempt_id: Uuid, task_id: Uuid, seq: u64, ended: bool) {
     let n = agentscope_schemas::v1::Recorded {
         attempt_id: attempt_id.to_string(),
         seq,
         task_id: task_id.to_string(),
+        ended,
     };
     let _ = ctx
         .nats

@@ -339,6 +339,7 @@ async fn after_commit(ctx: &Ctx, after: AfterCommit) {
         ctx.metrics
             .add("agentscope_events_fenced_total", &[], after.fenced);
     }
+    let ended: Vec<Uuid> = after.ended.iter().map(|(_, a, _)| *a).collect();
     for (host, attempt_id, pool) in after.ended {
         // The attempt is over: release its lease so nothing can renew it.
         if let Some(host) = host {
@@ -355,7 +356,8 @@ async fn after_commit(ctx: &Ctx, after: AfterCommit) {
         attempts::nudge(ctx, pool).await;
     }
     for (attempt_id, task_id, seq) in after.recorded {
-        crate::intake::notify(ctx, attempt_id, task_id, seq).await;
+        let end = ended.contains(&attempt_id);
+        crate::intake::notify(ctx, attempt_id, task_id, seq, end).await;
     }
 }
 
@@ -785,7 +787,7 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     if let Some(pool) = retry_pool {
         attempts::nudge(ctx, pool).await;
     }
-    crate::intake::notify(ctx, attempt_id, a.task_id, seq as u64).await;
+    crate::intake::notify(ctx, attempt_id, a.task_id, seq as u64, terminal).await;
     Ok(Outcome::Stored)
 }
 

@@ -174,7 +174,7 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
     tx.commit().await?;
     ctx.metrics.inc("agentscope_leases_lost_total", &[]);
     tracing::warn!(%attempt_id, task_id = %a.task_id, host_id = ?a.host_id, "lease expired; attempt lost");
-    crate::intake::notify(ctx, attempt_id, a.task_id, a.last_seq as u64 + 1).await;
+    crate::intake::notify(ctx, attempt_id, a.task_id, a.last_seq as u64 + 1, true).await;
     if let Some(pool) = retry {
         attempts::nudge(ctx, pool).await;
     }

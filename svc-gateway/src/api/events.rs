@@ -262,6 +262,9 @@ async fn read_feed(
             }
         }
     };
+    // Whether the scope may be over: at the start, when a notice says an attempt of it ended,
+    // and when nothing was heard for a while (a notice may be lost).
+    let mut may_end = true;
     loop {
         // Everything committed after `head`, page by page, then whether the scope is over.
         let mut ok = true;
@@ -307,7 +310,10 @@ async fn read_feed(
                 break;
             }
         }
-        if ok && let Ok(Some(status)) = finished(&s, scope, head).await {
+        if ok
+            && may_end
+            && let Ok(Some(status)) = finished(&s, scope, head).await
+        {
             ended.store(true, Ordering::SeqCst);
             let _ = tx.send(Arc::new(Batch {
                 prev: head,
@@ -319,16 +325,26 @@ async fn read_feed(
         }
         let deadline = tokio::time::sleep(Duration::from_secs(2));
         tokio::pin!(deadline);
+        may_end = !ok;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = &mut deadline => break,
+                _ = &mut deadline => {
+                    may_end = true;
+                    break;
+                }
                 r = wake.recv() => match r {
-                    Ok((attempt, task)) => {
+                    Ok((attempt, task, ended)) => {
                         let hit = match scope { Scope::Attempt(a) => a == attempt, Scope::Task(t) => t == task };
-                        if hit { break }
+                        if hit {
+                            may_end |= ended;
+                            break;
+                        }
                     }
-                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        may_end = true;
+                        break;
+                    }
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
             }
