@@ -268,36 +268,21 @@ const TOKEN_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(1);
 /// The workspace and id of an API token, if it is valid. Valid answers are cached per token hash
 /// for [`TOKEN_CACHE_TTL`]; refusals are not cached.
 async fn verify_api_token(state: &AppState, token: &str) -> Result<Option<(Uuid, Uuid)>, ApiError> {
-    type Cache =
-        std::sync::Mutex<std::collections::HashMap<String, (Uuid, Uuid, std::time::Instant)>>;
-    static CACHE: std::sync::OnceLock<Cache> = std::sync::OnceLock::new();
+    static CACHE: std::sync::LazyLock<agentscope_domain::TrustCache<(Uuid, Uuid)>> =
+        std::sync::LazyLock::new(|| agentscope_domain::TrustCache::new(TOKEN_CACHE_TTL));
     let hash = agentscope_domain::hash_token(token);
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some((ws, id, at)) = cache.lock().expect("token cache").get(&hash).copied()
-        && at.elapsed() < TOKEN_CACHE_TTL
-    {
-        return Ok(Some((ws, id)));
+    if let Some(found) = CACHE.get(&hash) {
+        return Ok(Some(found));
     }
-    let row = sqlx::query!(
+    let found = sqlx::query!(
         "SELECT workspace_id, id FROM api_tokens WHERE token_hash = $1 AND kind = 'api' AND revoked_at IS NULL",
         hash,
     )
     .fetch_optional(&state.db)
-    .await?;
-    let mut cache = cache.lock().expect("token cache");
-    match row {
-        Some(r) => {
-            if cache.len() > 10_000 {
-                cache.retain(|_, (_, _, at)| at.elapsed() < TOKEN_CACHE_TTL);
-            }
-            cache.insert(hash, (r.workspace_id, r.id, std::time::Instant::now()));
-            Ok(Some((r.workspace_id, r.id)))
-        }
-        None => {
-            cache.remove(&hash);
-            Ok(None)
-        }
-    }
+    .await?
+    .map(|r| (r.workspace_id, r.id));
+    CACHE.set(hash, found);
+    Ok(found)
 }
 
 /// The deployment's admin, for creating workspaces.

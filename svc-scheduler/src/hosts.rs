@@ -6,7 +6,6 @@ use agentscope_schemas::Message;
 use agentscope_schemas::v1::{HostHeartbeat, HostRegistered, HostRegistration};
 use futures::StreamExt;
 use serde_json::json;
-use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -18,16 +17,13 @@ const TOKEN_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(1);
 /// The workspace a host token belongs to, if the token is valid. Valid answers are cached per
 /// token hash for [`TOKEN_CACHE_TTL`]; refusals are not cached.
 pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<Uuid>, Error> {
-    type Cache = std::sync::Mutex<HashMap<String, (Uuid, std::time::Instant)>>;
-    static CACHE: std::sync::OnceLock<Cache> = std::sync::OnceLock::new();
+    static CACHE: std::sync::LazyLock<agentscope_domain::TrustCache<Uuid>> =
+        std::sync::LazyLock::new(|| agentscope_domain::TrustCache::new(TOKEN_CACHE_TTL));
     if !token.starts_with("agh_") {
         return Ok(None);
     }
     let hash = agentscope_domain::hash_token(token);
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some((ws, at)) = cache.lock().expect("token cache").get(&hash).copied()
-        && at.elapsed() < TOKEN_CACHE_TTL
-    {
+    if let Some(ws) = CACHE.get(&hash) {
         return Ok(Some(ws));
     }
     let ws = sqlx::query_scalar!(
@@ -36,20 +32,8 @@ pub(crate) async fn verify_host_token(ctx: &Ctx, token: &str) -> Result<Option<U
     )
     .fetch_optional(&ctx.db)
     .await?;
-    let mut cache = cache.lock().expect("token cache");
-    match ws {
-        Some(w) => {
-            if cache.len() > 10_000 {
-                cache.retain(|_, (_, at)| at.elapsed() < TOKEN_CACHE_TTL);
-            }
-            cache.insert(hash, (w, std::time::Instant::now()));
-            Ok(Some(w))
-        }
-        None => {
-            cache.remove(&hash);
-            Ok(None)
-        }
-    }
+    CACHE.set(hash, ws);
+    Ok(ws)
 }
 
 /// Answers host registrations, one at a time.

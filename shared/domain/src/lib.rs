@@ -424,6 +424,47 @@ pub fn hash_token(token: &str) -> String {
     hex::encode(sha2::Sha256::digest(token.as_bytes()))
 }
 
+/// Verified tokens by their hash ([`hash_token`]), trusted for `ttl` without asking the database
+/// again (a token revoked meanwhile works until then); refusals are never kept.
+pub struct TrustCache<V: Copy> {
+    ttl: std::time::Duration,
+    map: std::sync::Mutex<std::collections::HashMap<String, (V, std::time::Instant)>>,
+}
+
+impl<V: Copy> TrustCache<V> {
+    pub fn new(ttl: std::time::Duration) -> Self {
+        Self {
+            ttl,
+            map: Default::default(),
+        }
+    }
+
+    /// What `hash` was verified as, if that was within the trust period.
+    pub fn get(&self, hash: &str) -> Option<V> {
+        let map = self.map.lock().expect("trust cache");
+        map.get(hash)
+            .filter(|(_, at)| at.elapsed() < self.ttl)
+            .map(|(v, _)| *v)
+    }
+
+    /// Records a verification (`Some`) or forgets a refused token (`None`).
+    pub fn set(&self, hash: String, verified: Option<V>) {
+        let mut map = self.map.lock().expect("trust cache");
+        match verified {
+            Some(v) => {
+                if map.len() > 10_000 {
+                    let ttl = self.ttl;
+                    map.retain(|_, (_, at)| at.elapsed() < ttl);
+                }
+                map.insert(hash, (v, std::time::Instant::now()));
+            }
+            None => {
+                map.remove(&hash);
+            }
+        }
+    }
+}
+
 /// The provider of agents the platform runs itself (managed execution, svc-dataplane).
 pub const MANAGED_PROVIDER: &str = "managed";
 
@@ -502,6 +543,19 @@ pub fn worker_id(workspace_id: &str, name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trusted_token_is_kept_for_its_period_and_a_refused_one_is_forgotten() {
+        let cache = TrustCache::new(std::time::Duration::from_secs(3600));
+        assert_eq!(cache.get("h"), None);
+        cache.set("h".into(), Some(7));
+        assert_eq!(cache.get("h"), Some(7));
+        cache.set("h".into(), None);
+        assert_eq!(cache.get("h"), None);
+        let expired = TrustCache::new(std::time::Duration::ZERO);
+        expired.set("h".into(), Some(7));
+        assert_eq!(expired.get("h"), None, "past its trust period");
+    }
 
     #[test]
     fn provider_names_round_trip() {
