@@ -244,31 +244,43 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         )),
     };
     let subject = agentscope_bus::subjects::events(&me, &victim_id);
-    async_nats::jetstream::new(nc.clone())
-        .publish(subject.clone(), forged.encode_to_vec().into())
-        .await
-        .expect("its own subject is allowed")
-        .await
-        .expect("the stream takes it");
+    // The same forgery alone, and as a batch of two (the form a busy host's events travel in).
+    let later = |seq| {
+        let mut e = forged.clone();
+        e.seq = seq;
+        e.encode_to_vec()
+    };
+    let batch = agentscope_schemas::encode_batch(
+        [later(10_001), later(10_002)].iter().map(|e| e.as_slice()),
+    );
+    let js = async_nats::jetstream::new(nc.clone());
+    for payload in [forged.encode_to_vec(), batch] {
+        js.publish(subject.clone(), payload.into())
+            .await
+            .expect("its own subject is allowed")
+            .await
+            .expect("the stream takes it");
+    }
     let pg = stack.pg.clone();
-    let reason: String = kit::wait_for(
-        "the forged event to be refused",
+    let reasons: Vec<String> = kit::wait_for(
+        "the forged messages to be refused",
         Duration::from_secs(30),
         || {
             let (pg, subject) = (pg.clone(), subject.clone());
             async move {
-                sqlx::query_scalar("SELECT reason FROM rejected_messages WHERE subject = $1")
-                    .bind(subject)
-                    .fetch_optional(&pg)
-                    .await
-                    .ok()
-                    .flatten()
+                let r: Vec<String> =
+                    sqlx::query_scalar("SELECT reason FROM rejected_messages WHERE subject = $1")
+                        .bind(subject)
+                        .fetch_all(&pg)
+                        .await
+                        .ok()?;
+                (r.len() >= 2).then_some(r)
             }
         },
     )
     .await
     .unwrap();
-    assert!(reason.contains("fenced"), "{reason}");
+    assert!(reasons.iter().all(|r| r.contains("fenced")), "{reasons:?}");
     let events = stack
         .events(&format!("/v1/attempts/{victim_id}/events"))
         .await

@@ -113,7 +113,7 @@ FROM ap"#,
         };
         // Without a Worker to wait for, an allowed call starts in the statement that reads its
         // decision (see `start_if_allowed`).
-        let at_once = p.worker.is_none() || call.name.starts_with("memory_");
+        let at_once = !super::calls::waits_for_worker(p, call);
         let mut asked_at: Option<tokio::time::Instant> = None;
         let (status, reason, decided_by) = loop {
             // Listening before reading: a decision's nudge that arrives during the read wakes

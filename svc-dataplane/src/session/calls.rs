@@ -13,6 +13,11 @@ use agentscope_schemas::v1::issue_write::What;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
+/// Whether `call` first waits for the session's Worker to beat (memory tools never do).
+pub(super) fn waits_for_worker(p: &Pinned, call: &ToolCallReq) -> bool {
+    p.worker.is_some() && !call.name.starts_with("memory_")
+}
+
 impl Runner {
     /// Opens the Vault secrets `names` of the workspace, now that a tool runs.
     pub(super) async fn secrets(
@@ -181,7 +186,7 @@ impl Session<'_> {
             b.status(SessionStatus::Running, "");
         }
         if let Some(link) = &p.worker
-            && !call.name.starts_with("memory_")
+            && waits_for_worker(p, call)
         {
             if approved {
                 // The decision is recorded before the wait for the Worker is.

@@ -265,7 +265,7 @@ async fn publisher(
 ) {
     let mut in_flight: Option<InFlight> = None;
     let mut p = Publisher {
-        ctx: ctx.clone(),
+        ctx,
         acked: entry.last_seq,
         saved: entry.last_seq,
         entry,
@@ -286,7 +286,7 @@ async fn publisher(
             }
             if !p.ready.is_empty() {
                 let (msg_id, payload, seq) = next_message(&p.entry.attempt_id, &mut p.ready);
-                in_flight = Some(publish(&ctx, &subject, msg_id, payload, seq).await);
+                in_flight = Some(publish(&p.ctx, &subject, msg_id, payload, seq).await);
             }
         }
         let next_checkpoint = p.saved_at + CHECKPOINT_EVERY;
@@ -297,7 +297,7 @@ async fn publisher(
                 let f = in_flight.take().expect("in flight");
                 if let Err(e) = r {
                     tracing::warn!(error = %e, seq = f.seq, "publish event; retrying");
-                    if !resend(&ctx, &subject, &f.msg_id, &f.payload, &lease_lost).await {
+                    if !resend(&p.ctx, &subject, &f.msg_id, &f.payload, &lease_lost).await {
                         return;
                     }
                 }
