@@ -3,143 +3,51 @@
 
 use crate::{Ctx, Error};
 use agentscope_domain::{AttemptStatus, FailureClass, RetryPolicy};
-use serde_json::json;
 use sqlx::{Postgres, Transaction};
 use std::collections::HashMap;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 type Tx<'a> = Transaction<'a, Postgres>;
 
-/// What the binding, the agent's newest version and the runtime profile say about a task.
-struct Resolved {
-    workspace_id: Uuid,
-    agent_id: Uuid,
-    cancel_requested: bool,
-    agent_version_id: Option<Uuid>,
-    binding_id: Option<Uuid>,
-    pool_id: Option<Uuid>,
-    provider: Option<String>,
-    required_capabilities: Vec<String>,
-    spec: serde_json::Value,
-}
-
-/// The run timeout of an attempt and the limit it comes from: the task's own `timeout_secs`,
-/// else the runtime profile's `timeout_secs` parameter, else the deployment default
-/// (`run_timeout_secs`). Values that are not positive integers count as unset.
-pub fn effective_timeout(
-    task_secs: Option<i64>,
-    profile_param: Option<&serde_json::Value>,
-    default_secs: u64,
-) -> (u64, &'static str) {
-    if let Some(t) = task_secs.filter(|t| *t > 0) {
-        return (t as u64, "task");
-    }
-    let profile = profile_param.and_then(|v| match v {
-        serde_json::Value::Number(n) => n.as_u64(),
-        serde_json::Value::String(s) => s.trim().parse::<u64>().ok(),
-        _ => None,
-    });
-    match profile.filter(|p| *p > 0 && *p <= u32::MAX as u64) {
-        Some(p) => (p, "profile"),
-        None => (default_secs, "default"),
-    }
-}
-
-async fn resolve(
-    db: &sqlx::PgPool,
-    task_id: Uuid,
-    default_timeout_secs: u64,
-) -> Result<Option<Resolved>, Error> {
-    let row = sqlx::query!(
-        r#"
-        SELECT t.workspace_id, t.agent_id, t.repository, t.branch, t.input, t.timeout_secs,
-               t.issue_id, t.cancel_requested_at IS NOT NULL AS "cancel_requested!",
-               i.title AS "issue_title?", i.body AS "issue_body?",
-               v.id AS "version_id?", v.instructions AS "instructions?",
-               v.provider AS "version_provider?",
-               b.id AS "binding_id?", b.pool_id AS "pool_id?",
-               b.required_capabilities AS "required_capabilities?",
-               rp.provider AS "profile_provider?", rp.params AS "params?"
-        FROM tasks t
-        LEFT JOIN issues i ON i.id = t.issue_id
-        LEFT JOIN LATERAL (
-            SELECT * FROM agent_versions WHERE agent_id = t.agent_id ORDER BY version DESC LIMIT 1
-        ) v ON true
-        LEFT JOIN bindings b ON b.agent_id = t.agent_id
-        LEFT JOIN runtime_profiles rp ON rp.id = b.runtime_profile_id
-        WHERE t.id = $1
-        "#,
-        task_id,
-    )
-    .fetch_optional(db)
-    .await?;
-    let Some(row) = row else { return Ok(None) };
-
-    let params: serde_json::Value = row.params.unwrap_or_else(|| json!({}));
-    let provider: Option<String> = row.profile_provider.or(row.version_provider);
-    // The command provider's argv is a JSON array in the profile; other params are strings.
-    let command = params.get("command").cloned().unwrap_or_else(|| json!([]));
-    let mut str_params = serde_json::Map::new();
-    if let Some(obj) = params.as_object() {
-        for (k, v) in obj {
-            if k == "command" {
-                continue;
-            }
-            let s = match v {
-                serde_json::Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            str_params.insert(k.clone(), json!(s));
-        }
-    }
-    let agent_id: Uuid = row.agent_id;
-    let version_id: Option<Uuid> = row.version_id;
-    let (timeout_secs, timeout_source) = effective_timeout(
-        row.timeout_secs.map(i64::from),
-        params.get("timeout_secs"),
-        default_timeout_secs,
-    );
-    let spec = json!({
-        "provider": provider.clone().unwrap_or_default(),
-        "repository": row.repository.unwrap_or_default(),
-        "branch": row.branch.unwrap_or_default(),
-        "input": row.input,
-        "instructions": row.instructions.unwrap_or_default(),
-        "params": str_params,
-        "command": command,
-        "issue_id": row.issue_id.map(|u| u.to_string()).unwrap_or_default(),
-        "issue_title": row.issue_title.unwrap_or_default(),
-        "issue_body": row.issue_body.unwrap_or_default(),
-        "agent_id": agent_id.to_string(),
-        "agent_version_id": version_id.map(|v| v.to_string()).unwrap_or_default(),
-        "timeout_secs": timeout_secs,
-        "timeout_source": timeout_source,
-    });
-    Ok(Some(Resolved {
-        workspace_id: row.workspace_id,
-        agent_id,
-        cancel_requested: row.cancel_requested,
-        agent_version_id: version_id,
-        binding_id: row.binding_id,
-        pool_id: row.pool_id,
-        provider,
-        required_capabilities: row.required_capabilities.unwrap_or_default(),
-        spec,
-    }))
-}
-
 /// Creates Attempt 1 of a task if it has none. Idempotent: returns the pool to nudge, if any.
 ///
-/// Two statements and no explicit transaction: a read of what the task resolves to, then one
-/// `INSERT ... ON CONFLICT DO NOTHING` (its own transaction) that a redelivered or concurrent
-/// submission cannot duplicate. A cancellation requested between the two is caught by the
-/// cancel message itself (it finds the attempt) or by the sweeper (queued attempts of tasks
-/// whose cancellation was requested).
+/// The gateway creates attempt 1 with the task itself; this is for a task found without one
+/// (the sweep, a submission message from a gateway that did not). Two reads (the task, then what
+/// it resolves to now) and one `INSERT ... ON CONFLICT DO NOTHING` (its own transaction) that a
+/// redelivered or concurrent submission cannot duplicate. A cancellation requested between them
+/// is caught by the cancel message itself (it finds the attempt) or by the sweeper (queued
+/// attempts of tasks whose cancellation was requested).
 pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Option<Uuid>, Error> {
-    let Some(r) = resolve(&ctx.db, task_id, ctx.config.run_timeout_secs).await? else {
+    use agentscope_store::first_attempt::{TaskFields, plan};
+    let task = sqlx::query!(
+        r#"SELECT workspace_id, agent_id, issue_id, repository, branch, input, timeout_secs,
+                  cancel_requested_at IS NOT NULL AS "cancel_requested!"
+           FROM tasks WHERE id = $1"#,
+        task_id,
+    )
+    .fetch_optional(&ctx.db)
+    .await?;
+    let Some(task) = task else {
         return Err(Error::Rejected(format!("unknown task {task_id}")));
     };
-    let (status, class): (AttemptStatus, Option<FailureClass>) = if r.cancel_requested {
+    let fields = TaskFields {
+        workspace_id: task.workspace_id,
+        agent_id: task.agent_id,
+        issue_id: task.issue_id,
+        repository: task.repository.as_deref(),
+        branch: task.branch.as_deref(),
+        input: &task.input,
+        timeout_secs: task.timeout_secs,
+    };
+    let Some(r) = plan(&ctx.db, &fields).await? else {
+        // The row's references are checked by its foreign keys and by the gateway's insert:
+        // an agent or issue of another workspace is not a task of this one.
+        return Err(Error::Rejected(format!(
+            "task {task_id} names an agent or issue outside its workspace"
+        )));
+    };
+    let (status, class): (AttemptStatus, Option<FailureClass>) = if task.cancel_requested {
         (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))
     } else {
         (AttemptStatus::Queued, None)
@@ -155,9 +63,9 @@ pub(crate) async fn ensure_first_attempt(ctx: &Ctx, task_id: Uuid) -> Result<Opt
         "#,
         Uuid::now_v7(),
         task_id,
-        r.workspace_id,
+        task.workspace_id,
         status.as_str(),
-        r.agent_id,
+        task.agent_id,
         r.agent_version_id,
         r.binding_id,
         r.pool_id,
@@ -541,6 +449,36 @@ fn add_waiting(pool_id: Uuid, n: u32) {
     let mut view = waiting_view().lock().expect("waiting view");
     let w = view.entry(pool_id).or_default();
     *w = w.saturating_add(n);
+}
+
+/// Counts the attempts the gateway creates (its nudges carry [`agentscope_bus::NEW_WORK`]) in
+/// this process's view of waiting work, so that an attempt's end still nudges the pool while
+/// they wait. A nudge missed here (a reconnect) costs at most a sweep: the sweeper re-reads
+/// the queue every `sweep_interval_ms`.
+pub(crate) async fn watch_new_work(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    let mut sub = ctx
+        .nats
+        .subscribe(agentscope_bus::subjects::POOL_WORK_ALL)
+        .await
+        .map_err(Error::bus)?;
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            m = sub.next() => m,
+        };
+        let Some(msg) = msg else {
+            anyhow::bail!("the pools' work subscription ended");
+        };
+        if msg.payload.as_ref() != agentscope_bus::NEW_WORK {
+            continue;
+        }
+        let pool =
+            agentscope_bus::subjects::token(&msg.subject, 3).and_then(|p| Uuid::parse_str(p).ok());
+        if let Some(pool) = pool {
+            add_waiting(pool, 1);
+        }
+    }
 }
 
 /// New work is ready in a pool (an attempt was created, or the sweeper found one ready): wake

@@ -11,6 +11,7 @@ use crate::{Ctx, Error};
 use agentscope_bus::{Endpoint, Request, SCHEDULER_QUEUE, lease_key, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord, TaskSpec};
+use agentscope_store::first_attempt::{DEFAULT_TIMEOUT_SOURCE, fill_default_timeout};
 use std::collections::HashMap;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -337,6 +338,9 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         ids.push(c.id);
         revisions.push(revision as i64);
         hashes.push(agentscope_domain::hash_token(&task_token));
+        // The deployment's run timeout, for a spec that sets none (the UPDATE below stores it).
+        let mut spec = c.spec.clone();
+        fill_default_timeout(&mut spec, ctx.config.run_timeout_secs);
         offered.push(AttemptAssignment {
             attempt_id: c.id.to_string(),
             task_id: c.task_id.to_string(),
@@ -345,7 +349,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
             lease_key: key,
             lease_token: revision,
             lease_revision: revision,
-            spec: Some(spec_from_json(&c.spec)),
+            spec: Some(spec_from_json(&spec)),
             traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
             task_token,
         });
@@ -353,16 +357,23 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     let recorded = async {
         if !ids.is_empty() {
             // One statement for the whole batch; the trigger on `attempts` moves the counters
-            // locked above.
+            // locked above. A spec without a run timeout of its own gets the deployment's
+            // (as `fill_default_timeout` did to the offer).
             sqlx::query!(
-                "UPDATE attempts a SET status = 'claimed', host_id = $2, lease_token = x.token,
-                     claimed_at = clock_timestamp(), task_token_hash = x.hash
+                r#"UPDATE attempts a SET status = 'claimed', host_id = $2, lease_token = x.token,
+                     claimed_at = clock_timestamp(), task_token_hash = x.hash,
+                     spec = CASE WHEN jsonb_typeof(a.spec->'timeout_secs') = 'number'
+                                      AND a.spec->'timeout_secs' > '0'::jsonb THEN a.spec
+                                 ELSE a.spec || jsonb_build_object('timeout_secs', $5::bigint,
+                                                                   'timeout_source', $6::text) END
                  FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS x(id, token, hash)
-                 WHERE a.id = x.id AND a.status = 'queued'",
+                 WHERE a.id = x.id AND a.status = 'queued'"#,
                 &ids,
                 host_id,
                 &revisions,
                 &hashes,
+                ctx.config.run_timeout_secs as i64,
+                DEFAULT_TIMEOUT_SOURCE,
             )
             .execute(&mut *tx)
             .await?;

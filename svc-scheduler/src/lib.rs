@@ -1,8 +1,11 @@
-//! svc-scheduler: turns Tasks into Attempts, answers host registrations and claims under KV
-//! leases, records execution events exactly once, detects lost leases and retries.
+//! svc-scheduler: answers host registrations and claims under KV leases, records execution
+//! events exactly once, detects lost leases and retries, and gives a task found without an
+//! attempt its first one.
 //!
 //! Architecture invariant: the scheduler is the only writer of `hosts`, `attempts`,
-//! `execution_events`, `approvals`, `runs`, `run_nodes` and `rejected_messages`.
+//! `execution_events`, `approvals`, `runs`, `run_nodes` and `rejected_messages`, with two
+//! exceptions made for latency (ARCHITECTURE.md, "Data ownership"): the gateway inserts a task's
+//! attempt 1 with the task, and decides a managed session's pending approval.
 
 mod approvals;
 mod attempts;
@@ -161,6 +164,7 @@ impl App {
             backoff: Duration::from_secs(1),
         };
         sup.spawn("presence", restart, with(ctx, hosts::watch_presence));
+        sup.spawn("new-work", restart, with(ctx, attempts::watch_new_work));
         sup.spawn("claim", critical, with(ctx, claim::serve));
         sup.spawn("intake", critical, with(ctx, intake::run));
         sup.spawn("recorder", critical, with(ctx, recorder::run));

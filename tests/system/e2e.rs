@@ -261,3 +261,97 @@ async fn the_demo_script_runs_a_task_end_to_end() {
     assert!(stdout.contains("only on the feature branch"), "{stdout}");
     assert!(stdout.contains("-- task succeeded"), "{stdout}");
 }
+
+/// A submitted task comes back with its first attempt, queued: the gateway stores both in one
+/// statement, so the work exists before any scheduler has seen it, and runs once one is up. A
+/// task stored without an attempt (as a gateway before this one did) gets one from the
+/// scheduler, resolved the same way. The claim writes the deployment's run timeout into a spec
+/// that sets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
+    let mut stack = Stack::start("firstattempt", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("w", "pool", &["sh", "-c", "echo ok"], None)
+        .await
+        .unwrap();
+    stack.scheduler.kill9();
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent, "input": "now"}))
+        .await
+        .unwrap();
+    assert_eq!(t["status"], "queued", "{t}");
+    let attempts = t["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1, "{t}");
+    assert_eq!(
+        (
+            attempts[0]["number"].as_i64(),
+            attempts[0]["status"].as_str()
+        ),
+        (Some(1), Some("queued"))
+    );
+    let id = t["id"].as_str().unwrap().to_string();
+    let got = stack.api.get(&format!("/v1/tasks/{id}")).await.unwrap();
+    assert_eq!(got["attempts"][0]["id"], attempts[0]["id"], "{got}");
+    let spec_of = |task: uuid::Uuid| {
+        let pg = stack.pg.clone();
+        async move {
+            sqlx::query_scalar::<_, serde_json::Value>(
+                "SELECT spec FROM attempts WHERE task_id = $1 AND number = 1",
+            )
+            .bind(task)
+            .fetch_one(&pg)
+            .await
+            .unwrap()
+        }
+    };
+    let task = uuid::Uuid::parse_str(&id).unwrap();
+    let spec = spec_of(task).await;
+    assert_eq!(spec["provider"], "command", "{spec}");
+    assert_eq!(spec["input"], "now", "{spec}");
+    assert_eq!(spec["timeout_source"], "default", "{spec}");
+    assert!(spec.get("timeout_secs").is_none(), "{spec}");
+
+    // A task without an attempt, with a timeout of its own.
+    let bare = uuid::Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO tasks (id, workspace_id, agent_id, input, timeout_secs) VALUES ($1, $2, $3, 'bare', 42)",
+    )
+    .bind(bare)
+    .bind(uuid::Uuid::parse_str(&stack.workspace_id).unwrap())
+    .bind(uuid::Uuid::parse_str(&agent).unwrap())
+    .execute(&stack.pg)
+    .await
+    .unwrap();
+
+    let (_scheduler, _) = stack.spawn_scheduler("again").await.unwrap();
+    let _host = stack.host("h1", "pool", 2).await.unwrap();
+    for task in [id, bare.to_string()] {
+        let done = stack
+            .wait_task(&task, "succeeded", Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(done["attempts"].as_array().unwrap().len(), 1, "{done}");
+    }
+    let spec = spec_of(task).await;
+    assert_eq!(
+        (
+            spec["timeout_secs"].as_u64(),
+            spec["timeout_source"].as_str()
+        ),
+        (Some(4 * 3600), Some("default")),
+        "{spec}"
+    );
+    let spec = spec_of(bare).await;
+    assert_eq!(
+        (
+            spec["timeout_secs"].as_u64(),
+            spec["timeout_source"].as_str(),
+            spec["input"].as_str()
+        ),
+        (Some(42), Some("task"), Some("bare")),
+        "{spec}"
+    );
+}

@@ -19,6 +19,8 @@ pub mod subjects {
     /// Every host's claim requests (`agentscope.host.<host_id>.claim`).
     pub const HOST_CLAIM_ALL: &str = "agentscope.host.*.claim";
     pub const TASK_SUBMITTED: &str = "agentscope.tasks.submitted";
+    /// Every pool's work nudges (see [`pool_work`]).
+    pub const POOL_WORK_ALL: &str = "agentscope.pool.*.*.work";
     pub const TASK_CANCEL: &str = "agentscope.tasks.cancel";
     pub const TASKS_ALL: &str = "agentscope.tasks.>";
     pub const EVENTS_ALL: &str = "agentscope.events.>";
@@ -81,6 +83,10 @@ pub mod subjects {
 }
 
 pub const SCHEDULER_QUEUE: &str = "scheduler";
+/// The payload of a pool's nudge that announces one newly created attempt (the gateway's, after
+/// it stored a task). Hosts treat every nudge alike; the scheduler counts these in its view of
+/// the work waiting in each pool.
+pub const NEW_WORK: &[u8] = b"new";
 pub const STREAM_EVENTS: &str = "AGENTSCOPE_EVENTS";
 pub const STREAM_TASKS: &str = "AGENTSCOPE_TASKS";
 pub const STREAM_CONTROL: &str = "AGENTSCOPE_CONTROL";

@@ -1,11 +1,15 @@
 //! PostgreSQL access shared by the services: connecting and migrating.
-//! Queries live with the service that owns the table (ARCHITECTURE.md, "Data ownership").
+//! Queries live with the service that owns the table (ARCHITECTURE.md, "Data ownership"); the
+//! one exception is [`first_attempt`], the resolution of a task's first attempt, which both the
+//! gateway and the scheduler run.
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::str::FromStr;
 use std::time::Duration;
 
 pub use sqlx;
+
+pub mod first_attempt;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -9,7 +9,7 @@ use agentscope_api::{CancelTask, NewComment, NewIssue, NewTask, TaskFilter};
 use agentscope_bus::subjects;
 use agentscope_domain::{AttemptStatus, task_status};
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::{CancelRequest, TaskSubmitted};
+use agentscope_schemas::v1::CancelRequest;
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -87,27 +87,30 @@ pub async fn create_issue(
     .execute(&mut *tx)
     .await?;
     // An Issue assigned to an agent becomes a Task in the same transaction.
-    let task_id = match b.assignee_agent_id {
-        Some(agent) => Some(
-            insert_task(
-                &mut tx,
-                auth.workspace_id,
-                agent,
-                Some(id),
-                &b.repository,
-                &b.branch,
-                &b.input,
-                None,
-                None,
-                None,
-            )
-            .await?,
-        ),
+    let task = match b.assignee_agent_id {
+        Some(agent) => {
+            let sub = Submission {
+                workspace_id: auth.workspace_id,
+                agent_id: agent,
+                issue_id: Some(id),
+                repository: b.repository.as_deref(),
+                branch: b.branch.as_deref(),
+                input: &b.input,
+                timeout_secs: None,
+                idempotency_key: None,
+                request_hash: None,
+            };
+            let stored = insert_task(&mut tx, &sub)
+                .await?
+                .ok_or_else(|| ApiError::Db(sqlx::Error::RowNotFound))?;
+            Some(stored)
+        }
         None => None,
     };
     tx.commit().await?;
-    if let Some(t) = task_id {
-        submit(&s, auth.workspace_id, t).await;
+    let task_id = task.as_ref().map(|t| t.id);
+    if let Some(t) = task {
+        announce(&s, auth.workspace_id, t.pool_id).await;
     }
     Ok((
         StatusCode::CREATED,
@@ -237,72 +240,142 @@ impl RequestHash for NewTask {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn insert_task(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+/// A task to store, with its first attempt.
+struct Submission<'a> {
     workspace_id: Uuid,
     agent_id: Uuid,
     issue_id: Option<Uuid>,
-    repository: &Option<String>,
-    branch: &Option<String>,
-    input: &str,
+    repository: Option<&'a str>,
+    branch: Option<&'a str>,
+    input: &'a str,
     timeout_secs: Option<i32>,
-    idempotency_key: Option<&str>,
-    request_hash: Option<&str>,
-) -> ApiResult<Uuid> {
-    let id = Uuid::now_v7();
-    sqlx::query!(
-        "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key, request_hash)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        id,
-        workspace_id,
-        issue_id,
-        agent_id,
-        repository.as_deref(),
-        branch.as_deref(),
-        input,
-        timeout_secs,
-        idempotency_key,
-        request_hash,
-    )
-    .execute(&mut **tx)
-    .await?;
-    Ok(id)
+    idempotency_key: Option<&'a str>,
+    request_hash: Option<&'a str>,
 }
 
-/// Tells the scheduler about a new task. If this publish is lost, the scheduler's sweep finds
-/// the task anyway; the message only makes it fast.
-async fn submit(s: &AppState, workspace_id: Uuid, task_id: Uuid) {
-    let m = TaskSubmitted {
-        task_id: task_id.to_string(),
-        workspace_id: workspace_id.to_string(),
-        traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
+/// What [`insert_task`] stored.
+struct Stored {
+    id: Uuid,
+    created_at: chrono::DateTime<chrono::Utc>,
+    attempt: t::Attempt,
+    pool_id: Option<Uuid>,
+}
+
+/// Stores a task and its first attempt, queued, in one statement (so in one transaction with
+/// whatever else `db` is in): the task is never without an attempt, and no bus message stands
+/// between the submission and the hosts. `None` when the agent, or the issue, is not in the
+/// workspace.
+///
+/// The attempt is resolved first ([`agentscope_store::first_attempt::plan`]), by the same read
+/// the scheduler makes for a task found without an attempt. (Agents, versions, bindings and
+/// pools are never deleted, so what it read is still there for the insert.)
+async fn insert_task(
+    db: &mut sqlx::PgConnection,
+    sub: &Submission<'_>,
+) -> Result<Option<Stored>, sqlx::Error> {
+    use agentscope_store::first_attempt::{TaskFields, plan};
+    let fields = TaskFields {
+        workspace_id: sub.workspace_id,
+        agent_id: sub.agent_id,
+        issue_id: sub.issue_id,
+        repository: sub.repository,
+        branch: sub.branch,
+        input: sub.input,
+        timeout_secs: sub.timeout_secs,
     };
-    let sent =
-        s.js.publish_with_headers(
-            subjects::TASK_SUBMITTED,
-            agentscope_bus::headers(&format!("submit:{task_id}")),
-            m.encode_to_vec().into(),
+    let Some(p) = plan(&mut *db, &fields).await? else {
+        return Ok(None);
+    };
+    {
+        let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
+        let row = sqlx::query!(
+            r#"
+            WITH t AS (
+                INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input,
+                    timeout_secs, idempotency_key, request_hash)
+                SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10
+                WHERE EXISTS (SELECT 1 FROM agents WHERE id = $4 AND workspace_id = $2)
+                  AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM issues WHERE id = $3 AND workspace_id = $2))
+                RETURNING id, created_at
+            ), a AS (
+                INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id,
+                    agent_version_id, binding_id, pool_id, provider, required_capabilities, spec)
+                SELECT $11, t.id, $2, 1, 'queued', $4, $12, $13, $14, $15, $16, $17 FROM t
+                RETURNING created_at, not_before
+            )
+            SELECT t.created_at, a.created_at AS attempt_created_at, a.not_before FROM t, a
+            "#,
+            id,
+            sub.workspace_id,
+            sub.issue_id,
+            sub.agent_id,
+            sub.repository,
+            sub.branch,
+            sub.input,
+            sub.timeout_secs,
+            sub.idempotency_key,
+            sub.request_hash,
+            attempt_id,
+            p.agent_version_id,
+            p.binding_id,
+            p.pool_id,
+            p.provider.as_deref(),
+            &p.required_capabilities,
+            &p.spec,
+        )
+        .fetch_optional(&mut *db)
+        .await;
+        let Some(row) = row? else {
+            return Ok(None);
+        };
+        Ok(Some(Stored {
+            id,
+            created_at: row.created_at,
+            pool_id: p.pool_id,
+            attempt: t::Attempt {
+                id: attempt_id,
+                task_id: id,
+                number: 1,
+                status: AttemptStatus::Queued.as_str().to_string(),
+                provider: p.provider,
+                host_id: None,
+                lease_token: None,
+                agent_version_id: p.agent_version_id,
+                created_at: row.attempt_created_at,
+                not_before: row.not_before,
+                claimed_at: None,
+                started_at: None,
+                finished_at: None,
+                failure_class: None,
+                failure_detail: None,
+                exit_code: None,
+                provider_session_id: None,
+                events: 0,
+                remedy: None,
+            },
+        }))
+    }
+}
+
+/// Wakes one host of the pool with a free slot for the attempt just stored (core NATS, as the
+/// scheduler's nudges). If it is lost, hosts poll and the scheduler's sweep nudges pools with
+/// ready work; the scheduler also counts these (`agentscope_bus::NEW_WORK`) in its view of
+/// waiting work.
+async fn announce(s: &AppState, workspace_id: Uuid, pool_id: Option<Uuid>) {
+    let Some(pool_id) = pool_id else { return };
+    let sent = s
+        .nats
+        .publish(
+            subjects::pool_work(&workspace_id.to_string(), &pool_id.to_string()),
+            bytes::Bytes::from_static(agentscope_bus::NEW_WORK),
         )
         .await;
-    // The stream's acknowledgement is awaited off the request's path: the message is on its
-    // way, and if it is lost the scheduler's sweep finds the task anyway.
-    let metrics = s.metrics.clone();
-    let res = match sent {
-        Ok(ack) => {
-            s.work.spawn(async move {
-                match ack.await {
-                    Ok(_) => metrics.inc("agentscope_tasks_submitted_total", &[]),
-                    Err(e) => {
-                        tracing::warn!(error = %e, %task_id, "publish task submission; the scheduler's sweep will pick it up")
-                    }
-                }
-            });
-            return;
+    match sent {
+        Ok(()) => s.metrics.inc("agentscope_tasks_submitted_total", &[]),
+        Err(e) => {
+            tracing::warn!(error = %e, %pool_id, "announce new work; hosts' polls and the scheduler's sweep will find it")
         }
-        Err(e) => e,
-    };
-    tracing::warn!(error = %res, %task_id, "publish task submission; the scheduler's sweep will pick it up");
+    }
 }
 
 pub async fn create_task(
@@ -330,29 +403,23 @@ pub async fn create_task(
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
     }
-    // One statement, its own transaction: the references are checked by the insert itself.
-    let id = Uuid::now_v7();
-    let created = sqlx::query_scalar!(
-        "INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input, timeout_secs, idempotency_key, request_hash)
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10
-         WHERE EXISTS (SELECT 1 FROM agents WHERE id = $4 AND workspace_id = $2)
-           AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM issues WHERE id = $3 AND workspace_id = $2))
-         RETURNING created_at",
-        id,
-        auth.workspace_id,
-        b.issue_id,
-        b.agent_id,
-        b.repository.as_deref(),
-        b.branch.as_deref(),
-        &b.input,
-        b.timeout_secs,
-        b.idempotency_key.as_deref(),
-        &hash,
-    )
-    .fetch_optional(&s.db)
-    .await;
-    let created_at = match created {
-        Ok(Some(at)) => at,
+    // The task and its first attempt, in one statement.
+    let mut conn = s.db.acquire().await?;
+    let sub = Submission {
+        workspace_id: auth.workspace_id,
+        agent_id: b.agent_id,
+        issue_id: b.issue_id,
+        repository: b.repository.as_deref(),
+        branch: b.branch.as_deref(),
+        input: &b.input,
+        timeout_secs: b.timeout_secs,
+        idempotency_key: b.idempotency_key.as_deref(),
+        request_hash: Some(&hash),
+    };
+    let stored = insert_task(&mut conn, &sub).await;
+    drop(conn);
+    let stored = match stored {
+        Ok(Some(stored)) => stored,
         Ok(None) => {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -370,13 +437,12 @@ pub async fn create_task(
         }
         Err(e) => return Err(e.into()),
     };
-    submit(&s, auth.workspace_id, id).await;
-    // What was just stored; its first attempt is the scheduler's to create (GET shows it).
+    announce(&s, auth.workspace_id, stored.pool_id).await;
     Ok((
         StatusCode::CREATED,
         Json(t::Task {
-            id,
-            status: task_status(None).to_string(),
+            id: stored.id,
+            status: task_status(Some(AttemptStatus::Queued)).to_string(),
             issue_id: b.issue_id,
             agent_id: b.agent_id,
             repository: b.repository,
@@ -385,8 +451,8 @@ pub async fn create_task(
             timeout_secs: b.timeout_secs,
             idempotency_key: b.idempotency_key,
             cancel_requested_at: None,
-            created_at,
-            attempts: vec![],
+            created_at: stored.created_at,
+            attempts: vec![stored.attempt],
         }),
     ))
 }

@@ -1,0 +1,201 @@
+//! What a task's first Attempt is: the one resolution of a task's agent (newest version), binding
+//! (pool, required capabilities) and runtime profile (provider, parameters, run timeout) into
+//! the attempt's columns and its spec.
+//!
+//! Two writers create attempt 1 with it (ARCHITECTURE.md, "Data ownership"): the gateway, in the
+//! same statement that stores a submitted task, and the scheduler, for a task found without one
+//! (its sweep, a submission message from an older gateway). Retries and fallbacks copy an
+//! earlier attempt's spec and stay the scheduler's.
+
+use serde_json::{Value, json};
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+/// The fields of a task's row that its first attempt depends on.
+#[derive(Debug, Clone, Copy)]
+pub struct TaskFields<'a> {
+    pub workspace_id: Uuid,
+    pub agent_id: Uuid,
+    pub issue_id: Option<Uuid>,
+    pub repository: Option<&'a str>,
+    pub branch: Option<&'a str>,
+    pub input: &'a str,
+    pub timeout_secs: Option<i32>,
+}
+
+/// Attempt 1's columns, as resolved now.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub agent_version_id: Option<Uuid>,
+    pub binding_id: Option<Uuid>,
+    pub pool_id: Option<Uuid>,
+    pub provider: Option<String>,
+    pub required_capabilities: Vec<String>,
+    pub spec: Value,
+}
+
+/// Where a run timeout comes from when neither the task nor its runtime profile sets one: the
+/// scheduler's `run_timeout_secs`, which only the scheduler knows. The spec then carries this
+/// source and no `timeout_secs` until the claim that leases the attempt writes it in
+/// ([`fill_default_timeout`]).
+pub const DEFAULT_TIMEOUT_SOURCE: &str = "default";
+
+/// The run timeout an attempt's task or runtime profile sets, and which of the two: the task's own
+/// `timeout_secs`, else the profile's `timeout_secs` parameter. Values that are not positive
+/// integers (at most `u32::MAX`) count as unset; `None` leaves the deployment default.
+pub fn explicit_timeout(
+    task_secs: Option<i64>,
+    profile_param: Option<&Value>,
+) -> Option<(u64, &'static str)> {
+    if let Some(t) = task_secs.filter(|t| *t > 0) {
+        return Some((t as u64, "task"));
+    }
+    let profile = profile_param.and_then(|v| match v {
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) => s.trim().parse::<u64>().ok(),
+        _ => None,
+    });
+    profile
+        .filter(|p| *p > 0 && *p <= u32::MAX as u64)
+        .map(|p| (p, "profile"))
+}
+
+/// Writes the deployment default into a spec that has no run timeout of its own. Returns
+/// whether it changed the spec.
+pub fn fill_default_timeout(spec: &mut Value, default_secs: u64) -> bool {
+    let unset = spec
+        .get("timeout_secs")
+        .and_then(Value::as_u64)
+        .is_none_or(|n| n == 0);
+    if !unset || !spec.is_object() {
+        return false;
+    }
+    spec["timeout_secs"] = json!(default_secs);
+    spec["timeout_source"] = json!(DEFAULT_TIMEOUT_SOURCE);
+    true
+}
+
+/// Resolves a task's first attempt. `None` when the agent, or the issue the task names, is not
+/// in the task's workspace.
+pub async fn plan<'c>(
+    db: impl PgExecutor<'c>,
+    task: &TaskFields<'_>,
+) -> Result<Option<Plan>, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"
+        SELECT i.id AS "issue_id?", i.title AS "issue_title?", i.body AS "issue_body?",
+               v.id AS "version_id?", v.instructions AS "instructions?",
+               v.provider AS "version_provider?",
+               b.id AS "binding_id?", b.pool_id AS "pool_id?",
+               b.required_capabilities AS "required_capabilities?",
+               rp.provider AS "profile_provider?", rp.params AS "params?"
+        FROM agents ag
+        LEFT JOIN issues i ON i.id = $3 AND i.workspace_id = ag.workspace_id
+        LEFT JOIN LATERAL (
+            SELECT * FROM agent_versions WHERE agent_id = ag.id ORDER BY version DESC LIMIT 1
+        ) v ON true
+        LEFT JOIN bindings b ON b.agent_id = ag.id
+        LEFT JOIN runtime_profiles rp ON rp.id = b.runtime_profile_id
+        WHERE ag.id = $1 AND ag.workspace_id = $2
+        "#,
+        task.agent_id,
+        task.workspace_id,
+        task.issue_id,
+    )
+    .fetch_optional(db)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    if task.issue_id.is_some() && row.issue_id.is_none() {
+        return Ok(None);
+    }
+    let params: Value = row.params.unwrap_or_else(|| json!({}));
+    let provider: Option<String> = row.profile_provider.or(row.version_provider);
+    // The command provider's argv is a JSON array in the profile; other params are strings.
+    let command = params.get("command").cloned().unwrap_or_else(|| json!([]));
+    let mut str_params = serde_json::Map::new();
+    if let Some(obj) = params.as_object() {
+        for (k, v) in obj {
+            if k == "command" {
+                continue;
+            }
+            let s = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            str_params.insert(k.clone(), json!(s));
+        }
+    }
+    let version_id: Option<Uuid> = row.version_id;
+    let mut spec = json!({
+        "provider": provider.clone().unwrap_or_default(),
+        "repository": task.repository.unwrap_or_default(),
+        "branch": task.branch.unwrap_or_default(),
+        "input": task.input,
+        "instructions": row.instructions.unwrap_or_default(),
+        "params": str_params,
+        "command": command,
+        "issue_id": task.issue_id.map(|u| u.to_string()).unwrap_or_default(),
+        "issue_title": row.issue_title.unwrap_or_default(),
+        "issue_body": row.issue_body.unwrap_or_default(),
+        "agent_id": task.agent_id.to_string(),
+        "agent_version_id": version_id.map(|v| v.to_string()).unwrap_or_default(),
+        "timeout_source": DEFAULT_TIMEOUT_SOURCE,
+    });
+    if let Some((secs, source)) =
+        explicit_timeout(task.timeout_secs.map(i64::from), params.get("timeout_secs"))
+    {
+        spec["timeout_secs"] = json!(secs);
+        spec["timeout_source"] = json!(source);
+    }
+    Ok(Some(Plan {
+        agent_version_id: version_id,
+        binding_id: row.binding_id,
+        pool_id: row.pool_id,
+        provider,
+        required_capabilities: row.required_capabilities.unwrap_or_default(),
+        spec,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_task_wins_over_the_profile_and_bad_values_count_as_unset() {
+        assert_eq!(
+            explicit_timeout(Some(30), Some(&json!(60))),
+            Some((30, "task"))
+        );
+        assert_eq!(
+            explicit_timeout(None, Some(&json!(60))),
+            Some((60, "profile"))
+        );
+        assert_eq!(
+            explicit_timeout(Some(0), Some(&json!(" 61 "))),
+            Some((61, "profile"))
+        );
+        assert_eq!(explicit_timeout(Some(-5), Some(&json!("soon"))), None);
+        assert_eq!(explicit_timeout(None, Some(&json!(0))), None);
+        assert_eq!(
+            explicit_timeout(None, Some(&json!(u64::from(u32::MAX) + 1))),
+            None
+        );
+        assert_eq!(explicit_timeout(None, None), None);
+    }
+
+    #[test]
+    fn the_default_fills_only_a_spec_without_a_timeout() {
+        let mut unset = json!({"timeout_source": "default"});
+        assert!(fill_default_timeout(&mut unset, 14_400));
+        assert_eq!(unset["timeout_secs"], json!(14_400));
+        assert_eq!(unset["timeout_source"], json!("default"));
+        let mut set = json!({"timeout_secs": 30, "timeout_source": "task"});
+        assert!(!fill_default_timeout(&mut set, 14_400));
+        assert_eq!(set, json!({"timeout_secs": 30, "timeout_source": "task"}));
+        // A spec from before (an empty one, say) gets the default too.
+        let mut empty = json!({});
+        assert!(fill_default_timeout(&mut empty, 5));
+        assert_eq!(empty["timeout_secs"], json!(5));
+    }
+}
