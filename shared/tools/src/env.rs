@@ -15,7 +15,10 @@
 //! no race swapping one in) leads them out of the session directory.
 //!
 //! * [`Environment::Local`] runs directly on the dataplane's machine (a trusted single-user
-//!   install; refused unless the deployment enables it).
+//!   install; refused unless the deployment enables it). A plain program call (`cargo test -q`,
+//!   an absolute path with arguments: no quoting, expansion, operator or builtin) is started
+//!   without `sh -c` when `/bin/sh` is dash, with exactly sh's result (environment, exit codes,
+//!   messages): it saves the shell's start-up, about half a millisecond, on every call.
 //! * [`Environment::Sandbox`] runs the shell under bubblewrap: no bind of `/`, a minimal
 //!   read-only root (toolchain directories, TLS certificates, a generated `/etc/passwd` and
 //!   `/etc/group` naming only the sandbox user), the session directory as the only writable path
@@ -28,6 +31,7 @@ use std::io::{ErrorKind, Read as _, Write as _};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Component, Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -351,21 +355,56 @@ impl Environment {
     /// these), under the session's uid. The command runs in its own process group; when the
     /// shell exits or the timeout fires, the whole group is killed (so background processes do
     /// not outlive the call).
+    ///
+    /// In the Local environment a plain program call (see [`plain_program_call`]) is started
+    /// without the shell, with the same result as sh's (see [`direct_program`]).
     pub async fn shell(
         &self,
         command: &str,
         env: &[(String, String)],
         limits: &Limits,
     ) -> Result<ShellOutput, ToolError> {
+        self.shell_routed(command, env, limits, true)
+            .await
+            .map(|(out, _)| out)
+    }
+
+    /// [`Environment::shell`], saying how the command was started; `allow_direct: false`
+    /// always starts `sh -c`.
+    async fn shell_routed(
+        &self,
+        command: &str,
+        env: &[(String, String)],
+        limits: &Limits,
+        allow_direct: bool,
+    ) -> Result<(ShellOutput, Route), ToolError> {
         let root = self.root().to_path_buf();
-        // Checked and resolved in one trip to the blocking pool.
-        let root = tokio::task::spawn_blocking(move || {
+        // Only Local starts a program without sh. In the Sandbox the program would be exec'd by
+        // bubblewrap: its failure to exec it would be indistinguishable from a failure to set up
+        // the sandbox (both are bwrap's own message and exit code 1), and the program's path
+        // resolves inside bwrap's mount namespace, not on the host where it would be checked.
+        let words = match self {
+            Environment::Local { .. } if allow_direct => plain_program_call(command)
+                .filter(|_| env_passes_through_sh(env))
+                .map(|w| w.into_iter().map(str::to_owned).collect::<Vec<_>>()),
+            _ => None,
+        };
+        let path_var = env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "PATH")
+            .map_or(DEFAULT_PATH, |(_, v)| v.as_str())
+            .to_owned();
+        // Checked and resolved (and the program looked up) in one trip to the blocking pool.
+        let (root, direct) = tokio::task::spawn_blocking(move || {
             match std::fs::metadata(&root) {
                 Ok(m) if m.is_dir() => {}
                 Ok(_) => return Err(ToolError::new("io", "session directory is not a directory")),
                 Err(e) => return Err(io_err("session directory", e)),
             }
-            std::fs::canonicalize(&root).map_err(|e| io_err("session directory", e))
+            let root = std::fs::canonicalize(&root).map_err(|e| io_err("session directory", e))?;
+            let direct = words.and_then(|words| direct_program(words, &root, &path_var));
+            Ok((root, direct))
         })
         .await
         .map_err(|e| io_err("session directory", std::io::Error::other(e)))??;
@@ -387,7 +426,7 @@ impl Environment {
             },
         };
         let mut cgroup = None;
-        let (mut cmd, sandboxed) = match self {
+        let (sh_cmd, sandboxed) = match self {
             Environment::Local { .. } => {
                 let mut cmd = Command::new("/bin/sh");
                 cmd.arg("-c").arg(command);
@@ -422,20 +461,6 @@ impl Environment {
                 (cmd, true)
             }
         };
-        cmd.current_dir(&root)
-            .env_clear()
-            .env("PATH", DEFAULT_PATH)
-            .env("HOME", &root)
-            .env("LANG", "C.UTF-8");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        if let Some(id) = run_as
-            && switch
-        {
-            // std drops the supplementary groups, then setgid, then setuid, in the child.
-            cmd.uid(id.uid).gid(id.gid);
-        }
         let rl = ChildLimits {
             memory: if cgroup.is_none() {
                 limits.memory_bytes
@@ -450,12 +475,64 @@ impl Environment {
             cpu: limits.cpu_secs,
             cgroup_procs: cgroup.as_ref().map(|c| c.procs.as_raw_fd()),
         };
-        // SAFETY: the closure only calls async-signal-safe functions (setrlimit, write) on
-        // values copied into it.
-        unsafe {
-            cmd.pre_exec(move || rl.apply());
+        // What both ways of starting the command share: cwd, environment, identity, limits.
+        let prepare = |mut cmd: Command| {
+            cmd.current_dir(&root)
+                .env_clear()
+                .env("PATH", DEFAULT_PATH)
+                .env("HOME", &root)
+                .env("LANG", "C.UTF-8");
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            if let Some(id) = run_as
+                && switch
+            {
+                // std drops the supplementary groups, then setgid, then setuid, in the child.
+                cmd.uid(id.uid).gid(id.gid);
+            }
+            // SAFETY: the closure only calls async-signal-safe functions (setrlimit, write) on
+            // values copied into it.
+            unsafe {
+                cmd.pre_exec(move || rl.apply());
+            }
+            cmd
+        };
+        let mut started = None;
+        if let Some(direct) = direct {
+            let mut cmd = Command::new(&direct.path);
+            cmd.arg0(&direct.argv[0]).args(&direct.argv[1..]);
+            let mut cmd = prepare(cmd);
+            // sh exports the working directory it found (it was given no PWD).
+            cmd.env("PWD", &root);
+            match start(cmd) {
+                Ok(s) => started = Some((s, Route::Direct)),
+                // The check ran as this process's user, the exec as the session's, and the file
+                // may have changed since: whatever made the exec fail, sh now tries and reports
+                // it (its message, 126 or 127). Nothing of the attempt is left: std reaps the
+                // child that failed to exec, and with it its process group; its limits were its
+                // own; Local has no cgroup (it would be the sandbox's, whose child writes itself
+                // into it in pre_exec).
+                Err(e) => {
+                    tracing::debug!(error = %e, "a direct program call did not start; running it with sh")
+                }
+            }
         }
-        let out = run(cmd, limits, sandboxed).await;
+        let (started, route) = match started {
+            Some(s) => s,
+            None => match start(prepare(sh_cmd)) {
+                Ok(s) => (s, Route::Shell),
+                Err(e) if sandboxed => {
+                    return Err(unavailable(format!("cannot start bubblewrap: {e}")));
+                }
+                Err(e) => {
+                    return Err(unavailable(format!(
+                        "cannot start the shell under the session's identity and limits: {e}"
+                    )));
+                }
+            },
+        };
+        let out = collect(started, limits, route == Route::Direct).await;
         drop(cgroup);
         let out = out?;
         if sandboxed
@@ -468,8 +545,17 @@ impl Environment {
                 out.output.trim()
             )));
         }
-        Ok(out)
+        Ok((out, route))
     }
+}
+
+/// How [`Environment::shell`] started a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// `sh -c command` (in the Sandbox: under bubblewrap).
+    Shell,
+    /// The program itself, without sh: see [`direct_program`].
+    Direct,
 }
 
 /// Limits set in the child between fork and exec (after the switch to the session uid), so the
@@ -513,6 +599,207 @@ impl ChildLimits {
         }
         Ok(())
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plain program calls: started without sh (Local only)
+// ---------------------------------------------------------------------------------------------
+
+/// Most words a plain program call may have; a longer command goes through sh.
+const PLAIN_CALL_MAX_WORDS: usize = 4096;
+
+/// Reserved words (of dash and, to be safe, bash and ksh), separated by spaces: never a
+/// program as a first word.
+const SH_RESERVED_WORDS: &str = "\
+    ! { } [[ ]] case coproc do done elif else esac fi for function if in select then time until \
+    while";
+
+/// Builtins, separated by spaces: dash's (all of them: dash runs `echo`, `printf`, `test`,
+/// `kill`, `pwd`, `true` and `false` itself) and, to be safe, bash's, ksh's and busybox ash's.
+const SH_BUILTINS: &str = "\
+    . : [ alias autoload bg bind break builtin caller cd chdir command compgen complete compopt \
+    continue declare dirs disown echo enable eval exec exit export false fc fg getopts hash \
+    help history jobs kill let local logout mapfile newgrp popd print printf pushd pwd read \
+    readarray readonly return set shift shopt source suspend test times trap true type typeset \
+    ulimit umask unalias unset wait whence";
+
+/// Whether sh runs `word`, as a first word, itself: a reserved word or a builtin.
+fn is_sh_own_word(word: &str) -> bool {
+    SH_RESERVED_WORDS
+        .split_ascii_whitespace()
+        .chain(SH_BUILTINS.split_ascii_whitespace())
+        .any(|w| w == word)
+}
+
+/// Bytes a word of a plain program call may have: none that sh treats specially anywhere in a
+/// word (no quoting, expansion, globbing, tilde, comment, operator, redirection or grouping).
+fn is_plain_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"/._-+=,:@%".contains(&b)
+}
+
+/// The words of `command` when what POSIX sh does with it is exactly `execve` of a program with
+/// these words as its argv: words of [`is_plain_byte`]s separated by spaces and tabs only
+/// (leading and trailing ones allowed), at most [`PLAIN_CALL_MAX_WORDS`] of them, the first no
+/// assignment (`NAME=value prog`; any `=` is refused) and, without a `/`, not a word sh runs
+/// itself ([`is_sh_own_word`]). Nor `setsid` (by its last path component): started without sh,
+/// the program leads its own process group, so setsid(1) would fork first, return at once and
+/// leave its command running outside the group. `None` for anything else, the empty command
+/// included: when in doubt, sh runs it.
+fn plain_program_call(command: &str) -> Option<Vec<&str>> {
+    let mut words = Vec::new();
+    for word in command.split([' ', '\t']).filter(|w| !w.is_empty()) {
+        if words.len() == PLAIN_CALL_MAX_WORDS || !word.bytes().all(is_plain_byte) {
+            return None;
+        }
+        words.push(word);
+    }
+    let first = *words.first()?;
+    let last_component = first.rsplit('/').next().unwrap_or(first);
+    if first.contains('=')
+        || (!first.contains('/') && is_sh_own_word(first))
+        || last_component == "setsid"
+    {
+        return None;
+    }
+    Some(words)
+}
+
+/// Variables sh sets, rewrites or reads at start-up (dash and, to be safe, bash), separated by
+/// spaces: with one of them in the environment, the program's environment under sh may differ
+/// from the one given.
+const SH_OWN_VARIABLES: &str =
+    "PWD OLDPWD PPID OPTIND IFS LINENO ENV SHELLOPTS EXECIGNORE PS4 SHLVL _";
+
+/// Whether sh hands every variable of `env` to the program unchanged (and adds only PWD): each
+/// is a valid name (dash drops the others), none is one of [`SH_OWN_VARIABLES`] nor starts with
+/// `BASH` (bash's functions, options and start-up file).
+fn env_passes_through_sh(env: &[(String, String)]) -> bool {
+    env.iter().all(|(k, _)| {
+        let mut bytes = k.bytes();
+        bytes
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+            && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            && !SH_OWN_VARIABLES.split(' ').any(|v| v == k)
+            && !k.starts_with("BASH")
+    })
+}
+
+/// Whether `/bin/sh` is dash, whose behaviour the direct start reproduces (the environment it
+/// passes on, how it reports a command killed by a signal). Any other sh runs every command.
+fn sh_is_dash() -> bool {
+    static DASH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DASH.get_or_init(|| {
+        std::fs::canonicalize("/bin/sh").is_ok_and(|p| p.file_name().is_some_and(|n| n == "dash"))
+    })
+}
+
+/// A program to start without sh.
+#[derive(Debug, PartialEq)]
+struct DirectProgram {
+    /// Where it was found (absolute).
+    path: PathBuf,
+    /// Its argv, `argv[0]` as written (as sh passes it).
+    argv: Vec<String>,
+}
+
+/// Whether a plain program call's words can start without sh with the same result, and where
+/// the program is. The program is found as sh finds it: with a `/`, relative to the session
+/// directory (the command's cwd); otherwise in the first directory of `path_var` (the
+/// command's PATH) holding a regular file of that name, where an empty, relative or
+/// `%`-suffixed (dash's `%builtin`) entry before it sends the command to sh. The file must be a
+/// regular file that starts with `#!` or the ELF magic: anything else sh would run as a script
+/// when the exec fails with ENOEXEC. These checks run as this process's user; the exec runs as
+/// the session's, and if it fails the command is handed to sh after all (see `shell`).
+fn direct_program(words: Vec<String>, root: &Path, path_var: &str) -> Option<DirectProgram> {
+    if !sh_is_dash() {
+        return None;
+    }
+    let program = words.first()?;
+    let path = if program.contains('/') {
+        let path = root.join(program);
+        match kernel_executable(&path) {
+            Ok(true) => path,
+            _ => return None,
+        }
+    } else {
+        let mut found = None;
+        for dir in path_var.split(':') {
+            if !dir.starts_with('/') || dir.contains('%') {
+                return None;
+            }
+            let path = Path::new(dir).join(program);
+            match kernel_executable(&path) {
+                Ok(true) => {
+                    found = Some(path);
+                    break;
+                }
+                // A regular file sh would pick, but run as a script.
+                Ok(false) => return None,
+                // sh skips what is missing and what is not a regular file.
+                Err(e)
+                    if e.kind() == ErrorKind::NotFound
+                        || e.raw_os_error() == Some(libc::ENOTDIR)
+                        || e.kind() == ErrorKind::InvalidInput => {}
+                Err(_) => return None,
+            }
+        }
+        found?
+    };
+    Some(DirectProgram { path, argv: words })
+}
+
+/// `Ok(true)` for a regular file with an execute bit that starts with `#!` or the ELF magic,
+/// `Ok(false)` for another regular file, `InvalidInput` for what is not a regular file. The
+/// file is opened `O_PATH` and checked before it is opened for reading (through that
+/// descriptor), so a device or FIFO swapped in for it is never opened; nor is a file nobody may
+/// execute (its exec would fail anyway), so a session cannot make this process read, say,
+/// `/proc/kmsg`.
+fn kernel_executable(path: &Path) -> std::io::Result<bool> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(ErrorKind::InvalidInput.into());
+    }
+    if meta.permissions().mode() & 0o111 == 0 {
+        return Ok(false);
+    }
+    let mut head = [0u8; 4];
+    let mut readable = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    let mut len = 0;
+    while len < head.len() {
+        match readable.read(&mut head[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let head = &head[..len];
+    Ok(head.starts_with(b"#!") || head == b"\x7fELF")
+}
+
+/// What dash prints on stderr when a foreground command dies of `signal`: its description
+/// (strsignal, at most 32 bytes) and " (core dumped)", nothing for SIGINT and SIGPIPE.
+fn sh_signal_note(signal: i32, core_dumped: bool) -> Option<String> {
+    if signal == libc::SIGINT || signal == libc::SIGPIPE {
+        return None;
+    }
+    // SAFETY: strsignal returns a NUL-terminated string (a static description, or this
+    // thread's buffer for an unknown signal), copied at once.
+    let description = unsafe { std::ffi::CStr::from_ptr(libc::strsignal(signal)) };
+    let mut note: Vec<u8> = description.to_bytes().iter().take(32).copied().collect();
+    if core_dumped {
+        note.extend_from_slice(b" (core dumped)");
+    }
+    note.push(b'\n');
+    Some(String::from_utf8_lossy(&note).into_owned())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1214,12 +1501,20 @@ impl Collector {
     }
 }
 
-async fn run(mut cmd: Command, limits: &Limits, sandboxed: bool) -> Result<ShellOutput, ToolError> {
+/// A started command: its process (the leader of its own process group) and the read end of
+/// its output pipe.
+struct Started {
+    child: tokio::process::Child,
+    output: tokio::net::unix::pipe::Receiver,
+}
+
+/// Spawns `cmd` in its own process group, stdin from /dev/null, stdout and stderr into one pipe.
+/// An error means the child did not get to run its program (std reports the failure of any step
+/// between fork and exec, the exec's included, and reaps the child).
+fn start(mut cmd: Command) -> std::io::Result<Started> {
     // One pipe for both stdout and stderr, so output interleaves exactly as it was written.
-    let (reader, writer) = std::io::pipe().map_err(|e| io_err("create output pipe", e))?;
-    let writer2 = writer
-        .try_clone()
-        .map_err(|e| io_err("create output pipe", e))?;
+    let (reader, writer) = std::io::pipe()?;
+    let writer2 = writer.try_clone()?;
     cmd.stdin(Stdio::null())
         .stdout(writer)
         .stderr(writer2)
@@ -1228,23 +1523,28 @@ async fn run(mut cmd: Command, limits: &Limits, sandboxed: bool) -> Result<Shell
     let spawned = cmd.spawn();
     // The Command holds our copies of the pipe's write end; drop them so EOF can arrive.
     drop(cmd);
-    let mut child = match spawned {
-        Ok(child) => child,
-        Err(e) if sandboxed => {
-            return Err(unavailable(format!("cannot start bubblewrap: {e}")));
-        }
-        Err(e) => {
-            return Err(unavailable(format!(
-                "cannot start the shell under the session's identity and limits: {e}"
-            )));
-        }
-    };
+    let child = spawned?;
+    let output = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(reader))?;
+    Ok(Started { child, output })
+}
+
+/// Collects the output of a started command until it exits (or the timeout fires), killing its
+/// process group then. `as_sh_reports_it`: the process is the program itself, started without
+/// sh, so its death by a signal is reported as sh (dash) reports a foreground command's: exit
+/// code 128 + the signal and, except for SIGINT and SIGPIPE, the signal's description on stderr.
+async fn collect(
+    started: Started,
+    limits: &Limits,
+    as_sh_reports_it: bool,
+) -> Result<ShellOutput, ToolError> {
+    let Started {
+        mut child,
+        output: mut rx,
+    } = started;
     let pgid = child
         .id()
         .ok_or_else(|| ToolError::new("io", "shell exited before it could be tracked"))?;
     let mut guard = GroupGuard { pgid, armed: true };
-    let mut rx = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(reader))
-        .map_err(|e| io_err("read shell output", e))?;
 
     let mut out = Collector {
         buf: Vec::new(),
@@ -1301,6 +1601,16 @@ async fn run(mut cmd: Command, limits: &Limits, sandboxed: bool) -> Result<Shell
         }
     }
 
+    let mut exit_code = status.code();
+    if as_sh_reports_it
+        && !timed_out
+        && let Some(signal) = status.signal()
+    {
+        exit_code = Some(128 + signal);
+        if let Some(note) = sh_signal_note(signal, status.core_dumped()) {
+            out.push(note.as_bytes());
+        }
+    }
     let mut output = out.finish();
     if timed_out {
         if !output.is_empty() && !output.ends_with('\n') {
@@ -1312,7 +1622,7 @@ async fn run(mut cmd: Command, limits: &Limits, sandboxed: bool) -> Result<Shell
         ));
     }
     Ok(ShellOutput {
-        exit_code: if timed_out { None } else { status.code() },
+        exit_code: if timed_out { None } else { exit_code },
         output,
         timed_out,
     })
@@ -2183,5 +2493,482 @@ mod tests {
             .and_then(|l| l.trim().parse().ok())
             .unwrap_or_else(|| panic!("{out:?}"));
         assert!((18..=24).contains(&max), "{out:?}");
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Plain program calls started without sh
+    // -----------------------------------------------------------------------------------------
+
+    #[test]
+    fn plain_program_calls_are_told_apart_from_what_sh_interprets() {
+        let plain = plain_program_call;
+        assert_eq!(plain("/bin/echo a b"), Some(vec!["/bin/echo", "a", "b"]));
+        assert_eq!(plain(" \tls\t -a  "), Some(vec!["ls", "-a"]));
+        assert_eq!(
+            plain("cargo build -p a_b.c+d,e:f@g%h --x=1"),
+            Some(vec!["cargo", "build", "-p", "a_b.c+d,e:f@g%h", "--x=1"])
+        );
+        // An `=` after the first word is an argument; a builtin's name with a `/` is a path.
+        assert_eq!(plain("./run.sh x=1"), Some(vec!["./run.sh", "x=1"]));
+        assert_eq!(plain("/bin/echo"), Some(vec!["/bin/echo"]));
+        assert_eq!(plain("bin/kill -9"), Some(vec!["bin/kill", "-9"]));
+        let many = format!("prog{}", " x".repeat(PLAIN_CALL_MAX_WORDS - 1));
+        assert_eq!(plain(&many).map(|w| w.len()), Some(PLAIN_CALL_MAX_WORDS));
+        assert_eq!(plain(&format!("{many} x")), None, "too many words");
+        let not_plain = [
+            "",
+            "  \t ",
+            // Assignment prefixes.
+            "FOO=1 env",
+            "a=b",
+            "/x=y/prog",
+            // Quoting, escapes, expansions, globs, tilde, comments.
+            "'ls'",
+            "\"ls\" -a",
+            "l\\s",
+            "ls \\*",
+            "echo$HOME",
+            "ls $HOME",
+            "ls ${HOME}",
+            "ls `pwd`",
+            "ls $(pwd)",
+            "ls *",
+            "ls a?",
+            "ls [ab]",
+            "ls ~",
+            "ls ~/x",
+            "ls a#b",
+            "ls # comment",
+            // Operators, redirections, grouping.
+            "a;b",
+            "a ;",
+            "a &",
+            "a && b",
+            "a || b",
+            "a | b",
+            "a > f",
+            "a>f",
+            "a 2>&1",
+            "a < f",
+            "(a)",
+            "{ a; }",
+            "a !",
+            "! a",
+            // Other whitespace and bytes.
+            "ls\nrm x",
+            "ls\r",
+            "ls\x0b-a",
+            "ls\x0c-a",
+            "ls\0",
+            "ls é",
+            // Programs that would not behave as under sh.
+            "setsid sleep 1",
+            "/usr/bin/setsid sleep 1",
+        ];
+        for command in not_plain {
+            assert_eq!(plain(command), None, "{command:?}");
+        }
+        for word in SH_RESERVED_WORDS
+            .split_ascii_whitespace()
+            .chain(SH_BUILTINS.split_ascii_whitespace())
+        {
+            assert_eq!(plain(word), None, "{word}");
+            assert_eq!(plain(&format!("{word} x y")), None, "{word}");
+        }
+        for builtin in [
+            "cd", "echo", "printf", "test", "true", "false", "kill", "pwd", "exec", "eval", ".",
+            ":", "source", "export", "exit", "set", "unset", "read", "wait", "trap", "umask",
+            "ulimit", "type", "command", "hash", "getopts", "jobs", "fg", "bg", "times", "if",
+            "then", "fi", "for", "while", "do", "done", "case", "esac", "in", "function",
+        ] {
+            assert!(is_sh_own_word(builtin), "{builtin}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Whatever plain_program_call accepts, sh splits into exactly the same words.
+        #[test]
+        fn a_plain_call_has_the_words_sh_gives_it(
+            command in "[a-zA-Z0-9/._+=,:@%\\- \t]{0,40}",
+        ) {
+            if let Some(words) = plain_program_call(&command) {
+                let out = std::process::Command::new("/bin/sh")
+                    .arg("-c")
+                    .arg(format!("set -- {command}; printf '%s\\n' \"$@\""))
+                    .output()
+                    .unwrap();
+                let seen = String::from_utf8(out.stdout).unwrap();
+                proptest::prop_assert_eq!(seen.lines().collect::<Vec<_>>(), words);
+            }
+        }
+    }
+
+    #[test]
+    fn only_variables_sh_passes_on_unchanged_allow_a_direct_start() {
+        let vars = |names: &[&str]| -> Vec<(String, String)> {
+            names
+                .iter()
+                .map(|n| ((*n).to_owned(), "v".to_owned()))
+                .collect()
+        };
+        assert!(env_passes_through_sh(&[]));
+        assert!(env_passes_through_sh(&vars(&[
+            "FOO", "PATH", "HOME", "LANG", "_A1", "a_b", "API_KEY"
+        ])));
+        for bad in SH_OWN_VARIABLES.split(' ').chain([
+            "BASH_FUNC_ls%%",
+            "BASH_ENV",
+            "BASHOPTS",
+            "A-B",
+            "1A",
+            "",
+            "A B",
+            "É",
+        ]) {
+            assert!(!env_passes_through_sh(&vars(&["FOO", bad])), "{bad:?}");
+        }
+    }
+
+    /// The route a plain call takes: direct where /bin/sh is dash, else sh.
+    fn direct_route() -> Route {
+        if sh_is_dash() {
+            Route::Direct
+        } else {
+            Route::Shell
+        }
+    }
+
+    /// Runs `command` both ways (direct if it may, and with sh only) and returns both.
+    async fn both_ways(
+        env: &Environment,
+        command: &str,
+        vars: &[(String, String)],
+        l: &Limits,
+    ) -> ((ShellOutput, Route), ShellOutput) {
+        let direct = env.shell_routed(command, vars, l, true).await.unwrap();
+        let (sh, route) = env.shell_routed(command, vars, l, false).await.unwrap();
+        assert_eq!(route, Route::Shell);
+        (direct, sh)
+    }
+
+    fn sorted_lines(s: &str) -> Vec<&str> {
+        let mut lines: Vec<&str> = s.lines().collect();
+        lines.sort();
+        lines
+    }
+
+    fn script(dir: &TempDir, name: &str, text: &str, mode: u32) {
+        std::fs::write(dir.0.join(name), text).unwrap();
+        std::fs::set_permissions(dir.0.join(name), std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[tokio::test]
+    async fn plain_calls_start_without_sh_with_the_output_sh_gives() {
+        let dir = TempDir::new("direct");
+        let env = local(&dir);
+        let l = limits();
+        let root = std::fs::canonicalize(&dir.0).unwrap();
+        std::fs::write(dir.0.join("b.txt"), "bee\n").unwrap();
+        std::fs::write(dir.0.join(".hidden"), "").unwrap();
+        for command in [
+            "/bin/echo a  b",
+            "ls -a",
+            "ls -la b.txt",
+            "id -u",
+            "cat b.txt",
+            "cat missing.txt",
+            "sleep 0",
+        ] {
+            let ((direct, route), sh) = both_ways(&env, command, &[], &l).await;
+            assert_eq!(route, direct_route(), "{command}");
+            assert_eq!(direct, sh, "{command}");
+        }
+        let ((out, route), sh) = both_ways(&env, "cat missing.txt", &[], &l).await;
+        assert_eq!(route, direct_route());
+        assert_eq!(
+            (out.exit_code, out.output.as_str()),
+            (Some(1), "cat: missing.txt: No such file or directory\n")
+        );
+        assert_eq!(out, sh);
+
+        // The environment is exactly what sh passes on: the given one, the defaults, PWD.
+        let r = root.display();
+        let given = vec![
+            ("FOO".to_owned(), "bar baz".to_owned()),
+            ("LANG".to_owned(), "C".to_owned()),
+        ];
+        let path = vec![("PATH".to_owned(), "/bin:/usr/bin".to_owned())];
+        let cases = [
+            ("/usr/bin/env", vec![], DEFAULT_PATH, "C.UTF-8", None),
+            ("env", given.clone(), DEFAULT_PATH, "C", Some("bar baz")),
+            ("env", path, "/bin:/usr/bin", "C.UTF-8", None),
+        ];
+        for (command, vars, path, lang, foo) in cases {
+            let ((out, route), sh) = both_ways(&env, command, &vars, &l).await;
+            assert_eq!(route, direct_route(), "{command} {vars:?}");
+            let mut expected = vec![
+                format!("HOME={r}"),
+                format!("LANG={lang}"),
+                format!("PATH={path}"),
+                format!("PWD={r}"),
+            ];
+            if let Some(foo) = foo {
+                expected.insert(0, format!("FOO={foo}"));
+            }
+            assert_eq!(sorted_lines(&out.output), expected, "{out:?}");
+            assert_eq!(sorted_lines(&out.output), sorted_lines(&sh.output));
+            assert_eq!((out.exit_code, sh.exit_code), (Some(0), Some(0)));
+        }
+    }
+
+    #[tokio::test]
+    async fn commands_sh_interprets_still_run_with_sh() {
+        let dir = TempDir::new("via-sh");
+        let env = local(&dir);
+        let l = limits();
+        let root = std::fs::canonicalize(&dir.0).unwrap().display().to_string();
+        std::fs::write(dir.0.join("a.txt"), "").unwrap();
+        std::fs::write(dir.0.join("b.txt"), "").unwrap();
+        let cases = [
+            ("echo $HOME", format!("{root}\n")),
+            ("/bin/echo ~", format!("{root}\n")),
+            ("cd / && pwd", "/\n".to_owned()),
+            ("ls *", "a.txt\nb.txt\n".to_owned()),
+            ("ls | /usr/bin/wc -l", "2\n".to_owned()),
+            ("echo hi", "hi\n".to_owned()),
+            ("'/bin/echo' 'a  b'", "a  b\n".to_owned()),
+            ("/bin/echo a # not an argument", "a\n".to_owned()),
+            ("/bin/echo x > out.txt", String::new()),
+            ("FOO=1 /usr/bin/env", String::new()),
+        ];
+        for (command, expected) in cases {
+            let (out, route) = env.shell_routed(command, &[], &l, true).await.unwrap();
+            assert_eq!(route, Route::Shell, "{command}");
+            assert_eq!(out.exit_code, Some(0), "{command}: {out:?}");
+            if command.starts_with("FOO=1") {
+                assert!(out.output.lines().any(|l| l == "FOO=1"), "{out:?}");
+            } else {
+                assert_eq!(out.output, expected, "{command}");
+            }
+        }
+        assert_eq!(
+            std::fs::read_to_string(dir.0.join("out.txt")).unwrap(),
+            "x\n"
+        );
+        // A variable sh rewrites keeps the command with sh: dash replaces a PWD that is not its
+        // working directory.
+        let vars = [("PWD".to_owned(), "/".to_owned())];
+        let (out, route) = env.shell_routed("env", &vars, &l, true).await.unwrap();
+        assert_eq!(route, Route::Shell);
+        assert!(
+            out.output.lines().any(|l| l == format!("PWD={root}")),
+            "{out:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_program_that_cannot_run_gets_shs_message_and_exit_code() {
+        let dir = TempDir::new("direct-fail");
+        let env = local(&dir);
+        let l = limits();
+        // Not found: decided before anything is started.
+        for (command, word) in [
+            ("no-such-program-agentscope a", "no-such-program-agentscope"),
+            ("./missing", "./missing"),
+            ("/nonexistent/prog x", "/nonexistent/prog"),
+        ] {
+            let ((out, route), sh) = both_ways(&env, command, &[], &l).await;
+            assert_eq!(route, Route::Shell, "{command}");
+            assert_eq!(out.exit_code, Some(127), "{command}");
+            assert_eq!(out.output, format!("/bin/sh: 1: {word}: not found\n"));
+            assert_eq!(out, sh);
+        }
+        // A program with no execute permission for anyone (left to sh at once), and one only
+        // root may execute (it passes the check, made as this process's user, the session's
+        // exec fails, and sh reports it).
+        std::fs::copy("/bin/true", dir.0.join("noexec")).unwrap();
+        std::fs::set_permissions(dir.0.join("noexec"), std::fs::Permissions::from_mode(0o644))
+            .unwrap();
+        std::fs::copy("/bin/true", dir.0.join("rootonly")).unwrap();
+        std::fs::set_permissions(
+            dir.0.join("rootonly"),
+            std::fs::Permissions::from_mode(0o700),
+        )
+        .unwrap();
+        let mut denied = vec!["./noexec"];
+        if is_root() {
+            denied.push("./rootonly");
+        }
+        for command in denied {
+            assert_eq!(
+                direct_program(vec![command.to_owned()], &dir.0, DEFAULT_PATH).is_some(),
+                sh_is_dash() && command == "./rootonly"
+            );
+            let ((out, route), sh) = both_ways(&env, command, &[], &l).await;
+            assert_eq!(route, Route::Shell, "{command}");
+            assert_eq!(out.exit_code, Some(126), "{command}");
+            assert_eq!(
+                out.output,
+                format!("/bin/sh: 1: {command}: Permission denied\n")
+            );
+            assert_eq!(out, sh);
+        }
+        // The first match in PATH cannot be executed by the session (root's, or nobody's when
+        // not root): sh goes on to the next one.
+        let root = std::fs::canonicalize(&dir.0).unwrap();
+        let first = if is_root() { 0o700 } else { 0o644 };
+        for (sub, mode) in [("bin1", first), ("bin2", 0o755)] {
+            std::fs::create_dir(dir.0.join(sub)).unwrap();
+            std::fs::copy("/bin/true", dir.0.join(sub).join("mytool")).unwrap();
+            std::fs::set_permissions(
+                dir.0.join(sub).join("mytool"),
+                std::fs::Permissions::from_mode(mode),
+            )
+            .unwrap();
+        }
+        let vars = [(
+            "PATH".to_owned(),
+            format!("{r}/bin1:{r}/bin2:/usr/bin:/bin", r = root.display()),
+        )];
+        let ((out, route), sh) = both_ways(&env, "mytool x", &vars, &l).await;
+        assert_eq!(route, Route::Shell);
+        assert_eq!((out.exit_code, out.output.as_str()), (Some(0), ""));
+        assert_eq!(out, sh);
+    }
+
+    #[tokio::test]
+    async fn scripts_run_as_sh_runs_them() {
+        let dir = TempDir::new("direct-scripts");
+        let env = local(&dir);
+        let l = limits();
+        // Without a shebang: sh runs it itself (the kernel would refuse it).
+        script(&dir, "plain", "echo from $0 $1\n", 0o755);
+        let ((out, route), sh) = both_ways(&env, "./plain x", &[], &l).await;
+        assert_eq!(route, Route::Shell);
+        assert_eq!(
+            (out.exit_code, out.output.as_str()),
+            (Some(0), "from ./plain x\n")
+        );
+        assert_eq!(out, sh);
+        // With one: started directly, so its parent is this process, not a shell.
+        script(&dir, "ppid", "#!/bin/sh\necho $PPID\n", 0o755);
+        let ((out, route), sh) = both_ways(&env, "./ppid", &[], &l).await;
+        assert_eq!(route, direct_route());
+        let me = std::process::id().to_string();
+        assert_eq!(out.output.trim() == me, sh_is_dash(), "{out:?}");
+        assert_ne!(sh.output.trim(), me, "{sh:?}");
+        // An interpreter that does not exist: the exec fails, sh reports it.
+        script(&dir, "badshebang", "#!/nonexistent/interp\n", 0o755);
+        let ((out, route), sh) = both_ways(&env, "./badshebang", &[], &l).await;
+        assert_eq!(route, Route::Shell);
+        assert_eq!(
+            (out.exit_code, out.output.as_str()),
+            (Some(127), "/bin/sh: 1: ./badshebang: not found\n")
+        );
+        assert_eq!(out, sh);
+    }
+
+    #[tokio::test]
+    async fn a_program_killed_by_a_signal_is_reported_as_sh_reports_it() {
+        let dir = TempDir::new("direct-signal");
+        let env = local(&dir);
+        let l = limits();
+        for (signal, code, note) in [
+            ("SEGV", 139, "Segmentation fault\n"),
+            ("TERM", 143, "Terminated\n"),
+            ("KILL", 137, "Killed\n"),
+            ("USR1", 138, "User defined signal 1\n"),
+            ("INT", 130, ""),
+            ("PIPE", 141, ""),
+        ] {
+            let name = format!("kill-{signal}");
+            script(
+                &dir,
+                &name,
+                &format!("#!/bin/sh\necho before\nkill -{signal} $$\necho after\n"),
+                0o755,
+            );
+            let ((out, route), sh) = both_ways(&env, &format!("./{name}"), &[], &l).await;
+            assert_eq!(route, direct_route(), "{signal}");
+            assert_eq!(out.exit_code, Some(code), "{signal}: {out:?}");
+            assert_eq!(out.output, format!("before\n{note}"), "{signal}");
+            assert_eq!(out, sh, "{signal}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_direct_start_keeps_the_identity_limits_and_process_group() {
+        let dir = TempDir::new("direct-limits");
+        let env = local(&dir);
+        let l = Limits {
+            max_processes: Some(77),
+            memory_bytes: Some(1 << 30),
+            cpu_secs: Some(30),
+            ..limits()
+        };
+        let (out, route) = env
+            .shell_routed("cat /proc/self/status /proc/self/limits", &[], &l, true)
+            .await
+            .unwrap();
+        assert_eq!(route, direct_route());
+        let field = |name: &str| -> Vec<String> {
+            let line = out
+                .output
+                .lines()
+                .find(|line| line.starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} in {out:?}"));
+            line[name.len()..]
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect()
+        };
+        if is_root() {
+            let (uid, gid) = (dir.1.uid.to_string(), dir.1.gid.to_string());
+            assert_eq!(field("Uid:"), vec![uid.as_str(); 4]);
+            assert_eq!(field("Gid:"), vec![gid.as_str(); 4]);
+            assert!(field("Groups:").is_empty(), "{out:?}");
+            assert_eq!(field("Max processes")[..2], ["77", "77"]);
+        }
+        assert_eq!(
+            field("Max address space")[..2],
+            ["1073741824", "1073741824"]
+        );
+        assert_eq!(field("Max cpu time")[..2], ["30", "30"]);
+        // The program itself leads the process group that is killed at the end (under sh, the
+        // shell does).
+        assert_eq!(field("NSpgid:") == field("NSpid:"), sh_is_dash(), "{out:?}");
+
+        // Its background children do not outlive the call; a timeout kills it.
+        let marker = format!("1011{}", std::process::id() % 1000);
+        script(
+            &dir,
+            "bg",
+            &format!("#!/bin/sh\n/bin/sleep {marker} &\necho bg\n"),
+            0o755,
+        );
+        let (out, route) = env
+            .shell_routed("./bg", &[], &limits(), true)
+            .await
+            .unwrap();
+        assert_eq!(route, direct_route());
+        assert_eq!((out.exit_code, out.output.as_str()), (Some(0), "bg\n"));
+        let left = processes_with(&marker);
+        assert!(left.is_empty(), "background process survived: {left:?}");
+
+        let marker = format!("1013{}", std::process::id() % 1000);
+        let short = Limits {
+            timeout: Duration::from_millis(500),
+            ..limits()
+        };
+        let (out, route) = env
+            .shell_routed(&format!("sleep {marker}"), &[], &short, true)
+            .await
+            .unwrap();
+        assert_eq!(route, direct_route());
+        assert!(out.timed_out && out.exit_code.is_none(), "{out:?}");
+        let left = processes_with(&marker);
+        assert!(left.is_empty(), "the timed-out program survived: {left:?}");
     }
 }
