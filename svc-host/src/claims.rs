@@ -136,6 +136,14 @@ async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usiz
                 tracing::warn!(code = %offer.error_code, message = %offer.message, "claim refused");
             }
             Ok(offer) => {
+                if !offer.recorded_ends.is_empty() {
+                    // Their ends are recorded: no claim needs to list them any more.
+                    let recorded: std::collections::HashSet<&str> =
+                        offer.recorded_ends.iter().map(String::as_str).collect();
+                    let mut st = ctx.state.lock().expect("host state");
+                    st.finished.retain(|id| !recorded.contains(id.as_str()));
+                    st.reported.retain(|id| !recorded.contains(id.as_str()));
+                }
                 for a in offer.assignments {
                     let permit = slots.clone().try_acquire_owned();
                     let Ok(permit) = permit else {

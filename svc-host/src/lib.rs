@@ -66,9 +66,11 @@ struct State {
     running: HashMap<String, attempt::Stops>,
     /// Where approval decisions for a running attempt go.
     decisions: HashMap<String, tokio::sync::mpsc::Sender<agentscope_schemas::v1::ApprovalDecision>>,
-    /// Attempts of a previous run of this host, already reported as interrupted.
+    /// Attempts of a previous run of this host, already reported as interrupted, until a claim
+    /// reply says their ends are recorded.
     reported: Vec<String>,
-    /// Attempts this run finished recently (bounded), so none is ever taken for a lost offer.
+    /// Attempts this run finished, so none is ever taken for a lost offer, until a claim reply
+    /// says their ends are recorded (`ClaimOffer.recorded_ends`; bounded as well).
     finished: std::collections::VecDeque<String>,
     /// Providers whose login failed in an attempt, and when: not ready until a re-check passes.
     login_failed: HashMap<String, std::time::Instant>,

@@ -132,8 +132,8 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     SELECT h.pool_id, h.capacity, h.capabilities, h.pool_limit, h.workspace_limit, h.ready,
            COALESCE((SELECT c.active FROM attempt_counts c WHERE c.scope = 'host' AND c.id = h.id), 0)::bigint
                AS host_active,
-           (SELECT count(*) FROM attempts a WHERE a.host_id = h.id AND a.status IN ('claimed', 'running')
-                   AND a.id::text = ANY($4)) AS ended_active,
+           ARRAY(SELECT a.id::text FROM attempts a WHERE a.host_id = h.id
+                   AND a.status IN ('claimed', 'running') AND a.id::text = ANY($4)) AS ended_active,
            EXISTS (SELECT 1 FROM attempts a WHERE a.host_id = h.id AND a.status = 'claimed'
                    AND NOT (a.id::text = ANY($3))) AS lost_offers,
            (SELECT count(*) FROM (
@@ -177,7 +177,21 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     };
     // The host's capacity counts what runs there: not the attempts it says ended whose ends
     // are not recorded yet (its free slots already say so).
-    let ended_first_look = plan.ended_active.unwrap_or(0);
+    let unrecorded: Vec<String> = plan.ended_active.unwrap_or_default();
+    let ended_first_look = unrecorded.len() as i64;
+    // The others' ends are recorded (an ended attempt never becomes active again): the host
+    // stops listing them, so its requests stay as small as what it actually holds.
+    let recorded_ends: Vec<String> = {
+        let mut ids: Vec<String> = req
+            .ended_attempts
+            .iter()
+            .filter(|id| !unrecorded.contains(id))
+            .cloned()
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    };
     let host_active = host_active - ended_first_look;
     let want = (req.free_slots as i64 - assignments.len() as i64).min(capacity - host_active);
     if want <= 0 || waiting_before == 0 {
@@ -196,6 +210,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         return Ok(ClaimOffer {
             assignments,
             waiting,
+            recorded_ends,
             ..Default::default()
         });
     }
@@ -230,6 +245,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         }
         return Ok(ClaimOffer {
             assignments,
+            recorded_ends,
             ..Default::default()
         });
     }
@@ -401,6 +417,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     Ok(ClaimOffer {
         assignments,
         waiting,
+        recorded_ends,
         ..Default::default()
     })
 }

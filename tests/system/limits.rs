@@ -349,6 +349,8 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
     assert_eq!(full.waiting, 2);
     let foreign = claim(0, &[&a, &c], &[&c]).await;
     assert!(foreign.assignments.is_empty());
+    // Not one of this host's active attempts: nothing it needs to list again.
+    assert_eq!(foreign.recorded_ends, vec![c.clone()]);
 
     // Once it says the attempt ended, the slot is offered work although the end is unrecorded.
     let b = claim(0, &[&a], &[&a]).await;
@@ -368,4 +370,77 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
     let again = claim(0, &[&a, &b], &[&a]).await;
     assert!(again.assignments.is_empty());
     assert_eq!(again.waiting, 1);
+    // Its end is not recorded: the host must keep listing it.
+    assert!(again.recorded_ends.is_empty(), "{:?}", again.recorded_ends);
+
+    // Once the end is recorded, the reply says so, and the slot is still the host's own.
+    sqlx::query("UPDATE attempts SET status = 'failed', finished_at = now() WHERE id = $1::uuid")
+        .bind(&a)
+        .execute(&stack.pg)
+        .await
+        .unwrap();
+    let recorded = claim(0, &[&a, &b], &[&a]).await;
+    assert_eq!(recorded.recorded_ends, vec![a.clone()]);
+    assert!(recorded.assignments.is_empty(), "b still runs there");
+}
+
+/// A host lists an ended attempt in its claims only until a reply says its end is recorded: a
+/// busy host's requests stay as small as what it actually holds (they once carried its last 256
+/// attempts, 9 KB, on every claim).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_stops_listing_ends_once_they_are_recorded() {
+    use agentscope_schemas::v1::ClaimRequest;
+    use futures::StreamExt as _;
+    use prost::Message as _;
+    let stack = Stack::start("limits-listed", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("quick", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let _host = stack.host("h1", "pool", 1).await.unwrap();
+    // Every claim request, as the scheduler's queue group gets it.
+    let nc = stack.nats.service_client("scheduler").await.unwrap();
+    let mut claims = nc
+        .subscribe(agentscope_bus::subjects::HOST_CLAIM_ALL)
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+    for i in 0..8 {
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": format!("task {i}")}),
+            )
+            .await
+            .unwrap();
+        stack
+            .wait_task(
+                t["id"].as_str().unwrap(),
+                "succeeded",
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+    }
+    // The claims of the last tasks list only the few ends still unrecorded when they were sent.
+    let mut seen = Vec::new();
+    while seen.len() < 500
+        && let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), claims.next()).await
+    {
+        let req = ClaimRequest::decode(m.payload.as_ref()).unwrap();
+        seen.push((req.held_attempts.len(), req.ended_attempts.len()));
+    }
+    assert!(seen.len() >= 8, "a claim per task at least: {seen:?}");
+    let (held, ended) = seen
+        .iter()
+        .rev()
+        .take(3)
+        .fold((0, 0), |(h, e), (h2, e2)| (h.max(*h2), e.max(*e2)));
+    assert!(
+        held <= 3 && ended <= 3,
+        "the last claims list {held} held and {ended} ended attempts of 8 run: {seen:?}"
+    );
 }
