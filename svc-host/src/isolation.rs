@@ -1348,6 +1348,40 @@ mod tests {
     }
 
     #[test]
+    fn a_uid_left_held_is_taken_only_after_the_scan_for_its_leftovers() {
+        let dir = std::env::temp_dir().join(format!("agentscope-locks-{}", uuid::Uuid::new_v4()));
+        let range = UidRange {
+            first: 1_900_009_100,
+            last: 1_900_009_101,
+        };
+        std::fs::create_dir_all(&dir).unwrap();
+        // A host that died holding it (the earlier, shorter mark).
+        std::fs::write(dir.join("1900009100"), b"held").unwrap();
+        let ids = Identities::open(range, &dir, 0).unwrap();
+        assert!(
+            ids.acquire_quick().unwrap().is_none(),
+            "no scan on the quick path"
+        );
+        let a = ids.acquire().unwrap();
+        assert_eq!(
+            a.who.uid, 1_900_009_100,
+            "the blocking path starts at that uid"
+        );
+        assert_eq!(std::fs::read(dir.join("1900009100")).unwrap(), HELD);
+        assert!(ids.release(a, true).survivors.is_empty());
+        assert_eq!(std::fs::read(dir.join("1900009100")).unwrap(), CLEAN);
+        // A uid never held is taken at once, and marked held.
+        let b = ids.acquire_quick().unwrap().expect("a clean uid");
+        assert_eq!(b.who.uid, 1_900_009_101);
+        assert_eq!(std::fs::read(dir.join("1900009101")).unwrap(), HELD);
+        let c = ids.acquire_quick().unwrap().expect("released clean");
+        assert_eq!(c.who.uid, 1_900_009_100);
+        assert!(ids.acquire_quick().unwrap().is_none(), "none free");
+        assert!(matches!(ids.acquire(), Err(Error::Exhausted { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_provider_process_runs_without_groups_or_a_way_back_to_root() {
         use std::os::unix::process::CommandExt;
         let who = RunAs {
