@@ -896,8 +896,10 @@ pub fn user_name(who: Option<RunAs>) -> String {
 /// is the matcher's.
 pub struct Secrets {
     values: Vec<(String, String)>,
-    /// Every form the matcher looks for (`Redactor`'s needles).
+    /// Every form the matcher looks for (`Redactor`'s needles): those of this attempt's own
+    /// secrets, and those shared by every attempt (the host's own, made once).
     forms: Vec<memchr::memmem::Finder<'static>>,
+    shared: &'static [memchr::memmem::Finder<'static>],
     /// The shortest form's length: a shorter text holds none.
     shortest: usize,
     redactor: std::sync::OnceLock<agentscope_domain::vault::Redactor>,
@@ -910,16 +912,28 @@ const CHECK_BYTES: usize = 16 << 10;
 
 impl Secrets {
     pub fn new(values: Vec<(String, String)>) -> Secrets {
-        let forms: Vec<memchr::memmem::Finder<'static>> = values
+        let own = values.len();
+        Secrets::with_shared(values, own, &[])
+    }
+
+    /// `values`: the first `own` of them this attempt's (their forms are made here), the rest
+    /// those whose forms are `shared`.
+    fn with_shared(
+        values: Vec<(String, String)>,
+        own: usize,
+        shared: &'static [memchr::memmem::Finder<'static>],
+    ) -> Secrets {
+        let forms = forms_of(&values[..own]);
+        let shortest = forms
             .iter()
-            .filter(|(_, v)| v.len() >= agentscope_domain::vault::MIN_SECRET_LEN)
-            .flat_map(|(_, v)| agentscope_domain::vault::encoded_forms(v.as_bytes()))
-            .map(|f| memchr::memmem::Finder::new(&f).into_owned())
-            .collect();
-        let shortest = forms.iter().map(|f| f.needle().len()).min().unwrap_or(0);
+            .chain(shared)
+            .map(|f| f.needle().len())
+            .min()
+            .unwrap_or(0);
         Secrets {
             values,
             forms,
+            shared,
             shortest,
             redactor: std::sync::OnceLock::new(),
             checked: Default::default(),
@@ -936,7 +950,7 @@ impl Secrets {
     /// Whether the matcher must look at `text`: false only when no form is in it.
     fn may_hold(&self, text: &str) -> bool {
         use std::sync::atomic::Ordering;
-        if self.forms.is_empty() || text.len() < self.shortest {
+        if (self.forms.is_empty() && self.shared.is_empty()) || text.len() < self.shortest {
             return false;
         }
         if self.redactor.get().is_some()
@@ -944,7 +958,10 @@ impl Secrets {
         {
             return true;
         }
-        self.forms.iter().any(|f| f.find(text.as_bytes()).is_some())
+        self.forms
+            .iter()
+            .chain(self.shared)
+            .any(|f| f.find(text.as_bytes()).is_some())
     }
 
     /// `text` with every form of every secret replaced by `[REDACTED:NAME]`.
@@ -960,24 +977,48 @@ impl Secrets {
 /// Secrets kept out of recorded events: the attempt's task credential and the host's
 /// credentials (the host token and the model keys passed to providers).
 pub fn secrets_of_attempt(task_token: &str) -> Secrets {
-    Secrets::new(secret_values(task_token))
+    let host = host_secrets();
+    let mut values = vec![("TASK_TOKEN".to_string(), task_token.to_string())];
+    values.extend(host.values.iter().cloned());
+    Secrets::with_shared(values, 1, &host.forms)
 }
 
-fn secret_values(task_token: &str) -> Vec<(String, String)> {
-    let mut s = vec![("TASK_TOKEN".to_string(), task_token.to_string())];
-    for name in [
-        "AGENTSCOPE_HOST_TOKEN",
-        "ANTHROPIC_API_KEY",
-        "ANTHROPIC_AUTH_TOKEN",
-        "OPENAI_API_KEY",
-    ] {
-        if let Ok(v) = std::env::var(name)
-            && v.len() >= 8
-        {
-            s.push((name.to_string(), v));
+/// The host's own credentials, read once from its environment (which does not change while it
+/// runs), with their forms made once.
+struct HostSecrets {
+    values: Vec<(String, String)>,
+    forms: Vec<memchr::memmem::Finder<'static>>,
+}
+
+fn host_secrets() -> &'static HostSecrets {
+    static HOST: std::sync::OnceLock<HostSecrets> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let mut values = Vec::new();
+        for name in [
+            "AGENTSCOPE_HOST_TOKEN",
+            "ANTHROPIC_API_KEY",
+            "ANTHROPIC_AUTH_TOKEN",
+            "OPENAI_API_KEY",
+        ] {
+            if let Ok(v) = std::env::var(name)
+                && v.len() >= 8
+            {
+                values.push((name.to_string(), v));
+            }
         }
-    }
-    s
+        let forms = forms_of(&values);
+        HostSecrets { values, forms }
+    })
+}
+
+/// Every form of every secret the matcher looks for (`Redactor`'s needles, duplicates aside).
+fn forms_of(values: &[(String, String)]) -> Vec<memchr::memmem::Finder<'static>> {
+    values
+        .iter()
+        .filter(|(_, v)| v.len() >= agentscope_domain::vault::MIN_SECRET_LEN)
+        .flat_map(|(_, v)| agentscope_domain::vault::encoded_forms(v.as_bytes()))
+        .map(|f| memchr::memmem::Finder::new(&f).into_owned())
+        .collect()
 }
 
 /// Shortest secret prefix removed from the end of a text (a line cut inside a secret).
@@ -1283,6 +1324,18 @@ mod tests {
         assert!(secrets.redactor.get().is_some());
         let text = format!("later {token}");
         assert_eq!(redact_text(&text, &secrets), matcher.redact(&text));
+        // The host's secrets' forms made once and shared by attempts.
+        let shared: &'static [memchr::memmem::Finder<'static>] =
+            Box::leak(forms_of(&values[1..]).into_boxed_slice());
+        for form in agentscope_domain::vault::encoded_forms(b"agh_host secret/+?") {
+            let text = format!("host {} secret", String::from_utf8_lossy(&form));
+            let shared = Secrets::with_shared(values.clone(), 1, shared);
+            assert_eq!(redact_text(&text, &shared), matcher.redact(&text));
+            assert!(
+                redact_text(&text, &shared).contains("[REDACTED:HOST]"),
+                "{text}"
+            );
+        }
     }
 
     #[test]
