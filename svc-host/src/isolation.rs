@@ -132,6 +132,41 @@ impl Identities {
         })
     }
 
+    /// [`Identities::acquire`] without blocking, for the common case: the next free uid, when
+    /// its last holder released it clean (nothing of it left to kill). None when that uid needs
+    /// the scan for leftovers (`acquire` then takes it from there) or none is free.
+    pub fn acquire_quick(&self) -> Result<Option<Lease>, Error> {
+        let len = self.range.len();
+        let mut inner = self.inner.lock().expect("identities");
+        for _ in 0..len {
+            let off = inner.next % len;
+            inner.next = (off + 1) % len;
+            let uid = self.range.first + off;
+            if inner.held.contains(&uid) {
+                continue;
+            }
+            let path = self.lock_dir.join(uid.to_string());
+            let lock = open_lock(&path)?;
+            // SAFETY: flock on a descriptor we own.
+            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                continue;
+            }
+            let mark = read_mark(&lock);
+            if !(mark.is_empty() || mark == CLEAN) {
+                // Unlocked as `lock` closes; the blocking path starts at this uid.
+                inner.next = off;
+                return Ok(None);
+            }
+            write_mark(&lock, HELD).map_err(io("mark", &path))?;
+            inner.held.insert(uid);
+            return Ok(Some(Lease {
+                who: RunAs { uid, gid: uid },
+                lock,
+            }));
+        }
+        Ok(None)
+    }
+
     /// A uid no running attempt on this machine holds. Leftover processes of a uid nobody holds
     /// (orphans of a host that died) are killed before it is handed out. Blocking.
     pub fn acquire(&self) -> Result<Lease, Error> {
@@ -152,14 +187,7 @@ impl Identities {
                         continue;
                     }
                     let path = self.lock_dir.join(uid.to_string());
-                    let lock = std::fs::OpenOptions::new()
-                        .create(true)
-                        .truncate(false)
-                        .read(true)
-                        .write(true)
-                        .mode(0o600)
-                        .open(&path)
-                        .map_err(io("open", &path))?;
+                    let lock = open_lock(&path)?;
                     // SAFETY: flock on a descriptor we own.
                     if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0
                     {
@@ -271,9 +299,23 @@ pub fn uid_processes(uid: u32) -> Vec<i32> {
         .collect()
 }
 
+/// A uid's lock file, created if missing.
+fn open_lock(path: &Path) -> Result<File, Error> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io("open", path))
+}
+
 /// What a uid's lock file says of it: held by a running attempt, or released with every process
-/// gone.
-const HELD: &[u8] = b"held";
+/// gone. Both are as long as the longest mark ever written (an earlier version wrote `held`
+/// and truncated), so each covers the one before it without truncating the file. An empty file
+/// was never held; anything else but `CLEAN` may have left processes.
+const HELD: &[u8] = b"held\n";
 const CLEAN: &[u8] = b"clean";
 
 fn read_mark(lock: &File) -> Vec<u8> {
@@ -285,8 +327,7 @@ fn read_mark(lock: &File) -> Vec<u8> {
 
 fn write_mark(lock: &File, mark: &[u8]) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
-    lock.write_all_at(mark, 0)?;
-    lock.set_len(mark.len() as u64)
+    lock.write_all_at(mark, 0)
 }
 
 /// SIGKILLs every process of `uid` until none is left or `within` passes.
@@ -718,6 +759,16 @@ pub fn write_new_private(path: &Path, content: &[u8]) -> std::io::Result<()> {
         .write_all(content)
 }
 
+/// Creates `dir` with mode 0700, its parents missing too; fails with `AlreadyExists` if it is
+/// there.
+pub fn create_private_dir_new(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => create_private_dir(dir),
+        r => r,
+    }
+}
+
 /// Creates `dir` and its missing parents with mode 0700.
 pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
@@ -837,43 +888,137 @@ pub fn user_name(who: Option<RunAs>) -> String {
 
 // --------------------------------------------------------------------------- redaction
 
-/// The secrets kept out of one attempt's recorded events, with their matcher built once (an
-/// attempt records many events; building the matcher per event was a fifth of the host's CPU).
+/// The secrets kept out of one attempt's recorded events. Their matcher (one pass over a text for
+/// every encoded form of every secret) takes a tenth of a millisecond to build, more than a
+/// no-op attempt's events take to redact, so it is built only for a text that holds one of the
+/// forms, or once the attempt's texts add up to [`CHECK_BYTES`]; until then each text is
+/// searched for each form. A text that holds no form is left as it is either way, so the result
+/// is the matcher's.
 pub struct Secrets {
     values: Vec<(String, String)>,
-    redactor: agentscope_domain::vault::Redactor,
+    /// Every form the matcher looks for (`Redactor`'s needles): those of this attempt's own
+    /// secrets, and those shared by every attempt (the host's own, made once).
+    forms: Vec<memchr::memmem::Finder<'static>>,
+    shared: &'static [memchr::memmem::Finder<'static>],
+    /// The shortest form's length: a shorter text holds none.
+    shortest: usize,
+    redactor: std::sync::OnceLock<agentscope_domain::vault::Redactor>,
+    /// Bytes searched form by form so far.
+    checked: std::sync::atomic::AtomicUsize,
 }
+
+/// Bytes of an attempt's texts searched form by form before its matcher is built instead.
+const CHECK_BYTES: usize = 16 << 10;
 
 impl Secrets {
     pub fn new(values: Vec<(String, String)>) -> Secrets {
-        // One per attempt: a matcher quick to build (the default DFA took a tenth of the host's
-        // CPU per no-op attempt to build).
-        let redactor = agentscope_domain::vault::Redactor::new_quick(&values);
-        Secrets { values, redactor }
+        let own = values.len();
+        Secrets::with_shared(values, own, &[])
+    }
+
+    /// `values`: the first `own` of them this attempt's (their forms are made here), the rest
+    /// those whose forms are `shared`.
+    fn with_shared(
+        values: Vec<(String, String)>,
+        own: usize,
+        shared: &'static [memchr::memmem::Finder<'static>],
+    ) -> Secrets {
+        let forms = forms_of(&values[..own]);
+        let shortest = forms
+            .iter()
+            .chain(shared)
+            .map(|f| f.needle().len())
+            .min()
+            .unwrap_or(0);
+        Secrets {
+            values,
+            forms,
+            shared,
+            shortest,
+            redactor: std::sync::OnceLock::new(),
+            checked: Default::default(),
+        }
+    }
+
+    /// The matcher, built on first use. One per attempt: quick to build (the default DFA took
+    /// a tenth of the host's CPU per no-op attempt to build).
+    fn redactor(&self) -> &agentscope_domain::vault::Redactor {
+        self.redactor
+            .get_or_init(|| agentscope_domain::vault::Redactor::new_quick(&self.values))
+    }
+
+    /// Whether the matcher must look at `text`: false only when no form is in it.
+    fn may_hold(&self, text: &str) -> bool {
+        use std::sync::atomic::Ordering;
+        if (self.forms.is_empty() && self.shared.is_empty()) || text.len() < self.shortest {
+            return false;
+        }
+        if self.redactor.get().is_some()
+            || self.checked.fetch_add(text.len(), Ordering::Relaxed) + text.len() > CHECK_BYTES
+        {
+            return true;
+        }
+        self.forms
+            .iter()
+            .chain(self.shared)
+            .any(|f| f.find(text.as_bytes()).is_some())
+    }
+
+    /// `text` with every form of every secret replaced by `[REDACTED:NAME]`.
+    fn redact(&self, text: &str) -> String {
+        if self.may_hold(text) {
+            self.redactor().redact(text)
+        } else {
+            text.to_string()
+        }
     }
 }
 
 /// Secrets kept out of recorded events: the attempt's task credential and the host's
 /// credentials (the host token and the model keys passed to providers).
 pub fn secrets_of_attempt(task_token: &str) -> Secrets {
-    Secrets::new(secret_values(task_token))
+    let host = host_secrets();
+    let mut values = vec![("TASK_TOKEN".to_string(), task_token.to_string())];
+    values.extend(host.values.iter().cloned());
+    Secrets::with_shared(values, 1, &host.forms)
 }
 
-fn secret_values(task_token: &str) -> Vec<(String, String)> {
-    let mut s = vec![("TASK_TOKEN".to_string(), task_token.to_string())];
-    for name in [
-        "AGENTSCOPE_HOST_TOKEN",
-        "ANTHROPIC_API_KEY",
-        "ANTHROPIC_AUTH_TOKEN",
-        "OPENAI_API_KEY",
-    ] {
-        if let Ok(v) = std::env::var(name)
-            && v.len() >= 8
-        {
-            s.push((name.to_string(), v));
+/// The host's own credentials, read once from its environment (which does not change while it
+/// runs), with their forms made once.
+struct HostSecrets {
+    values: Vec<(String, String)>,
+    forms: Vec<memchr::memmem::Finder<'static>>,
+}
+
+fn host_secrets() -> &'static HostSecrets {
+    static HOST: std::sync::OnceLock<HostSecrets> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let mut values = Vec::new();
+        for name in [
+            "AGENTSCOPE_HOST_TOKEN",
+            "ANTHROPIC_API_KEY",
+            "ANTHROPIC_AUTH_TOKEN",
+            "OPENAI_API_KEY",
+        ] {
+            if let Ok(v) = std::env::var(name)
+                && v.len() >= 8
+            {
+                values.push((name.to_string(), v));
+            }
         }
-    }
-    s
+        let forms = forms_of(&values);
+        HostSecrets { values, forms }
+    })
+}
+
+/// Every form of every secret the matcher looks for (`Redactor`'s needles, duplicates aside).
+fn forms_of(values: &[(String, String)]) -> Vec<memchr::memmem::Finder<'static>> {
+    values
+        .iter()
+        .filter(|(_, v)| v.len() >= agentscope_domain::vault::MIN_SECRET_LEN)
+        .flat_map(|(_, v)| agentscope_domain::vault::encoded_forms(v.as_bytes()))
+        .map(|f| memchr::memmem::Finder::new(&f).into_owned())
+        .collect()
 }
 
 /// Shortest secret prefix removed from the end of a text (a line cut inside a secret).
@@ -882,7 +1027,7 @@ const MIN_TAIL: usize = 8;
 /// `text` with every secret replaced by `[REDACTED:NAME]` (the Vault's redaction), and a tail
 /// that is the beginning of a secret (a line cut inside it) removed too.
 pub fn redact_text(text: &str, secrets: &Secrets) -> String {
-    let mut out = secrets.redactor.redact(text);
+    let mut out = secrets.redact(text);
     for (name, value) in &secrets.values {
         let max = value.len().saturating_sub(1).min(out.len());
         for n in (MIN_TAIL..=max).rev() {
@@ -1148,6 +1293,52 @@ mod tests {
     }
 
     #[test]
+    fn secrets_are_redacted_as_the_matcher_does_whether_or_not_it_was_built() {
+        let token = "agt_0123456789abcdefghijklmnopqrstuvwxyz";
+        let values = vec![
+            ("TASK_TOKEN".to_string(), token.to_string()),
+            ("HOST".to_string(), "agh_host secret/+?".to_string()),
+        ];
+        let matcher = agentscope_domain::vault::Redactor::new_quick(&values);
+        let secrets = Secrets::new(values.clone());
+        let plain = ["preparing task directory", "exit status 0", "", "agt_012"];
+        for text in plain {
+            assert_eq!(redact_text(text, &secrets), matcher.redact(text));
+        }
+        assert!(
+            secrets.redactor.get().is_none(),
+            "built for texts without a secret"
+        );
+        let forms = agentscope_domain::vault::encoded_forms(token.as_bytes());
+        for form in &forms {
+            let text = format!("before {} after", String::from_utf8_lossy(form));
+            assert_eq!(
+                redact_text(&text, &Secrets::new(values.clone())),
+                matcher.redact(&text)
+            );
+            assert!(!redact_text(&text, &Secrets::new(values.clone())).contains(token));
+        }
+        // Past CHECK_BYTES the matcher is built and used for every text.
+        let long = "x".repeat(CHECK_BYTES + 1);
+        assert_eq!(redact_text(&long, &secrets), long);
+        assert!(secrets.redactor.get().is_some());
+        let text = format!("later {token}");
+        assert_eq!(redact_text(&text, &secrets), matcher.redact(&text));
+        // The host's secrets' forms made once and shared by attempts.
+        let shared: &'static [memchr::memmem::Finder<'static>] =
+            Box::leak(forms_of(&values[1..]).into_boxed_slice());
+        for form in agentscope_domain::vault::encoded_forms(b"agh_host secret/+?") {
+            let text = format!("host {} secret", String::from_utf8_lossy(&form));
+            let shared = Secrets::with_shared(values.clone(), 1, shared);
+            assert_eq!(redact_text(&text, &shared), matcher.redact(&text));
+            assert!(
+                redact_text(&text, &shared).contains("[REDACTED:HOST]"),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
     fn chown_leaves_hard_linked_files_alone() {
         let dir = std::env::temp_dir().join(format!("agentscope-iso-{}", uuid::Uuid::new_v4()));
         create_private_dir(&dir.join("sub")).unwrap();
@@ -1206,6 +1397,40 @@ mod tests {
             "a released uid is free again"
         );
         assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_uid_left_held_is_taken_only_after_the_scan_for_its_leftovers() {
+        let dir = std::env::temp_dir().join(format!("agentscope-locks-{}", uuid::Uuid::new_v4()));
+        let range = UidRange {
+            first: 1_900_009_100,
+            last: 1_900_009_101,
+        };
+        std::fs::create_dir_all(&dir).unwrap();
+        // A host that died holding it (the earlier, shorter mark).
+        std::fs::write(dir.join("1900009100"), b"held").unwrap();
+        let ids = Identities::open(range, &dir, 0).unwrap();
+        assert!(
+            ids.acquire_quick().unwrap().is_none(),
+            "no scan on the quick path"
+        );
+        let a = ids.acquire().unwrap();
+        assert_eq!(
+            a.who.uid, 1_900_009_100,
+            "the blocking path starts at that uid"
+        );
+        assert_eq!(std::fs::read(dir.join("1900009100")).unwrap(), HELD);
+        assert!(ids.release(a, true).survivors.is_empty());
+        assert_eq!(std::fs::read(dir.join("1900009100")).unwrap(), CLEAN);
+        // A uid never held is taken at once, and marked held.
+        let b = ids.acquire_quick().unwrap().expect("a clean uid");
+        assert_eq!(b.who.uid, 1_900_009_101);
+        assert_eq!(std::fs::read(dir.join("1900009101")).unwrap(), HELD);
+        let c = ids.acquire_quick().unwrap().expect("released clean");
+        assert_eq!(c.who.uid, 1_900_009_100);
+        assert!(ids.acquire_quick().unwrap().is_none(), "none free");
+        assert!(matches!(ids.acquire(), Err(Error::Exhausted { .. })));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

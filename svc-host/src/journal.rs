@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use uuid::Uuid;
 
@@ -120,8 +121,22 @@ pub struct Journal {
     slots: Arc<Mutex<Slots>>,
     /// The journal's flush thread (durable saves are flushed there, not on the caller's thread,
     /// a tokio worker); None if it could not start (they are flushed in place then).
-    syncs: Option<std::sync::mpsc::Sender<Arc<File>>>,
+    syncs: Option<std::sync::mpsc::Sender<Flush>>,
 }
+
+/// A durable save's flush, asked of the flush thread.
+struct Flush {
+    file: Arc<File>,
+    /// The slot's removals (`Slot::removals`) when the save was made: a slot removed since
+    /// needs no flush (its entry is gone, and a removal is never flushed either).
+    removals: Arc<AtomicU64>,
+    at: u64,
+}
+
+/// How long the flush thread gathers durable saves before it flushes them: an attempt removed
+/// meanwhile (a short one, ended and reported) needs none, and several saves of one slot need
+/// one.
+const FLUSH_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Default)]
 struct Slots {
@@ -143,6 +158,8 @@ struct Slot {
     /// Bytes from the start that may be other than zero (records with task credentials): a
     /// removal clears them all.
     size: u64,
+    /// How often an entry was removed from the slot.
+    removals: Arc<AtomicU64>,
 }
 
 impl Journal {
@@ -153,19 +170,21 @@ impl Journal {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
             .map_err(io("chmod", &dir))?;
-        let (tx, rx) = std::sync::mpsc::channel::<Arc<File>>();
+        let (tx, rx) = std::sync::mpsc::channel::<Flush>();
         // Ends when the last clone of the journal is gone.
         let syncs = std::thread::Builder::new()
             .name("journal-sync".into())
             .spawn(move || {
                 while let Ok(f) = rx.recv() {
-                    // Several durable saves of one slot queued together need one flush.
+                    std::thread::sleep(FLUSH_AFTER);
                     let mut batch = vec![f];
                     batch.extend(rx.try_iter());
-                    batch.sort_by_key(|f| Arc::as_ptr(f) as usize);
-                    batch.dedup_by_key(|f| Arc::as_ptr(f) as usize);
+                    batch.retain(|f| f.removals.load(Ordering::Acquire) == f.at);
+                    // Several durable saves of one slot need one flush.
+                    batch.sort_by_key(|f| Arc::as_ptr(&f.file) as usize);
+                    batch.dedup_by_key(|f| Arc::as_ptr(&f.file) as usize);
                     for f in batch {
-                        flush(&f);
+                        flush(&f.file);
                     }
                 }
             })
@@ -212,6 +231,7 @@ impl Journal {
                 len,
                 nonce,
                 size: bytes.len() as u64,
+                removals: Default::default(),
             };
             match chain {
                 Some(e) => {
@@ -238,8 +258,9 @@ impl Journal {
 
     /// Checkpoints survive a crash of the host process (the case they exist for) once `save`
     /// returns. `durable` state changes are also flushed to disk, by the journal's own thread
-    /// right after: a machine that loses power before that loses the attempt's newest state,
-    /// which the lease's expiry covers as for an attempt never journaled.
+    /// within [`FLUSH_AFTER`] (not at all when the entry is removed before: an ended attempt
+    /// needs no entry): a machine that loses power before that loses the attempt's newest
+    /// state, which the lease's expiry covers as for an attempt never journaled.
     pub fn save(&self, e: &Entry, durable: bool) -> Result<(), Error> {
         // An attempt's saves come one at a time (from its publisher): its slot is out of the map
         // while it is written, and no lock is held meanwhile.
@@ -277,7 +298,11 @@ impl Journal {
                 return Err(err);
             }
         };
-        let sync = durable.then(|| slot.file.clone());
+        let sync = durable.then(|| Flush {
+            file: slot.file.clone(),
+            removals: slot.removals.clone(),
+            at: slot.removals.load(Ordering::Acquire),
+        });
         self.slots
             .lock()
             .expect("journal")
@@ -287,10 +312,10 @@ impl Journal {
             match &self.syncs {
                 Some(tx) => {
                     if let Err(std::sync::mpsc::SendError(f)) = tx.send(f) {
-                        flush(&f);
+                        flush(&f.file);
                     }
                 }
-                None => flush(&f),
+                None => flush(&f.file),
             }
         }
         Ok(())
@@ -316,6 +341,7 @@ impl Journal {
                         len: 0,
                         nonce,
                         size: 0,
+                        removals: Default::default(),
                     });
                 }
                 // Not counted yet (made after the scan): the next number.
@@ -365,11 +391,14 @@ impl Journal {
         let res = clear(&slot);
         let mut slots = self.slots.lock().expect("journal");
         match res {
-            Ok(()) => slots.free.push(Slot {
-                len: 0,
-                size: 0,
-                ..slot
-            }),
+            Ok(()) => {
+                slot.removals.fetch_add(1, Ordering::AcqRel);
+                slots.free.push(Slot {
+                    len: 0,
+                    size: 0,
+                    ..slot
+                })
+            }
             Err(e) => {
                 slots.used.insert(attempt_id.to_string(), slot);
                 return Err(e);

@@ -88,15 +88,20 @@ pub async fn run(
         // The attempt's own uid, held until its last process is gone.
         let lease = match ctx.identities.clone() {
             None => Ok(None),
-            Some(ids) => tokio::task::spawn_blocking(move || ids.acquire().map(Some))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(isolation::Error::Io {
-                        action: "acquire a uid",
-                        path: Default::default(),
-                        source: std::io::Error::other(e),
-                    })
-                }),
+            // A uid released clean is taken here; one that needs a scan for leftovers (or none
+            // free) on a blocking thread.
+            Some(ids) => match ids.acquire_quick() {
+                Ok(None) => tokio::task::spawn_blocking(move || ids.acquire().map(Some))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(isolation::Error::Io {
+                            action: "acquire a uid",
+                            path: Default::default(),
+                            source: std::io::Error::other(e),
+                        })
+                    }),
+                quick => quick,
+            },
         };
         // Whether the provider's whole tree is known to be gone (its sentinel ended by itself).
         let mut gone = false;

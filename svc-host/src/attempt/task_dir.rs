@@ -38,16 +38,22 @@ pub(super) async fn prepare(
 ) -> Result<TaskDir, String> {
     let spec = &a.spec;
     let root = ctx.tasks_dir.join(&a.attempt_id);
-    if root.exists() {
+    // A fresh directory: one left by an earlier run of this attempt is cleared first.
+    if let Err(e) = isolation::create_private_dir_new(&root) {
+        if e.kind() != std::io::ErrorKind::AlreadyExists {
+            return Err(format!("create {}: {e}", root.display()));
+        }
         tokio::fs::remove_dir_all(&root)
             .await
             .map_err(|e| format!("clear {}: {e}", root.display()))?;
+        isolation::create_private_dir(&root)
+            .map_err(|e| format!("create {}: {e}", root.display()))?;
     }
     let input_dir = root.join("input");
     let home = root.join("home");
     let tmp = root.join("tmp");
     // The task directory is its attempt's only (0700; given to the attempt's uid before start).
-    for d in [&root, &home, &tmp, &input_dir] {
+    for d in [&home, &tmp, &input_dir] {
         isolation::create_private_dir(d).map_err(|e| format!("create {}: {e}", d.display()))?;
     }
     let repo = if spec.repository.is_empty() {
