@@ -10,6 +10,7 @@ use agentscope_bus::subjects;
 use agentscope_domain::{AttemptStatus, task_status};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::CancelRequest;
+use agentscope_store::first_attempt::TaskFields;
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -90,13 +91,15 @@ pub async fn create_issue(
     let task = match b.assignee_agent_id {
         Some(agent) => {
             let sub = Submission {
-                workspace_id: auth.workspace_id,
-                agent_id: agent,
-                issue_id: Some(id),
-                repository: b.repository.as_deref(),
-                branch: b.branch.as_deref(),
-                input: &b.input,
-                timeout_secs: None,
+                task: TaskFields {
+                    workspace_id: auth.workspace_id,
+                    agent_id: agent,
+                    issue_id: Some(id),
+                    repository: b.repository.as_deref(),
+                    branch: b.branch.as_deref(),
+                    input: &b.input,
+                    timeout_secs: None,
+                },
                 idempotency_key: None,
                 request_hash: None,
             };
@@ -242,13 +245,7 @@ impl RequestHash for NewTask {
 
 /// A task to store, with its first attempt.
 struct Submission<'a> {
-    workspace_id: Uuid,
-    agent_id: Uuid,
-    issue_id: Option<Uuid>,
-    repository: Option<&'a str>,
-    branch: Option<&'a str>,
-    input: &'a str,
-    timeout_secs: Option<i32>,
+    task: agentscope_store::first_attempt::TaskFields<'a>,
     idempotency_key: Option<&'a str>,
     request_hash: Option<&'a str>,
 }
@@ -267,35 +264,24 @@ struct Stored {
 /// workspace.
 ///
 /// The attempt is resolved first ([`agentscope_store::first_attempt::plan`]), by the same read
-/// the scheduler makes for a task found without an attempt. (Agents, versions, bindings and
-/// pools are never deleted, so what it read is still there for the insert.)
+/// the scheduler makes for a task found without an attempt; that read also checks that the agent
+/// and the issue are the workspace's. (Agents, issues, versions, bindings and pools are never
+/// deleted nor moved, so what it read still holds for the insert.)
 async fn insert_task(
     db: &mut sqlx::PgConnection,
     sub: &Submission<'_>,
 ) -> Result<Option<Stored>, sqlx::Error> {
-    use agentscope_store::first_attempt::{TaskFields, plan};
-    let fields = TaskFields {
-        workspace_id: sub.workspace_id,
-        agent_id: sub.agent_id,
-        issue_id: sub.issue_id,
-        repository: sub.repository,
-        branch: sub.branch,
-        input: sub.input,
-        timeout_secs: sub.timeout_secs,
-    };
-    let Some(p) = plan(&mut *db, &fields).await? else {
+    let task = &sub.task;
+    let Some(p) = agentscope_store::first_attempt::plan(&mut *db, task).await? else {
         return Ok(None);
     };
-    {
-        let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
-        let row = sqlx::query!(
-            r#"
+    let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
+    let row = sqlx::query!(
+        r#"
             WITH t AS (
                 INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input,
                     timeout_secs, idempotency_key, request_hash)
-                SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10
-                WHERE EXISTS (SELECT 1 FROM agents WHERE id = $4 AND workspace_id = $2)
-                  AND ($3::uuid IS NULL OR EXISTS (SELECT 1 FROM issues WHERE id = $3 AND workspace_id = $2))
+                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
                 RETURNING id, created_at
             ), a AS (
                 INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id,
@@ -305,56 +291,55 @@ async fn insert_task(
             )
             SELECT t.created_at, a.created_at AS attempt_created_at, a.not_before FROM t, a
             "#,
-            id,
-            sub.workspace_id,
-            sub.issue_id,
-            sub.agent_id,
-            sub.repository,
-            sub.branch,
-            sub.input,
-            sub.timeout_secs,
-            sub.idempotency_key,
-            sub.request_hash,
-            attempt_id,
-            p.agent_version_id,
-            p.binding_id,
-            p.pool_id,
-            p.provider.as_deref(),
-            &p.required_capabilities,
-            &p.spec,
-        )
-        .fetch_optional(&mut *db)
-        .await;
-        let Some(row) = row? else {
-            return Ok(None);
-        };
-        Ok(Some(Stored {
-            id,
-            created_at: row.created_at,
-            pool_id: p.pool_id,
-            attempt: t::Attempt {
-                id: attempt_id,
-                task_id: id,
-                number: 1,
-                status: AttemptStatus::Queued.as_str().to_string(),
-                provider: p.provider,
-                host_id: None,
-                lease_token: None,
-                agent_version_id: p.agent_version_id,
-                created_at: row.attempt_created_at,
-                not_before: row.not_before,
-                claimed_at: None,
-                started_at: None,
-                finished_at: None,
-                failure_class: None,
-                failure_detail: None,
-                exit_code: None,
-                provider_session_id: None,
-                events: 0,
-                remedy: None,
-            },
-        }))
-    }
+        id,
+        task.workspace_id,
+        task.issue_id,
+        task.agent_id,
+        task.repository,
+        task.branch,
+        task.input,
+        task.timeout_secs,
+        sub.idempotency_key,
+        sub.request_hash,
+        attempt_id,
+        p.agent_version_id,
+        p.binding_id,
+        p.pool_id,
+        p.provider.as_deref(),
+        &p.required_capabilities,
+        &p.spec,
+    )
+    .fetch_optional(&mut *db)
+    .await;
+    let Some(row) = row? else {
+        return Ok(None);
+    };
+    Ok(Some(Stored {
+        id,
+        created_at: row.created_at,
+        pool_id: p.pool_id,
+        attempt: t::Attempt {
+            id: attempt_id,
+            task_id: id,
+            number: 1,
+            status: AttemptStatus::Queued.as_str().to_string(),
+            provider: p.provider,
+            host_id: None,
+            lease_token: None,
+            agent_version_id: p.agent_version_id,
+            created_at: row.attempt_created_at,
+            not_before: row.not_before,
+            claimed_at: None,
+            started_at: None,
+            finished_at: None,
+            failure_class: None,
+            failure_detail: None,
+            exit_code: None,
+            provider_session_id: None,
+            events: 0,
+            remedy: None,
+        },
+    }))
 }
 
 /// Wakes one host of the pool with a free slot for the attempt just stored (core NATS, as the
@@ -406,13 +391,15 @@ pub async fn create_task(
     // The task and its first attempt, in one statement.
     let mut conn = s.db.acquire().await?;
     let sub = Submission {
-        workspace_id: auth.workspace_id,
-        agent_id: b.agent_id,
-        issue_id: b.issue_id,
-        repository: b.repository.as_deref(),
-        branch: b.branch.as_deref(),
-        input: &b.input,
-        timeout_secs: b.timeout_secs,
+        task: TaskFields {
+            workspace_id: auth.workspace_id,
+            agent_id: b.agent_id,
+            issue_id: b.issue_id,
+            repository: b.repository.as_deref(),
+            branch: b.branch.as_deref(),
+            input: &b.input,
+            timeout_secs: b.timeout_secs,
+        },
         idempotency_key: b.idempotency_key.as_deref(),
         request_hash: Some(&hash),
     };
