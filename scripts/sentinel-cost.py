@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 # CPU of starting `true` directly and through agentscope-sentinel (children's CPU per spawn, and
-# this process's own), as root:  scripts/sentinel-cost.py $CARGO_TARGET_DIR/release/agentscope-sentinel 300
+# this process's own), as root:  scripts/sentinel-cost.py SENTINEL 300
+# SENTINEL: the one svc-host carries, as its build wrote it
+# ($CARGO_TARGET_DIR/release/build/svc-host-*/out/agentscope-sentinel) or as a host published it
+# (<state>/bin/agentscope-sentinel).
 import os, resource, sys, time
 S=sys.argv[1]; N=int(sys.argv[2])
 def cost(argv):

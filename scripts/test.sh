@@ -21,6 +21,15 @@ echo "== fmt"
 cargo fmt --all -- --check
 echo "== clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The sentinel is no cargo target (svc-host's build.rs compiles it with panic=abort): the same
+# two checks on it.
+echo "== sentinel (fmt, clippy)"
+rustfmt --edition 2024 --check svc-host/sentinel/main.rs svc-host/sentinel/args.rs
+mkdir -p "$CARGO_TARGET_DIR/sentinel-clippy"
+clippy-driver --edition 2024 --crate-type bin --crate-name agentscope_sentinel -C panic=abort \
+    -C relocation-model=static -C link-arg=-nostartfiles -C link-arg=-nostdlib \
+    -C link-arg=-static -D warnings svc-host/sentinel/main.rs \
+    -o "$CARGO_TARGET_DIR/sentinel-clippy/agentscope-sentinel"
 echo "== build"
 cargo build --workspace --bins --locked
 echo "== test"

@@ -1,78 +1,62 @@
-//! Links `agentscope-sentinel` statically (glibc, static PIE) when the toolchain has the static
-//! libraries: it starts once per attempt, and a dynamically linked one spends most of its start
-//! in the dynamic loader (mapping and relocating libc and libgcc_s). Otherwise, or when
-//! `AGENTSCOPE_SENTINEL_DYNAMIC` is set, it stays dynamic (the same program, started slower).
+//! Builds `agentscope-sentinel` (`sentinel/main.rs`): a program without libc or std that svc-host
+//! starts once per attempt and carries in its own binary (`isolation::SENTINEL_ELF`).
 //!
-//! rustc links std's libraries (`-lgcc_s -lc …`) after `-Bdynamic`, which no flag of ours can
-//! come before; a directory searched first gives those names as linker scripts that point to
-//! the static archives instead, and `-static-pie` picks the static start-up files.
+//! It is compiled here, by the same rustc, because it needs `panic = "abort"`, which the
+//! workspace's profiles cannot set for one binary, and because it must not link anything: it is
+//! static, has its own entry point and makes its system calls itself.
 
-use std::path::{Path, PathBuf};
-
-const BIN: &str = "agentscope-sentinel";
+use std::path::PathBuf;
+use std::process::Command;
 
 fn main() {
+    let src = ["sentinel/main.rs", "sentinel/args.rs"];
+    for s in src {
+        println!("cargo:rerun-if-changed={s}");
+    }
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=AGENTSCOPE_SENTINEL_DYNAMIC");
     let var = |k: &str| std::env::var(k).unwrap_or_default();
-    if std::env::var_os("AGENTSCOPE_SENTINEL_DYNAMIC").is_some()
-        || var("CARGO_CFG_TARGET_OS") != "linux"
-        || var("CARGO_CFG_TARGET_ENV") != "gnu"
-        || var("TARGET") != var("HOST")
-    {
-        return;
+    if var("CARGO_CFG_TARGET_OS") != "linux" || var("CARGO_CFG_TARGET_ARCH") != "x86_64" {
+        panic!(
+            "svc-host runs on x86_64 Linux (its sentinel makes x86_64 Linux system calls), not {}",
+            var("TARGET")
+        );
     }
-    match static_libs() {
-        Ok(dir) => {
-            println!("cargo:rustc-link-arg-bin={BIN}=-static-pie");
-            println!("cargo:rustc-link-arg-bin={BIN}=-L{}", dir.display());
-        }
-        Err(why) => println!("cargo:warning={BIN} is linked dynamically: {why}"),
+    let out = PathBuf::from(var("OUT_DIR")).join("agentscope-sentinel");
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let mut cmd = Command::new(rustc);
+    cmd.args(["--edition", "2024", "--crate-type", "bin"])
+        .args(["--crate-name", "agentscope_sentinel"])
+        .args(["--target", &var("TARGET")])
+        .args([
+            "-C",
+            "panic=abort",
+            "-C",
+            "opt-level=2",
+            "-C",
+            "debuginfo=0",
+        ])
+        .args(["-C", "strip=symbols", "-C", "relocation-model=static"])
+        .args(["-C", "link-arg=-nostartfiles", "-C", "link-arg=-nostdlib"])
+        .args([
+            "-C",
+            "link-arg=-static",
+            "-C",
+            "link-arg=-Wl,--build-id=none",
+        ])
+        .args(["-D", "warnings"]);
+    if let Some(linker) = std::env::var_os("RUSTC_LINKER") {
+        let mut arg = std::ffi::OsString::from("linker=");
+        arg.push(linker);
+        cmd.arg("-C").arg(arg);
     }
-}
-
-/// A directory of linker scripts named as std's shared libraries, each naming static archives.
-fn static_libs() -> Result<PathBuf, String> {
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("no OUT_DIR")?).join("static-libs");
-    std::fs::create_dir_all(&out).map_err(|e| format!("create {}: {e}", out.display()))?;
-    let libc = archive("libc.a")?;
-    let libgcc = archive("libgcc.a")?;
-    let libgcc_eh = archive("libgcc_eh.a")?;
-    archive("rcrt1.o")?;
-    let mut scripts = vec![
-        (
-            "libc.so".to_string(),
-            format!("GROUP ( {libc} {libgcc} {libgcc_eh} )\n"),
-        ),
-        (
-            "libgcc_s.so".to_string(),
-            format!("INPUT ( {libgcc_eh} )\n"),
-        ),
-    ];
-    for lib in ["util", "rt", "pthread", "m", "dl"] {
-        let a = archive(&format!("lib{lib}.a"))?;
-        scripts.push((format!("lib{lib}.so"), format!("INPUT ( {a} )\n")));
-    }
-    for (name, script) in scripts {
-        let p = out.join(name);
-        std::fs::write(&p, script).map_err(|e| format!("write {}: {e}", p.display()))?;
-    }
-    Ok(out)
-}
-
-/// Where the C compiler (rustc's linker) finds `name`.
-fn archive(name: &str) -> Result<String, String> {
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = std::process::Command::new(&cc)
-        .arg(format!("-print-file-name={name}"))
+    cmd.arg(src[0]).arg("-o").arg(&out);
+    let result = cmd
         .output()
-        .map_err(|e| format!("run {cc}: {e}"))?;
-    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    if !out.status.success() || !Path::new(&path).is_absolute() || !Path::new(&path).exists() {
-        return Err(format!("{cc} does not find {name}"));
+        .unwrap_or_else(|e| panic!("run rustc for agentscope-sentinel: {e}"));
+    if !result.status.success() {
+        panic!(
+            "agentscope-sentinel does not build:\n{}",
+            String::from_utf8_lossy(&result.stderr)
+        );
     }
-    if path.contains(|c: char| c.is_whitespace() || c == ')' || c == '(') {
-        return Err(format!("{path}: a path a linker script cannot name"));
-    }
-    Ok(path)
 }

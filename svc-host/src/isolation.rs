@@ -382,22 +382,63 @@ pub fn drop_privileges(who: RunAs) -> std::io::Result<()> {
 
 // --------------------------------------------------------------------------- sentinel
 
-/// The sentinel's program name; the host finds it next to its own executable.
+/// The sentinel's program name.
 pub const SENTINEL: &str = "agentscope-sentinel";
 
 /// Exit status of the sentinel when its provider could not be executed (as a shell says it).
 pub const EXEC_NOT_FOUND: i32 = 127;
 pub const EXEC_FAILED: i32 = 126;
 
-/// `agentscope-sentinel` next to the running svc-host.
+/// `agentscope-sentinel` (svc-host's `sentinel/main.rs`, built by its build.rs): static, without
+/// libc, started once per attempt. [`publish_sentinel`] writes it where the host starts it from.
+pub const SENTINEL_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/agentscope-sentinel"));
+
+static SENTINEL_PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Writes the sentinel to `<state>/bin/agentscope-sentinel` (root's, 0755: every attempt's uid
+/// may read it, none may change it) unless the same bytes are there, and starts every later
+/// attempt's provider through it. The file is replaced by a rename, never rewritten in place:
+/// a running sentinel keeps its own copy.
+pub fn publish_sentinel(state_dir: &Path) -> std::io::Result<PathBuf> {
+    let dir = state_dir.join("bin");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+    let dst = dir.join(SENTINEL);
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let current = std::fs::symlink_metadata(&dst).is_ok_and(|m| {
+        m.is_file()
+            && m.uid() == me
+            && m.permissions().mode() & 0o7777 == 0o755
+            && std::fs::read(&dst).is_ok_and(|b| b == SENTINEL_ELF)
+    });
+    if !current {
+        use std::io::Write;
+        let tmp = dir.join(format!(".{SENTINEL}.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .mode(0o755)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&tmp)?;
+        f.write_all(SENTINEL_ELF)?;
+        f.set_permissions(std::fs::Permissions::from_mode(0o755))?;
+        f.sync_all()?;
+        // Closed before anything executes it (an open writer makes exec fail with ETXTBSY).
+        drop(f);
+        std::fs::rename(&tmp, &dst)?;
+    }
+    let _ = SENTINEL_PATH.set(dst.clone());
+    Ok(dst)
+}
+
+/// Where attempts' sentinels are started from: set by [`publish_sentinel`].
 pub fn sentinel_path() -> &'static Path {
-    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        std::env::current_exe()
-            .ok()
-            .and_then(|e| e.parent().map(|d| d.join(SENTINEL)))
-            .unwrap_or_else(|| PathBuf::from(SENTINEL))
-    })
+    SENTINEL_PATH
+        .get()
+        .map(PathBuf::as_path)
+        .unwrap_or(Path::new(SENTINEL))
 }
 
 /// The sentinel's command line for one provider: `HOST_PID UID:GID|- -- PROGRAM ARGV0 ARGS...`
@@ -419,237 +460,6 @@ pub fn sentinel_args(
     ];
     v.extend(argv.iter().map(Into::into));
     v
-}
-
-struct SentinelArgs {
-    host: libc::pid_t,
-    who: Option<RunAs>,
-    program: std::ffi::CString,
-    argv: Vec<std::ffi::CString>,
-}
-
-fn parse_sentinel_args(args: &[std::ffi::OsString]) -> Result<SentinelArgs, String> {
-    use std::os::unix::ffi::OsStrExt;
-    let s = |i: usize| args.get(i).and_then(|a| a.to_str()).unwrap_or("");
-    let host = s(0)
-        .parse::<libc::pid_t>()
-        .map_err(|_| format!("bad host pid `{}`", s(0)))?;
-    let who = match s(1) {
-        "-" => None,
-        w => {
-            let (u, g) = w.split_once(':').ok_or("bad uid:gid")?;
-            Some(RunAs {
-                uid: u.parse().map_err(|_| "bad uid")?,
-                gid: g.parse().map_err(|_| "bad gid")?,
-            })
-        }
-    };
-    if s(2) != "--" || args.len() < 5 {
-        return Err(
-            "usage: agentscope-sentinel HOST_PID UID:GID|- -- PROGRAM ARGV0 [ARGS...]".into(),
-        );
-    }
-    let c = |a: &std::ffi::OsString| {
-        std::ffi::CString::new(a.as_bytes()).map_err(|_| "NUL in an argument".to_string())
-    };
-    Ok(SentinelArgs {
-        host,
-        who,
-        program: c(&args[3])?,
-        argv: args[4..].iter().map(c).collect::<Result<_, _>>()?,
-    })
-}
-
-/// `agentscope-sentinel`: started by the host (posix_spawn, no copy of the host's memory) in the
-/// provider's new process group, with the provider's environment, directory and pipes. It forks
-/// the provider, which drops privileges and executes; the sentinel stays behind as a child
-/// subreaper, so that every descendant of the provider, also one that left the process group
-/// or daemonized, stays below it:
-/// - when the host dies, however it dies, `PR_SET_PDEATHSIG` wakes it and it kills every process
-///   of the attempt's uid (`kill(-1)` as that uid), or its process group and children without
-///   one; the provider dies with it (`PR_SET_PDEATHSIG(SIGKILL)`);
-/// - when the provider ends and nothing else of the attempt is left, it exits with the provider's
-///   status; if something is left it waits for the host's `SIGUSR1` ("the output is read, end
-///   the rest"; sent early when the host stops the attempt), kills it all and reaps it.
-///   So its exit means that no process of the attempt is left, without any /proc scan.
-///
-/// Cancellation still signals the process group: the provider handles it, the sentinel ignores
-/// it.
-pub fn sentinel_main() -> ! {
-    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    let a = match parse_sentinel_args(&args) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{SENTINEL}: {e}");
-            std::process::exit(2);
-        }
-    };
-    let mut argv: Vec<*const libc::c_char> = a.argv.iter().map(|c| c.as_ptr()).collect();
-    argv.push(std::ptr::null());
-    let mut message =
-        format!("{SENTINEL}: cannot run `{}`: ", a.program.to_string_lossy()).into_bytes();
-    message.truncate(300);
-    // SAFETY: a single-threaded process making plain system calls; after fork the child only
-    // makes async-signal-safe calls before exec.
-    unsafe {
-        let mut watched: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut watched);
-        for sig in [libc::SIGUSR1, libc::SIGUSR2, libc::SIGCHLD] {
-            libc::sigaddset(&mut watched, sig);
-        }
-        libc::sigprocmask(libc::SIG_BLOCK, &watched, std::ptr::null_mut());
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGUSR2, 0, 0, 0) != 0
-            || libc::getppid() != a.host
-            || libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0
-        {
-            libc::_exit(137);
-        }
-        let me = libc::getpid();
-        let provider = libc::fork();
-        if provider < 0 {
-            libc::_exit(EXEC_FAILED);
-        }
-        if provider == 0 {
-            let mut none: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut none);
-            libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
-            if let Some(who) = a.who
-                && drop_privileges(who).is_err()
-            {
-                libc::_exit(EXEC_FAILED);
-            }
-            // Set after the credential change, which clears it.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
-                || libc::getppid() != me
-            {
-                libc::_exit(137);
-            }
-            libc::execv(a.program.as_ptr(), argv.as_ptr());
-            let errno = *libc::__errno_location();
-            let text = std::ffi::CStr::from_ptr(libc::strerror(errno)).to_bytes();
-            libc::write(2, message.as_ptr().cast(), message.len());
-            libc::write(2, text.as_ptr().cast(), text.len());
-            libc::write(2, b"\n".as_ptr().cast(), 1);
-            libc::_exit(if errno == libc::ENOENT {
-                EXEC_NOT_FOUND
-            } else {
-                EXEC_FAILED
-            });
-        }
-        // Cancellation signals the whole group: the provider handles them, not the sentinel.
-        for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
-            libc::signal(sig, libc::SIG_IGN);
-        }
-        // The pipes are the provider's: the end of output must mean the provider's end.
-        libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32);
-        watch(provider, a.who, &watched)
-    }
-}
-
-/// The sentinel's loop (see [`sentinel_main`]); never returns.
-unsafe fn watch(provider: libc::pid_t, who: Option<RunAs>, watched: &libc::sigset_t) -> ! {
-    // SAFETY: plain system calls of a single-threaded process.
-    unsafe {
-        let mut status: Option<libc::c_int> = None;
-        let mut end = false;
-        let mut uid_killed = false;
-        loop {
-            // Reap whatever ended: the provider, and orphans of its tree adopted by us.
-            loop {
-                let mut st = 0;
-                let pid = libc::waitpid(-1, &mut st, libc::WNOHANG);
-                if pid > 0 {
-                    if pid == provider {
-                        status = Some(st);
-                    }
-                    continue;
-                }
-                if pid < 0
-                    && let Some(st) = status
-                {
-                    // No child left: the provider and everything it started are gone.
-                    mirror(st);
-                }
-                break;
-            }
-            if status.is_some() && end {
-                // The provider is gone and the host has read its output: end the rest.
-                match who {
-                    Some(who) if !uid_killed => {
-                        uid_killed = kill_uid_as(who);
-                        if !uid_killed {
-                            kill_children();
-                        }
-                    }
-                    Some(_) => {}
-                    None => kill_children(),
-                }
-            }
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            match libc::sigwaitinfo(watched, &mut info) {
-                libc::SIGUSR2 => {
-                    // The host is gone: end the attempt's every process.
-                    if !who.is_some_and(|w| kill_uid_as(w)) {
-                        kill_children();
-                        libc::kill(0, libc::SIGKILL);
-                    }
-                    libc::_exit(137);
-                }
-                libc::SIGUSR1 => end = true,
-                _ => {}
-            }
-        }
-    }
-}
-
-/// Becomes `who` and SIGKILLs every process of that uid but itself (atomically: no process of
-/// the uid can fork past it). False when the switch failed.
-unsafe fn kill_uid_as(who: RunAs) -> bool {
-    // SAFETY: plain system calls.
-    unsafe {
-        if libc::setresgid(who.gid, who.gid, who.gid) != 0
-            || libc::setresuid(who.uid, who.uid, who.uid) != 0
-        {
-            return false;
-        }
-        libc::kill(-1, libc::SIGKILL);
-        true
-    }
-}
-
-/// SIGKILLs the sentinel's children (the provider's orphans it adopted) and their groups.
-unsafe fn kill_children() {
-    let me = std::process::id();
-    let Ok(list) = std::fs::read_to_string(format!("/proc/{me}/task/{me}/children")) else {
-        return;
-    };
-    for pid in list
-        .split_whitespace()
-        .filter_map(|p| p.parse::<libc::pid_t>().ok())
-    {
-        // SAFETY: signals to our own children.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
-}
-
-/// Ends the sentinel as its provider ended: the same exit status, or the same signal.
-unsafe fn mirror(st: libc::c_int) -> ! {
-    // SAFETY: plain system calls.
-    unsafe {
-        if libc::WIFSIGNALED(st) {
-            let sig = libc::WTERMSIG(st);
-            libc::signal(sig, libc::SIG_DFL);
-            let mut one: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut one);
-            libc::sigaddset(&mut one, sig);
-            libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
-            libc::kill(libc::getpid(), sig);
-            libc::_exit(128 + sig);
-        }
-        libc::_exit(libc::WEXITSTATUS(st));
-    }
 }
 
 /// Asks an attempt's sentinel (the leader of process group `pgid`) to end every process of the
@@ -1104,6 +914,12 @@ pub fn redact_body(body: &mut Body, secrets: &Secrets) {
     }
 }
 
+/// The sentinel's command line, as the sentinel reads it (for the tests).
+#[cfg(test)]
+#[path = "../sentinel/args.rs"]
+#[allow(dead_code)]
+mod sentinel_cli;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1135,29 +951,143 @@ mod tests {
 
     #[test]
     fn the_sentinel_reads_back_the_command_line_the_host_writes() {
+        use std::os::unix::ffi::OsStrExt;
+        let parse =
+            |args: &[std::ffi::OsString]| sentinel_cli::parse(args.len(), |i| args[i].as_bytes());
         let who = RunAs {
             uid: 1_900_000_007,
             gid: 1_900_000_008,
         };
         let argv = vec!["sh".to_string(), "-c".to_string(), "echo -- hi".to_string()];
         let args = sentinel_args(42, Some(who), Path::new("/bin/sh"), &argv);
-        let a = parse_sentinel_args(&args).unwrap();
-        assert_eq!((a.host, a.who), (42, Some(who)));
-        assert_eq!(a.program.to_str().unwrap(), "/bin/sh");
-        let back: Vec<&str> = a.argv.iter().map(|c| c.to_str().unwrap()).collect();
-        assert_eq!(back, ["sh", "-c", "echo -- hi"]);
-        let a =
-            parse_sentinel_args(&sentinel_args(7, None, Path::new("/x"), &["x".into()])).unwrap();
+        let a = parse(&args).unwrap();
+        assert_eq!((a.host, a.who), (42, Some((who.uid, who.gid))));
+        assert_eq!(args[3], "/bin/sh");
+        assert_eq!(args[4..], ["sh", "-c", "echo -- hi"]);
+        let a = parse(&sentinel_args(7, None, Path::new("/x"), &["x".into()])).unwrap();
         assert_eq!(a.who, None);
         for bad in [
             vec!["x", "-", "--", "/bin/true", "true"],
+            vec!["0", "-", "--", "/bin/true", "true"],
+            vec!["-1", "-", "--", "/bin/true", "true"],
+            vec!["2147483648", "-", "--", "/bin/true", "true"],
             vec!["1", "1900000000", "--", "/bin/true", "true"],
+            vec!["1", "1900000000:", "--", "/bin/true", "true"],
+            vec!["1", "1900000000:+1", "--", "/bin/true", "true"],
+            vec!["1", "4294967296:1", "--", "/bin/true", "true"],
             vec!["1", "-", "/bin/true", "true"],
             vec!["1", "-", "--", "/bin/true"],
         ] {
             let bad: Vec<std::ffi::OsString> = bad.into_iter().map(Into::into).collect();
-            assert!(parse_sentinel_args(&bad).is_err(), "{bad:?}");
+            assert!(parse(&bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// The sentinel svc-host carries: static, no dynamic loader, and it runs its provider as
+    /// the host asks (status and signal mirrored, exec failures as a shell reports them, the
+    /// attempt's identity when the host is root).
+    #[test]
+    fn the_sentinel_is_static_and_runs_its_provider() {
+        let elf = SENTINEL_ELF;
+        assert_eq!(&elf[..5], b"\x7fELF\x02", "a 64-bit ELF file");
+        let u16_at = |at: usize| u16::from_le_bytes([elf[at], elf[at + 1]]) as usize;
+        let phoff = u64::from_le_bytes(elf[0x20..0x28].try_into().unwrap()) as usize;
+        let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+        for i in 0..phnum {
+            let h = phoff + i * phentsize;
+            let kind = u32::from_le_bytes(elf[h..h + 4].try_into().unwrap());
+            assert!(kind != 2 && kind != 3, "a PT_DYNAMIC or PT_INTERP header");
+        }
+
+        let state =
+            std::env::temp_dir().join(format!("agentscope-sentinel-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&state).unwrap();
+        let path = publish_sentinel(&state).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), SENTINEL_ELF);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o755);
+        // Published again: the same file, left as it is.
+        let inode = std::fs::metadata(&path).unwrap().ino();
+        assert_eq!(publish_sentinel(&state).unwrap(), path);
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), inode);
+
+        let run = |who: Option<RunAs>, argv: &[&str]| {
+            let argv: Vec<String> = argv.iter().map(|a| a.to_string()).collect();
+            let program = resolve_program(&argv[0], "/usr/bin:/bin".as_ref(), Path::new("/"))
+                .unwrap_or_else(|| PathBuf::from(&argv[0]));
+            std::process::Command::new(&path)
+                .args(sentinel_args(std::process::id(), who, &program, &argv))
+                .env_clear()
+                .env("SEEN", "by the provider")
+                .output()
+                .unwrap()
+        };
+        use std::os::unix::process::ExitStatusExt;
+        let out = run(
+            None,
+            &["sh", "-c", "echo \"$SEEN\" \"$@\"; exit 3", "sh", "a b"],
+        );
+        assert_eq!(out.status.code(), Some(3));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "by the provider a b\n"
+        );
+        let out = run(None, &["sh", "-c", "kill -TERM $$"]);
+        assert_eq!(out.status.signal(), Some(libc::SIGTERM));
+        let out = run(None, &["/nonexistent/provider"]);
+        assert_eq!(out.status.code(), Some(EXEC_NOT_FOUND));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            "agentscope-sentinel: cannot run `/nonexistent/provider`: No such file or directory\n"
+        );
+        let out = run(None, &[state.join("bin").to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(EXEC_FAILED), "{out:?}");
+        // Its parent must be the host it names.
+        let out = std::process::Command::new(&path)
+            .args(sentinel_args(
+                1,
+                None,
+                Path::new("/bin/true"),
+                &["true".into()],
+            ))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(137));
+        let out = std::process::Command::new(&path).arg("x").output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("usage:"));
+
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            // Outside every range an attempt is given (no host of another test holds it).
+            let who = RunAs {
+                uid: 1_899_990_017,
+                gid: 1_899_990_018,
+            };
+            let out = run(
+                Some(who),
+                &[
+                    "sh",
+                    "-c",
+                    "id -u; id -g; id -G; umask; grep NoNewPrivs /proc/self/status",
+                ],
+            );
+            assert_eq!(out.status.code(), Some(0), "{out:?}");
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout)
+                    .split_whitespace()
+                    .collect::<Vec<_>>(),
+                [
+                    "1899990017",
+                    "1899990018",
+                    "1899990018",
+                    "0077",
+                    "NoNewPrivs:",
+                    "1"
+                ]
+            );
+        }
+        let _ = std::fs::remove_dir_all(&state);
     }
 
     #[test]

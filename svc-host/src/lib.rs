@@ -237,12 +237,8 @@ impl App {
                 config.cli_dir = dir.to_string_lossy().into_owned();
             }
         }
-        let sentinel = isolation::sentinel_path();
-        anyhow::ensure!(
-            sentinel.is_file(),
-            "{} is missing: svc-host starts every provider through it (install it next to svc-host)",
-            sentinel.display()
-        );
+        // Every provider starts through the sentinel svc-host carries.
+        isolation::publish_sentinel(&state_dir).context("write the sentinel")?;
         let nats = agentscope_bus::connect(
             &config.nats_url,
             "svc-host",

@@ -530,29 +530,3 @@ async fn an_attempt_ends_with_its_whole_process_tree_and_output() {
         "{t:#}"
     );
 }
-
-/// The sentinel (started once per attempt) needs no dynamic loader where the toolchain has
-/// glibc's static libraries (svc-host's build.rs links it statically then).
-#[test]
-fn the_sentinel_is_linked_statically_where_it_can_be() {
-    let has_static_libc = std::process::Command::new("cc")
-        .arg("-print-file-name=libc.a")
-        .output()
-        .ok()
-        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
-        .is_some_and(|p| p.is_absolute() && p.exists());
-    if !has_static_libc || std::env::var_os("AGENTSCOPE_SENTINEL_DYNAMIC").is_some() {
-        return;
-    }
-    let path = kit::bin_dir().join("agentscope-sentinel");
-    let elf = std::fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    assert_eq!(&elf[..5], b"\x7fELF\x02", "a 64-bit ELF file");
-    let u16_at = |at: usize| u16::from_le_bytes([elf[at], elf[at + 1]]) as usize;
-    let phoff = u64::from_le_bytes(elf[0x20..0x28].try_into().unwrap()) as usize;
-    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
-    let interp = (0..phnum).any(|i| {
-        let h = phoff + i * phentsize;
-        u32::from_le_bytes(elf[h..h + 4].try_into().unwrap()) == 3 // PT_INTERP
-    });
-    assert!(!interp, "{} asks for a dynamic loader", path.display());
-}
