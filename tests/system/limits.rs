@@ -243,7 +243,7 @@ async fn limits_hold_with_two_schedulers() {
 /// way: listing another host's attempt, or one that still counts, gains nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
-    use agentscope_schemas::v1::{ClaimOffer, ClaimRequest, HostRegistered, HostRegistration};
+    use agentscope_schemas::v1::{ClaimOffer, ClaimRequest};
     use prost::Message as _;
     let stack = Stack::start(
         "limits-ended",
@@ -263,37 +263,7 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
     // recorder, so every attempt they take stays active in the database.
     let mut hosts = Vec::new();
     for name in ["me", "other"] {
-        let id = uuid::Uuid::new_v4().to_string();
-        let nc = async_nats::ConnectOptions::new()
-            .user_and_password(id.clone(), stack.host_token.clone())
-            .custom_inbox_prefix(agentscope_bus::auth::host_inbox(&id))
-            .connect(stack.nats.url())
-            .await
-            .unwrap();
-        let reg = HostRegistration {
-            host_id: id.clone(),
-            host_token: stack.host_token.clone(),
-            name: name.into(),
-            pool: "pool".into(),
-            capacity: 1,
-            providers: vec![agentscope_schemas::v1::ProviderDescriptor {
-                name: "command".into(),
-                installed: true,
-                logged_in: true,
-                ..Default::default()
-            }],
-            ..Default::default()
-        };
-        let answer = nc
-            .request(
-                agentscope_bus::subjects::host_register(&id),
-                reg.encode_to_vec().into(),
-            )
-            .await
-            .unwrap();
-        let answer = HostRegistered::decode(answer.payload.as_ref()).unwrap();
-        assert!(answer.ok, "{}", answer.message);
-        hosts.push((id, nc));
+        hosts.push(raw_host(&stack, name, 1).await);
     }
     let claim = |host: usize, held: &[&str], ended: &[&str]| {
         let (id, nc) = &hosts[host];
@@ -443,4 +413,188 @@ async fn a_host_stops_listing_ends_once_they_are_recorded() {
         held <= 3 && ended <= 3,
         "the last claims list {held} held and {ended} ended attempts of 8 run: {seen:?}"
     );
+}
+
+/// Registers a host that never runs anything, over its own NATS connection: what it claims stays
+/// claimed until the test says otherwise.
+async fn raw_host(stack: &Stack, name: &str, capacity: u32) -> (String, async_nats::Client) {
+    use agentscope_schemas::v1::{HostRegistered, HostRegistration};
+    use prost::Message as _;
+    let id = uuid::Uuid::new_v4().to_string();
+    let nc = async_nats::ConnectOptions::new()
+        .user_and_password(id.clone(), stack.host_token.clone())
+        .custom_inbox_prefix(agentscope_bus::auth::host_inbox(&id))
+        .connect(stack.nats.url())
+        .await
+        .unwrap();
+    let reg = HostRegistration {
+        host_id: id.clone(),
+        host_token: stack.host_token.clone(),
+        name: name.into(),
+        pool: "pool".into(),
+        capacity,
+        providers: vec![agentscope_schemas::v1::ProviderDescriptor {
+            name: "command".into(),
+            installed: true,
+            logged_in: true,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let answer = nc
+        .request(
+            agentscope_bus::subjects::host_register(&id),
+            reg.encode_to_vec().into(),
+        )
+        .await
+        .unwrap();
+    let answer = HostRegistered::decode(answer.payload.as_ref()).unwrap();
+    assert!(answer.ok, "{}", answer.message);
+    (id, nc)
+}
+
+/// A claim commits its attempts first and creates their leases after. An attempt whose lease
+/// cannot be created goes back to the queue (nobody was offered it) and is claimed later; one
+/// left claimed without a lease (its scheduler died between the two) is retried, but only once a
+/// lease TTL has passed since its claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
+    use agentscope_schemas::v1::{ClaimOffer, ClaimRequest, LeaseRecord};
+    use prost::Message as _;
+    let stack = Stack::start(
+        "limits-unleased",
+        StackOptions {
+            lease_ttl_ms: 3_000,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (agent, _) = stack
+        .command_agent("unleased", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let (host, nc) = raw_host(&stack, "raw", 2).await;
+    let claim = || {
+        let req = ClaimRequest {
+            host_id: host.clone(),
+            host_token: stack.host_token.clone(),
+            free_slots: 1,
+            ..Default::default()
+        };
+        let (subject, nc) = (agentscope_bus::subjects::host_claim(&host), nc.clone());
+        async move {
+            let reply = nc
+                .request(subject, req.encode_to_vec().into())
+                .await
+                .unwrap();
+            let offer = ClaimOffer::decode(reply.payload.as_ref()).unwrap();
+            assert!(offer.error_code.is_empty(), "{}", offer.message);
+            offer
+        }
+    };
+    let attempt_of =
+        |task: serde_json::Value| task["attempts"][0]["id"].as_str().unwrap().to_string();
+    let first = attempt_of(
+        stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent, "input": "one"}))
+            .await
+            .unwrap(),
+    );
+    let row = |id: String| {
+        let pg = stack.pg.clone();
+        async move {
+            sqlx::query_as::<_, (String, Option<String>, Option<i64>)>(
+                "SELECT status, host_id::text, lease_token FROM attempts WHERE id = $1::uuid",
+            )
+            .bind(&id)
+            .fetch_one(&pg)
+            .await
+            .unwrap()
+        }
+    };
+
+    // Someone else holds the attempt's lease key: the claim commits, cannot create the lease,
+    // and puts the attempt back.
+    let service = stack.nats.service_client("scheduler").await.unwrap();
+    let leases = async_nats::jetstream::new(service)
+        .get_key_value(agentscope_bus::BUCKET_LEASES)
+        .await
+        .unwrap();
+    let key = agentscope_bus::lease_key(&host, &first);
+    leases.create(&key, "squatter".into()).await.unwrap();
+    let offer = claim().await;
+    assert!(offer.assignments.is_empty(), "{:?}", offer.assignments);
+    assert_eq!(offer.waiting, 1, "the attempt waits again");
+    assert_eq!(row(first.clone()).await, ("queued".into(), None, None));
+
+    // Without the squatter it is claimed, under a fencing token the lease record carries.
+    leases.purge(&key).await.unwrap();
+    let offer = claim().await;
+    assert_eq!(offer.assignments.len(), 1);
+    let a = &offer.assignments[0];
+    assert_eq!(a.attempt_id, first);
+    let (status, holder, token) = row(first.clone()).await;
+    assert_eq!(
+        (status.as_str(), holder.as_deref()),
+        ("claimed", Some(host.as_str()))
+    );
+    assert_eq!(token, Some(a.lease_token as i64));
+    let entry = leases.entry(&key).await.unwrap().expect("the lease exists");
+    assert_eq!(entry.revision, a.lease_revision);
+    let record = LeaseRecord::decode(entry.value.as_ref()).unwrap();
+    assert_eq!(
+        (record.token, record.host_id.as_str()),
+        (a.lease_token, host.as_str())
+    );
+
+    // A claim whose scheduler died after its commit, before its lease: claimed, no lease key.
+    let second = attempt_of(
+        stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent, "input": "two"}))
+            .await
+            .unwrap(),
+    );
+    sqlx::query(
+        "UPDATE attempts SET status = 'claimed', host_id = $2::uuid,
+                lease_token = nextval('lease_tokens'), claimed_at = clock_timestamp()
+         WHERE id = $1::uuid",
+    )
+    .bind(&second)
+    .bind(&host)
+    .execute(&stack.pg)
+    .await
+    .unwrap();
+    let (ended_after, status): (f64, String) = kit::wait_for(
+        "the unleased claim to be lost",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_as::<_, (f64, String)>(
+                "SELECT extract(epoch FROM finished_at - claimed_at)::float8, status
+                 FROM attempts WHERE id = $1::uuid AND finished_at IS NOT NULL",
+            )
+            .bind(&second)
+            .fetch_optional(&stack.pg)
+            .await
+            .unwrap()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, "lost");
+    assert!(
+        ended_after >= 3.0,
+        "lost {ended_after} s after its claim, before a lease TTL (3 s)"
+    );
+    let retried: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM attempts a JOIN attempts b ON b.task_id = a.task_id
+         WHERE a.id = $1::uuid AND b.number = 2",
+    )
+    .bind(&second)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(retried, 1, "a new attempt is scheduled");
 }

@@ -37,7 +37,7 @@ pub struct Plan {
 /// Where a run timeout comes from when neither the task nor its runtime profile sets one: the
 /// scheduler's `run_timeout_secs`, which only the scheduler knows. The spec then carries this
 /// source and no `timeout_secs` until the claim that leases the attempt writes it in
-/// ([`fill_default_timeout`]).
+/// (`claim_attempts`, migration 0006).
 pub const DEFAULT_TIMEOUT_SOURCE: &str = "default";
 
 /// The run timeout an attempt's task or runtime profile sets, and which of the two: the task's own
@@ -58,21 +58,6 @@ pub fn explicit_timeout(
     profile
         .filter(|p| *p > 0 && *p <= u32::MAX as u64)
         .map(|p| (p, "profile"))
-}
-
-/// Writes the deployment default into a spec that has no run timeout of its own. Returns
-/// whether it changed the spec.
-pub fn fill_default_timeout(spec: &mut Value, default_secs: u64) -> bool {
-    let unset = spec
-        .get("timeout_secs")
-        .and_then(Value::as_u64)
-        .is_none_or(|n| n == 0);
-    if !unset || !spec.is_object() {
-        return false;
-    }
-    spec["timeout_secs"] = json!(default_secs);
-    spec["timeout_source"] = json!(DEFAULT_TIMEOUT_SOURCE);
-    true
 }
 
 /// Resolves a task's first attempt. `None` when the agent, or the issue the task names, is not
@@ -182,20 +167,5 @@ mod tests {
             None
         );
         assert_eq!(explicit_timeout(None, None), None);
-    }
-
-    #[test]
-    fn the_default_fills_only_a_spec_without_a_timeout() {
-        let mut unset = json!({"timeout_source": "default"});
-        assert!(fill_default_timeout(&mut unset, 14_400));
-        assert_eq!(unset["timeout_secs"], json!(14_400));
-        assert_eq!(unset["timeout_source"], json!("default"));
-        let mut set = json!({"timeout_secs": 30, "timeout_source": "task"});
-        assert!(!fill_default_timeout(&mut set, 14_400));
-        assert_eq!(set, json!({"timeout_secs": 30, "timeout_source": "task"}));
-        // A spec from before (an empty one, say) gets the default too.
-        let mut empty = json!({});
-        assert!(fill_default_timeout(&mut empty, 5));
-        assert_eq!(empty["timeout_secs"], json!(5));
     }
 }
