@@ -433,12 +433,10 @@ pub fn publish_sentinel(state_dir: &Path) -> std::io::Result<PathBuf> {
     Ok(dst)
 }
 
-/// Where attempts' sentinels are started from: set by [`publish_sentinel`].
-pub fn sentinel_path() -> &'static Path {
-    SENTINEL_PATH
-        .get()
-        .map(PathBuf::as_path)
-        .unwrap_or(Path::new(SENTINEL))
+/// Where attempts' sentinels are started from: set by [`publish_sentinel`]. None before it ran
+/// (never a bare name that a PATH lookup could resolve to another program).
+pub fn sentinel_path() -> Option<&'static Path> {
+    SENTINEL_PATH.get().map(PathBuf::as_path)
 }
 
 /// The sentinel's command line for one provider: `HOST_PID UID:GID|- -- PROGRAM ARGV0 ARGS...`

@@ -376,7 +376,13 @@ async fn launch(
     };
     // The sentinel (spawned without copying the host's memory) starts the provider under the
     // attempt's uid, keeps its whole tree below it, and ends it with the host.
-    let mut cmd = tokio::process::Command::new(isolation::sentinel_path());
+    let Some(sentinel) = isolation::sentinel_path() else {
+        return Err(failed(
+            FailureClass::Internal,
+            "the sentinel was not written (svc-host starts providers only through it)",
+        ));
+    };
+    let mut cmd = tokio::process::Command::new(sentinel);
     cmd.args(isolation::sentinel_args(
         std::process::id(),
         who,
@@ -400,7 +406,7 @@ async fn launch(
         Err(e) => {
             return Err(failed(
                 FailureClass::Internal,
-                format!("start {}: {e}", isolation::sentinel_path().display()),
+                format!("start {}: {e}", sentinel.display()),
             ));
         }
     };
