@@ -429,6 +429,31 @@ pub fn publish_sentinel(state_dir: &Path) -> std::io::Result<PathBuf> {
         drop(f);
         std::fs::rename(&tmp, &dst)?;
     }
+    // It must run here (a `noexec` mount would fail every attempt later): without arguments it
+    // prints its usage and exits 2.
+    match std::process::Command::new(&dst)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+    {
+        Ok(st) if st.code() == Some(2) => {}
+        Ok(st) => {
+            return Err(std::io::Error::other(format!(
+                "{} does not run as it should ({st})",
+                dst.display()
+            )));
+        }
+        Err(e) => {
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!(
+                    "{} cannot be executed (a noexec mount?): {e}",
+                    dst.display()
+                ),
+            ));
+        }
+    }
     let _ = SENTINEL_PATH.set(dst.clone());
     Ok(dst)
 }
