@@ -431,12 +431,26 @@ pub fn publish_sentinel(state_dir: &Path) -> std::io::Result<PathBuf> {
     }
     // It must run here (a `noexec` mount would fail every attempt later): without arguments it
     // prints its usage and exits 2.
-    match std::process::Command::new(&dst)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-    {
+    let run = || {
+        std::process::Command::new(&dst)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+    };
+    let mut ran = run();
+    // A process forked meanwhile by another thread may still hold the written file open until
+    // it executes (ETXTBSY): briefly.
+    for _ in 0..50 {
+        match &ran {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                std::thread::sleep(Duration::from_millis(10));
+                ran = run();
+            }
+            _ => break,
+        }
+    }
+    match ran {
         Ok(st) if st.code() == Some(2) => {}
         Ok(st) => {
             return Err(std::io::Error::other(format!(
