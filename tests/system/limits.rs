@@ -243,8 +243,6 @@ async fn limits_hold_with_two_schedulers() {
 /// way: listing another host's attempt, or one that still counts, gains nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
-    use agentscope_schemas::v1::{ClaimOffer, ClaimRequest};
-    use prost::Message as _;
     let stack = Stack::start(
         "limits-ended",
         StackOptions {
@@ -265,26 +263,6 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
     for name in ["me", "other"] {
         hosts.push(raw_host(&stack, name, 1).await);
     }
-    let claim = |host: usize, held: &[&str], ended: &[&str]| {
-        let (id, nc) = &hosts[host];
-        let req = ClaimRequest {
-            host_id: id.clone(),
-            host_token: stack.host_token.clone(),
-            free_slots: 1,
-            held_attempts: held.iter().map(|s| s.to_string()).collect(),
-            ended_attempts: ended.iter().map(|s| s.to_string()).collect(),
-        };
-        let (subject, nc) = (agentscope_bus::subjects::host_claim(id), nc.clone());
-        async move {
-            let reply = nc
-                .request(subject, req.encode_to_vec().into())
-                .await
-                .unwrap();
-            let offer = ClaimOffer::decode(reply.payload.as_ref()).unwrap();
-            assert!(offer.error_code.is_empty(), "{}", offer.message);
-            offer
-        }
-    };
     for i in 0..4 {
         stack
             .api
@@ -306,24 +284,24 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
     .await
     .unwrap();
 
-    let a = claim(0, &[], &[]).await;
+    let a = raw_claim(&stack, &hosts[0], &[], &[]).await;
     assert_eq!(a.assignments.len(), 1);
     let a = a.assignments[0].attempt_id.clone();
-    let c = claim(1, &[], &[]).await;
+    let c = raw_claim(&stack, &hosts[1], &[], &[]).await;
     assert_eq!(c.assignments.len(), 1);
     let c = c.assignments[0].attempt_id.clone();
 
     // Full while its attempt counts, even naming another host's attempt as ended.
-    let full = claim(0, &[&a], &[]).await;
+    let full = raw_claim(&stack, &hosts[0], &[&a], &[]).await;
     assert!(full.assignments.is_empty());
     assert_eq!(full.waiting, 2);
-    let foreign = claim(0, &[&a, &c], &[&c]).await;
+    let foreign = raw_claim(&stack, &hosts[0], &[&a, &c], &[&c]).await;
     assert!(foreign.assignments.is_empty());
     // Not one of this host's active attempts: nothing it needs to list again.
     assert_eq!(foreign.recorded_ends, vec![c.clone()]);
 
     // Once it says the attempt ended, the slot is offered work although the end is unrecorded.
-    let b = claim(0, &[&a], &[&a]).await;
+    let b = raw_claim(&stack, &hosts[0], &[&a], &[&a]).await;
     assert_eq!(b.assignments.len(), 1, "the ended attempt's slot is free");
     let b = b.assignments[0].attempt_id.clone();
     let status: String = sqlx::query_scalar("SELECT status FROM attempts WHERE id = $1::uuid")
@@ -337,7 +315,7 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
     );
 
     // The new attempt counts: with only the old one listed as ended, the host is full again.
-    let again = claim(0, &[&a, &b], &[&a]).await;
+    let again = raw_claim(&stack, &hosts[0], &[&a, &b], &[&a]).await;
     assert!(again.assignments.is_empty());
     assert_eq!(again.waiting, 1);
     // Its end is not recorded: the host must keep listing it.
@@ -349,7 +327,7 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
         .execute(&stack.pg)
         .await
         .unwrap();
-    let recorded = claim(0, &[&a, &b], &[&a]).await;
+    let recorded = raw_claim(&stack, &hosts[0], &[&a, &b], &[&a]).await;
     assert_eq!(recorded.recorded_ends, vec![a.clone()]);
     assert!(recorded.assignments.is_empty(), "b still runs there");
 }
@@ -453,13 +431,41 @@ async fn raw_host(stack: &Stack, name: &str, capacity: u32) -> (String, async_na
     (id, nc)
 }
 
+/// One claim of a raw host for one slot, listing `held` and `ended`; refusals fail the test.
+async fn raw_claim(
+    stack: &Stack,
+    (id, nc): &(String, async_nats::Client),
+    held: &[&str],
+    ended: &[&str],
+) -> agentscope_schemas::v1::ClaimOffer {
+    use agentscope_schemas::v1::{ClaimOffer, ClaimRequest};
+    use prost::Message as _;
+    let req = ClaimRequest {
+        host_id: id.clone(),
+        host_token: stack.host_token.clone(),
+        free_slots: 1,
+        held_attempts: held.iter().map(|s| s.to_string()).collect(),
+        ended_attempts: ended.iter().map(|s| s.to_string()).collect(),
+    };
+    let reply = nc
+        .request(
+            agentscope_bus::subjects::host_claim(id),
+            req.encode_to_vec().into(),
+        )
+        .await
+        .unwrap();
+    let offer = ClaimOffer::decode(reply.payload.as_ref()).unwrap();
+    assert!(offer.error_code.is_empty(), "{}", offer.message);
+    offer
+}
+
 /// A claim commits its attempts first and creates their leases after. An attempt whose lease
 /// cannot be created goes back to the queue (nobody was offered it) and is claimed later; one
 /// left claimed without a lease (its scheduler died between the two) is retried, but only once a
 /// lease TTL has passed since its claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
-    use agentscope_schemas::v1::{ClaimOffer, ClaimRequest, LeaseRecord};
+    use agentscope_schemas::v1::LeaseRecord;
     use prost::Message as _;
     let stack = Stack::start(
         "limits-unleased",
@@ -474,25 +480,9 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
         .command_agent("unleased", "pool", &["true"], None)
         .await
         .unwrap();
-    let (host, nc) = raw_host(&stack, "raw", 2).await;
-    let claim = || {
-        let req = ClaimRequest {
-            host_id: host.clone(),
-            host_token: stack.host_token.clone(),
-            free_slots: 1,
-            ..Default::default()
-        };
-        let (subject, nc) = (agentscope_bus::subjects::host_claim(&host), nc.clone());
-        async move {
-            let reply = nc
-                .request(subject, req.encode_to_vec().into())
-                .await
-                .unwrap();
-            let offer = ClaimOffer::decode(reply.payload.as_ref()).unwrap();
-            assert!(offer.error_code.is_empty(), "{}", offer.message);
-            offer
-        }
-    };
+    let raw = raw_host(&stack, "raw", 2).await;
+    let host = raw.0.clone();
+    let claim = || raw_claim(&stack, &raw, &[], &[]);
     let attempt_of =
         |task: serde_json::Value| task["attempts"][0]["id"].as_str().unwrap().to_string();
     let first = attempt_of(
