@@ -26,6 +26,7 @@
 //!   `/dev`, the session's uid inside, all capabilities dropped, a new session, and
 //!   `--die-with-parent`.
 
+use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString};
 use std::io::{ErrorKind, Read as _, Write as _};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -33,12 +34,12 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Component, Path, PathBuf};
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt as _;
-use tokio::process::Command;
+
+use crate::spawn::{self, ChildSetup};
 
 /// How long output is still drained after the shell has exited (or was killed) and its process
 /// group has been killed. Only matters when something escaped the process group (e.g. `setsid`)
@@ -426,12 +427,13 @@ impl Environment {
             },
         };
         let mut cgroup = None;
-        let (sh_cmd, sandboxed) = match self {
-            Environment::Local { .. } => {
-                let mut cmd = Command::new("/bin/sh");
-                cmd.arg("-c").arg(command);
-                (cmd, false)
-            }
+        // The program and argv of the shell's route: sh itself, or bubblewrap around it.
+        let (sh_program, sh_argv, sandboxed): (PathBuf, Vec<OsString>, bool) = match self {
+            Environment::Local { .. } => (
+                PathBuf::from("/bin/sh"),
+                vec!["/bin/sh".into(), "-c".into(), command.into()],
+                false,
+            ),
             Environment::Sandbox { spec, .. } => {
                 match tokio::fs::metadata(&spec.bwrap).await {
                     Ok(m) if m.is_file() => {}
@@ -453,15 +455,17 @@ impl Environment {
                         ))
                     })?);
                 }
-                let mut cmd = Command::new(&spec.bwrap);
-                cmd.args(bwrap_args(&root, inside, &etc, &spec.extra_ro))
-                    .arg("/bin/sh")
-                    .arg("-c")
-                    .arg(command);
-                (cmd, true)
+                // The child changes directory before its exec: a relative path is this
+                // process's.
+                let bwrap = std::path::absolute(&spec.bwrap)
+                    .map_err(|e| unavailable(format!("cannot start bubblewrap: {e}")))?;
+                let mut argv = vec![spec.bwrap.clone().into_os_string()];
+                argv.extend(bwrap_args(&root, inside, &etc, &spec.extra_ro));
+                argv.extend(["/bin/sh".into(), "-c".into(), command.into()]);
+                (bwrap, argv, true)
             }
         };
-        let rl = ChildLimits {
+        let setup = ChildSetup {
             memory: if cgroup.is_none() {
                 limits.memory_bytes
             } else {
@@ -476,43 +480,35 @@ impl Environment {
             cgroup_procs: cgroup.as_ref().map(|c| c.procs.as_raw_fd()),
         };
         // What both ways of starting the command share: cwd, environment, identity, limits.
-        let prepare = |mut cmd: Command| {
-            cmd.current_dir(&root)
-                .env_clear()
-                .env("PATH", DEFAULT_PATH)
-                .env("HOME", &root)
-                .env("LANG", "C.UTF-8");
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            if let Some(id) = run_as
-                && switch
-            {
-                // std drops the supplementary groups, then setgid, then setuid, in the child.
-                cmd.uid(id.uid).gid(id.gid);
-            }
-            // SAFETY: the closure only calls async-signal-safe functions (setrlimit, write) on
-            // values copied into it.
-            unsafe {
-                cmd.pre_exec(move || rl.apply());
-            }
-            cmd
-        };
+        let mut vars: BTreeMap<OsString, OsString> = BTreeMap::new();
+        vars.insert("PATH".into(), DEFAULT_PATH.into());
+        vars.insert("HOME".into(), root.clone().into_os_string());
+        vars.insert("LANG".into(), "C.UTF-8".into());
+        for (k, v) in env {
+            vars.insert(k.into(), v.into());
+        }
+        let identity = run_as.filter(|_| switch);
         let mut started = None;
-        if let Some(direct) = direct {
-            let mut cmd = Command::new(&direct.path);
-            cmd.arg0(&direct.argv[0]).args(&direct.argv[1..]);
-            let mut cmd = prepare(cmd);
+        if let Some(direct) = &direct {
+            let mut vars = vars.clone();
             // sh exports the working directory it found (it was given no PWD).
-            cmd.env("PWD", &root);
-            match start(cmd) {
+            vars.insert("PWD".into(), root.clone().into_os_string());
+            let argv = direct.argv.iter().map(OsStr::new).collect();
+            match start(spawn::Spec {
+                program: &direct.path,
+                argv,
+                env: vars,
+                cwd: &root,
+                identity,
+                setup,
+            }) {
                 Ok(s) => started = Some((s, Route::Direct)),
                 // The check ran as this process's user, the exec as the session's, and the file
                 // may have changed since: whatever made the exec fail, sh now tries and reports
-                // it (its message, 126 or 127). Nothing of the attempt is left: std reaps the
-                // child that failed to exec, and with it its process group; its limits were its
-                // own; Local has no cgroup (it would be the sandbox's, whose child writes itself
-                // into it in pre_exec).
+                // it (its message, 126 or 127). Nothing of the attempt is left: `spawn` reaps
+                // the child that failed to exec, and with it its process group; its limits were
+                // its own; Local has no cgroup (it would be the sandbox's, whose child writes
+                // itself into it before its exec).
                 Err(e) => {
                     tracing::debug!(error = %e, "a direct program call did not start; running it with sh")
                 }
@@ -520,17 +516,27 @@ impl Environment {
         }
         let (started, route) = match started {
             Some(s) => s,
-            None => match start(prepare(sh_cmd)) {
-                Ok(s) => (s, Route::Shell),
-                Err(e) if sandboxed => {
-                    return Err(unavailable(format!("cannot start bubblewrap: {e}")));
+            None => {
+                let argv = sh_argv.iter().map(OsString::as_os_str).collect();
+                match start(spawn::Spec {
+                    program: &sh_program,
+                    argv,
+                    env: vars,
+                    cwd: &root,
+                    identity,
+                    setup,
+                }) {
+                    Ok(s) => (s, Route::Shell),
+                    Err(e) if sandboxed => {
+                        return Err(unavailable(format!("cannot start bubblewrap: {e}")));
+                    }
+                    Err(e) => {
+                        return Err(unavailable(format!(
+                            "cannot start the shell under the session's identity and limits: {e}"
+                        )));
+                    }
                 }
-                Err(e) => {
-                    return Err(unavailable(format!(
-                        "cannot start the shell under the session's identity and limits: {e}"
-                    )));
-                }
-            },
+            }
         };
         let out = collect(started, limits, route == Route::Direct).await;
         drop(cgroup);
@@ -556,49 +562,6 @@ enum Route {
     Shell,
     /// The program itself, without sh: see [`direct_program`].
     Direct,
-}
-
-/// Limits set in the child between fork and exec (after the switch to the session uid), so the
-/// agent's command cannot skip them.
-#[derive(Clone, Copy)]
-struct ChildLimits {
-    memory: Option<u64>,
-    nproc: Option<u64>,
-    cpu: Option<u64>,
-    cgroup_procs: Option<i32>,
-}
-
-impl ChildLimits {
-    fn apply(&self) -> std::io::Result<()> {
-        let set = |resource, value: u64| {
-            let lim = libc::rlimit {
-                rlim_cur: value,
-                rlim_max: value,
-            };
-            // SAFETY: setrlimit reads a valid rlimit struct.
-            if unsafe { libc::setrlimit(resource, &lim) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        };
-        if let Some(fd) = self.cgroup_procs {
-            // "0" moves the writing process; the fd was opened (and checked) by the parent.
-            // SAFETY: writes two bytes from a static buffer to an open fd.
-            if unsafe { libc::write(fd, b"0\n".as_ptr().cast(), 2) } != 2 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-        if let Some(v) = self.memory {
-            set(libc::RLIMIT_AS, v)?;
-        }
-        if let Some(v) = self.nproc {
-            set(libc::RLIMIT_NPROC, v)?;
-        }
-        if let Some(v) = self.cpu {
-            set(libc::RLIMIT_CPU, v)?;
-        }
-        Ok(())
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1504,26 +1467,17 @@ impl Collector {
 /// A started command: its process (the leader of its own process group) and the read end of
 /// its output pipe.
 struct Started {
-    child: tokio::process::Child,
+    child: spawn::Child,
     output: tokio::net::unix::pipe::Receiver,
 }
 
-/// Spawns `cmd` in its own process group, stdin from /dev/null, stdout and stderr into one pipe.
-/// An error means the child did not get to run its program (std reports the failure of any step
-/// between fork and exec, the exec's included, and reaps the child).
-fn start(mut cmd: Command) -> std::io::Result<Started> {
+/// Starts `spec` in its own process group, stdin from /dev/null, stdout and stderr into one
+/// pipe. An error means the child did not get to run its program (see [`spawn::spawn`]).
+fn start(spec: spawn::Spec<'_>) -> std::io::Result<Started> {
     // One pipe for both stdout and stderr, so output interleaves exactly as it was written.
     let (reader, writer) = std::io::pipe()?;
-    let writer2 = writer.try_clone()?;
-    cmd.stdin(Stdio::null())
-        .stdout(writer)
-        .stderr(writer2)
-        .process_group(0)
-        .kill_on_drop(true);
-    let spawned = cmd.spawn();
-    // The Command holds our copies of the pipe's write end; drop them so EOF can arrive.
-    drop(cmd);
-    let child = spawned?;
+    let child = spawn::spawn(spec, &OwnedFd::from(writer))?;
+    // Our copy of the write end is closed above, so EOF arrives once the command's are.
     let output = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(reader))?;
     Ok(Started { child, output })
 }
@@ -2939,6 +2893,11 @@ mod tests {
         // The program itself leads the process group that is killed at the end (under sh, the
         // shell does).
         assert_eq!(field("NSpgid:") == field("NSpid:"), sh_is_dash(), "{out:?}");
+        // Its signal state is a fresh program's: nothing blocked, SIGPIPE back to its default
+        // (std ignores it in this process).
+        assert_eq!(field("SigBlk:"), ["0000000000000000"], "{out:?}");
+        let ignored = u64::from_str_radix(&field("SigIgn:")[0], 16).unwrap();
+        assert_eq!(ignored & (1 << (libc::SIGPIPE - 1)), 0, "{out:?}");
 
         // Its background children do not outlive the call; a timeout kills it.
         let marker = format!("1011{}", std::process::id() % 1000);

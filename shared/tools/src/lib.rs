@@ -10,6 +10,7 @@
 
 pub mod env;
 pub mod ops;
+mod spawn;
 pub mod worker;
 
 pub use ops::{MAX_OUTPUT, ToolOutput, run};

@@ -1,0 +1,537 @@
+//! Starting a shell tool's process without copying the caller's address space.
+//!
+//! std (and so tokio) starts a process with `posix_spawn` only when no uid, gid or `pre_exec`
+//! closure is set. A tool runs under the session's uid with limits set before `exec`, so std
+//! would `fork`: the kernel then copies the page tables of the whole service (tens of MB mapped,
+//! many threads), and every page either side writes afterwards is copied once more. [`spawn`]
+//! does what glibc's `posix_spawn` does instead: `clone(CLONE_VM | CLONE_VFORK)` on a small stack
+//! of its own. The child shares the caller's memory until it calls `execve`, while the calling
+//! thread waits, so it runs only async-signal-safe code on values prepared beforehand, and it
+//! changes its identity with raw system calls (glibc's `setuid` coordinates the change with the
+//! threads of the process it believes it is in: the caller's).
+//!
+//! The child's steps are std's, in std's order: standard streams, supplementary groups, gid,
+//! uid, working directory, a process group of its own, the caller's limits (see
+//! [`ChildSetup`]), signal dispositions and mask reset, `execve`. The first step that fails
+//! writes its errno where the caller reads it, and [`spawn`] returns that error having reaped
+//! the child, as std does.
+//!
+//! The caller waits on a pidfd (`CLONE_PIDFD`, Linux 5.3 or later) and reaps with `waitpid`.
+
+use std::collections::BTreeMap;
+use std::ffi::{CString, OsStr, OsString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt as _;
+use std::os::unix::process::ExitStatusExt as _;
+use std::path::Path;
+use std::process::ExitStatus;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use tokio::io::unix::AsyncFd;
+
+use crate::env::Identity;
+
+/// The child's stack: it runs a handful of system calls, no allocation and no formatting.
+const STACK_SIZE: usize = 64 * 1024;
+
+/// Limits the child applies to itself after switching to the session's identity, before
+/// `execve`, so the command cannot skip them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ChildSetup {
+    pub memory: Option<u64>,
+    pub nproc: Option<u64>,
+    pub cpu: Option<u64>,
+    /// An open `cgroup.procs` of the cgroup the child moves itself into first.
+    pub cgroup_procs: Option<RawFd>,
+}
+
+/// What to start: `program` (a path; no PATH lookup) with `argv`, exactly the environment
+/// `env`, in `cwd`, optionally as `identity` (dropping every supplementary group).
+pub(crate) struct Spec<'a> {
+    pub program: &'a Path,
+    pub argv: Vec<&'a OsStr>,
+    pub env: BTreeMap<OsString, OsString>,
+    pub cwd: &'a Path,
+    pub identity: Option<Identity>,
+    pub setup: ChildSetup,
+}
+
+/// A started process: the leader of its own process group, not reaped until [`Child::wait`]
+/// returns (until then its pid cannot be reused). Dropped before that, it is killed and reaped
+/// in the background, as tokio's `kill_on_drop`.
+pub(crate) struct Child {
+    pid: libc::pid_t,
+    pidfd: AsyncFd<OwnedFd>,
+    status: Option<ExitStatus>,
+}
+
+/// Everything the child reads, prepared by the caller; `err` is the one thing it writes.
+struct ChildArgs {
+    program: CString,
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    cwd: CString,
+    stdin: RawFd,
+    output: RawFd,
+    identity: Option<Identity>,
+    setup: ChildSetup,
+    err: AtomicI32,
+}
+
+fn cstring(s: &OsStr) -> io::Result<CString> {
+    CString::new(s.as_bytes()).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "nul byte found in provided data",
+        )
+    })
+}
+
+/// Starts `spec` with stdin from /dev/null and stdout and stderr into `output` (the write end
+/// of a pipe; the caller drops its own copy). An error means the program did not start, and
+/// nothing of the child is left.
+pub(crate) fn spawn(spec: Spec<'_>, output: &OwnedFd) -> io::Result<Child> {
+    let program = cstring(spec.program.as_os_str())?;
+    let argv_owned = spec
+        .argv
+        .iter()
+        .map(|a| cstring(a))
+        .collect::<io::Result<Vec<_>>>()?;
+    let envp_owned = spec
+        .env
+        .iter()
+        .map(|(k, v)| {
+            let mut kv = k.clone();
+            kv.push("=");
+            kv.push(v);
+            cstring(&kv)
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    let mut argv: Vec<*const libc::c_char> = argv_owned.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = envp_owned.iter().map(|a| a.as_ptr()).collect();
+    envp.push(std::ptr::null());
+    let stdin = std::fs::File::open("/dev/null")?;
+    let args = ChildArgs {
+        program,
+        argv,
+        envp,
+        cwd: cstring(spec.cwd.as_os_str())?,
+        stdin: stdin.as_raw_fd(),
+        output: output.as_raw_fd(),
+        identity: spec.identity,
+        setup: spec.setup,
+        err: AtomicI32::new(0),
+    };
+    let stack = Stack::new()?;
+
+    let mut pidfd: libc::c_int = -1;
+    // SAFETY: sigset_t is plain data, initialised by sigfillset before use.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: every pointer passed is valid for the call. Signals stay blocked in this thread
+    // while the child shares its memory (no handler may run in the child on the caller's
+    // data), and the child sets its own mask before execve. `child_main` gets `args`, which
+    // outlives the clone: with CLONE_VFORK this thread resumes only once the child has called
+    // execve or exited. The stack is ours and is freed after that.
+    let (pid, clone_err) = unsafe {
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        let pid = libc::clone(
+            child_main,
+            stack.top(),
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PIDFD | libc::SIGCHLD,
+            std::ptr::from_ref(&args).cast_mut().cast(),
+            &mut pidfd as *mut libc::c_int,
+            std::ptr::null_mut::<libc::c_void>(),
+            std::ptr::null_mut::<libc::pid_t>(),
+        );
+        let clone_err = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        (pid, clone_err)
+    };
+    drop(stack);
+    if pid < 0 {
+        return Err(clone_err);
+    }
+    // SAFETY: CLONE_PIDFD stored a new descriptor that nothing else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    let failed = args.err.load(Ordering::Acquire);
+    if failed != 0 {
+        // The child has exited (with 127); reap it.
+        reap_blocking(pid);
+        return Err(io::Error::from_raw_os_error(failed));
+    }
+    // SAFETY: the AsyncFd owns the pidfd, which nothing replaces or closes while it does.
+    match unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) } {
+        Ok(pidfd) => Ok(Child {
+            pid,
+            pidfd,
+            status: None,
+        }),
+        Err(e) => {
+            let e = io::Error::from(e);
+            // SAFETY: kill has no memory arguments; the child is ours and not reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            reap_blocking(pid);
+            Err(e)
+        }
+    }
+}
+
+/// The child's stack: anonymous memory with a guard page below it.
+struct Stack {
+    base: *mut libc::c_void,
+    len: usize,
+}
+
+impl Stack {
+    fn new() -> io::Result<Stack> {
+        let page = 4096;
+        let len = STACK_SIZE + page;
+        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let stack = Stack { base, len };
+        // SAFETY: the first page of our own mapping.
+        if unsafe { libc::mprotect(base, page, libc::PROT_NONE) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(stack)
+    }
+
+    fn top(&self) -> *mut libc::c_void {
+        // SAFETY: one past the end of our mapping; the stack grows down from there, and the
+        // mapping's length keeps it 16-byte aligned.
+        unsafe { self.base.cast::<u8>().add(self.len).cast() }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, no longer in use.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
+
+/// The child, between clone and execve. It shares the caller's memory, so it only makes
+/// system calls on what `ChildArgs` holds, and never returns into Rust code of the caller.
+extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the caller's `ChildArgs`, alive until this process execs or exits.
+    let a = unsafe { &*arg.cast::<ChildArgs>() };
+    let err = child_setup(a);
+    a.err
+        .store(if err == 0 { libc::EINVAL } else { err }, Ordering::Release);
+    // SAFETY: ends this process (exit_group) without running anything of the caller's.
+    unsafe { libc::_exit(127) }
+}
+
+/// Runs the child's steps and execs; returns the errno of the step that failed.
+fn child_setup(a: &ChildArgs) -> libc::c_int {
+    let errno = || {
+        io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINVAL)
+    };
+    // SAFETY (this whole function): system calls on descriptors, strings and arrays the caller
+    // prepared; none allocates, locks or touches another thread.
+    unsafe {
+        if libc::dup2(a.stdin, 0) < 0 || libc::dup2(a.output, 1) < 0 || libc::dup2(a.output, 2) < 0
+        {
+            return errno();
+        }
+        if let Some(id) = a.identity {
+            // Raw system calls: glibc's wrappers coordinate the change with the threads of the
+            // process whose memory this is.
+            if libc::syscall(SYS_SETGROUPS, 0, std::ptr::null::<libc::gid_t>()) != 0
+                || libc::syscall(SYS_SETGID, id.gid) != 0
+                || libc::syscall(SYS_SETUID, id.uid) != 0
+            {
+                return errno();
+            }
+        }
+        if libc::chdir(a.cwd.as_ptr()) != 0 || libc::setpgid(0, 0) != 0 {
+            return errno();
+        }
+        let s = a.setup;
+        if let Some(fd) = s.cgroup_procs {
+            // "0" moves the writing process; the fd was opened (and checked) by the caller.
+            if libc::write(fd, b"0\n".as_ptr().cast(), 2) != 2 {
+                return errno();
+            }
+        }
+        for (resource, value) in [
+            (libc::RLIMIT_AS, s.memory),
+            (libc::RLIMIT_NPROC, s.nproc),
+            (libc::RLIMIT_CPU, s.cpu),
+        ] {
+            if let Some(v) = value {
+                let lim = libc::rlimit {
+                    rlim_cur: v,
+                    rlim_max: v,
+                };
+                if libc::setrlimit(resource, &lim) != 0 {
+                    return errno();
+                }
+            }
+        }
+        // Handlers are the caller's code: none may run here, and execve would reset them
+        // anyway. SIGPIPE, which std ignores in the caller, is the default again, as std does
+        // for its children; what else is ignored stays ignored, as with std.
+        for sig in 1..=64 {
+            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+                continue;
+            }
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
+                continue;
+            }
+            if old.sa_sigaction != libc::SIG_DFL
+                && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE)
+            {
+                let mut dfl: libc::sigaction = std::mem::zeroed();
+                dfl.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(sig, &dfl, std::ptr::null_mut());
+            }
+        }
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+        libc::execve(a.program.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
+        errno()
+    }
+}
+
+#[cfg(target_pointer_width = "64")]
+const SYS_SETGROUPS: libc::c_long = libc::SYS_setgroups;
+#[cfg(target_pointer_width = "64")]
+const SYS_SETGID: libc::c_long = libc::SYS_setgid;
+#[cfg(target_pointer_width = "64")]
+const SYS_SETUID: libc::c_long = libc::SYS_setuid;
+#[cfg(target_pointer_width = "32")]
+const SYS_SETGROUPS: libc::c_long = libc::SYS_setgroups32;
+#[cfg(target_pointer_width = "32")]
+const SYS_SETGID: libc::c_long = libc::SYS_setgid32;
+#[cfg(target_pointer_width = "32")]
+const SYS_SETUID: libc::c_long = libc::SYS_setuid32;
+
+/// `waitpid(pid, WNOHANG)`: the status once `pid` has exited (and is reaped).
+fn try_reap(pid: libc::pid_t) -> io::Result<Option<ExitStatus>> {
+    loop {
+        let mut status = 0;
+        // SAFETY: writes the status into our own integer.
+        match unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } {
+            0 => return Ok(None),
+            p if p == pid => return Ok(Some(ExitStatus::from_raw(status))),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// Blocks until `pid` (ours, killed or exiting) is reaped.
+fn reap_blocking(pid: libc::pid_t) {
+    let mut status = 0;
+    // SAFETY: writes the status into our own integer.
+    while unsafe { libc::waitpid(pid, &mut status, 0) } < 0
+        && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
+    {}
+}
+
+impl Child {
+    /// The pid (= process group id) until the process is reaped.
+    pub fn id(&self) -> Option<u32> {
+        match self.status {
+            None => u32::try_from(self.pid).ok(),
+            Some(_) => None,
+        }
+    }
+
+    /// Waits for the process to exit and reaps it. Cancel-safe.
+    pub async fn wait(&mut self) -> io::Result<ExitStatus> {
+        if let Some(status) = self.status {
+            return Ok(status);
+        }
+        loop {
+            let mut ready = self.pidfd.readable().await?;
+            if let Some(status) = try_reap(self.pid)? {
+                self.status = Some(status);
+                return Ok(status);
+            }
+            ready.clear_ready();
+        }
+    }
+
+    /// Sends SIGKILL unless the process has been reaped.
+    pub fn start_kill(&mut self) -> io::Result<()> {
+        if self.status.is_some() {
+            return Ok(());
+        }
+        // SAFETY: kill has no memory arguments; the pid is ours and not reaped.
+        if unsafe { libc::kill(self.pid, libc::SIGKILL) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if self.status.is_some() {
+            return;
+        }
+        let _ = self.start_kill();
+        let pid = self.pid;
+        if let Ok(Some(_)) = try_reap(pid) {
+            return;
+        }
+        let reap = move || reap_blocking(pid);
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn_blocking(reap);
+            }
+            Err(_) => {
+                let _ = std::thread::Builder::new()
+                    .name("reap-tool".into())
+                    .spawn(reap);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read as _;
+
+    fn spec<'a>(program: &'a Path, argv: &'a [&'a str], identity: Option<Identity>) -> Spec<'a> {
+        Spec {
+            program,
+            argv: argv.iter().map(OsStr::new).collect(),
+            env: BTreeMap::from([("PATH".into(), "/usr/bin:/bin".into())]),
+            cwd: Path::new("/"),
+            identity,
+            setup: ChildSetup::default(),
+        }
+    }
+
+    fn run(spec: Spec<'_>) -> io::Result<(Child, std::io::PipeReader)> {
+        let (reader, writer) = std::io::pipe()?;
+        let child = spawn(spec, &OwnedFd::from(writer))?;
+        Ok((child, reader))
+    }
+
+    /// No child of this process is left unreaped (nextest runs each test in its own process).
+    fn no_children_left() -> bool {
+        let mut status = 0;
+        // SAFETY: writes the status into our own integer.
+        let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        r == -1 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD)
+    }
+
+    /// The effective uids of every thread of this process.
+    fn thread_uids() -> Vec<String> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .map(|t| {
+                let status = std::fs::read_to_string(t.unwrap().path().join("status")).unwrap();
+                let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+                line.split_whitespace().nth(2).unwrap().to_owned()
+            })
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+    async fn a_child_gets_its_identity_and_the_callers_threads_keep_theirs() {
+        let before = thread_uids();
+        assert!(before.len() > 3, "{before:?}");
+        let is_root = unsafe { libc::geteuid() } == 0;
+        let id = is_root.then_some(Identity {
+            uid: 731_001,
+            gid: 731_002,
+        });
+        let (mut child, mut out) = run(spec(
+            Path::new("/bin/cat"),
+            &["cat", "/proc/self/status"],
+            id,
+        ))
+        .unwrap();
+        let status = child.wait().await.unwrap();
+        assert!(status.success(), "{status:?}");
+        let mut text = String::new();
+        out.read_to_string(&mut text).unwrap();
+        if is_root {
+            let field = |name: &str| -> Vec<&str> {
+                let line = text.lines().find(|l| l.starts_with(name)).unwrap();
+                line[name.len()..].split_whitespace().collect()
+            };
+            assert_eq!(field("Uid:"), ["731001"; 4], "{text}");
+            assert_eq!(field("Gid:"), ["731002"; 4], "{text}");
+            assert!(field("Groups:").is_empty(), "{text}");
+        }
+        assert_eq!(thread_uids(), before);
+        assert!(child.id().is_none());
+        assert!(no_children_left());
+    }
+
+    #[tokio::test]
+    async fn a_program_that_cannot_start_is_an_error_and_leaves_no_child() {
+        let err = run(spec(Path::new("/nonexistent/program"), &["x"], None))
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+        assert!(no_children_left());
+        // A working directory that does not exist fails the start the same way.
+        let mut s = spec(Path::new("/bin/true"), &["true"], None);
+        s.cwd = Path::new("/nonexistent-directory");
+        let err = run(s).err().unwrap();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+        assert!(no_children_left());
+        let err = run(spec(Path::new("/bin/true"), &["a\0b"], None))
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_child_dropped_before_it_exits_is_killed_and_reaped() {
+        let (child, _out) = run(spec(Path::new("/bin/sleep"), &["sleep", "1000"], None)).unwrap();
+        let pid = child.id().unwrap();
+        drop(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !no_children_left() {
+            assert!(std::time::Instant::now() < deadline, "{pid} was not reaped");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert!(!Path::new(&format!("/proc/{pid}")).exists());
+    }
+
+    #[tokio::test]
+    async fn a_killed_child_reports_its_signal() {
+        let (mut child, _out) =
+            run(spec(Path::new("/bin/sleep"), &["sleep", "1000"], None)).unwrap();
+        child.start_kill().unwrap();
+        let status = child.wait().await.unwrap();
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        // Once reaped, the pid is no longer ours to signal.
+        child.start_kill().unwrap();
+        assert_eq!(child.wait().await.unwrap().signal(), Some(libc::SIGKILL));
+    }
+}
