@@ -16,7 +16,8 @@
 //! writes its errno where the caller reads it, and [`spawn`] returns that error having reaped
 //! the child, as std does.
 //!
-//! The caller waits on a pidfd (`CLONE_PIDFD`, Linux 5.3 or later) and reaps with `waitpid`.
+//! The caller waits on a pidfd (`CLONE_PIDFD`, Linux 5.3 or later) and reaps with `waitpid`. A
+//! kernel without pidfds ignores the flag (or refuses it): the caller then waits for SIGCHLD.
 
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString};
@@ -62,9 +63,22 @@ pub(crate) struct Spec<'a> {
 /// in the background, as tokio's `kill_on_drop`.
 pub(crate) struct Child {
     pid: libc::pid_t,
-    pidfd: AsyncFd<OwnedFd>,
+    exited: Exited,
     status: Option<ExitStatus>,
 }
+
+/// How the caller learns that the child may have exited.
+enum Exited {
+    /// Its pidfd turns readable.
+    Pidfd(AsyncFd<OwnedFd>),
+    /// A kernel without pidfds: some child of this process changed state (created before the
+    /// first look at the child, so no exit is missed between the two).
+    Sigchld(tokio::signal::unix::Signal),
+}
+
+/// Tests set this to start children as a kernel without pidfds would.
+#[cfg(test)]
+static WITHOUT_PIDFD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Everything the child reads, prepared by the caller; `err` is the one thing it writes.
 struct ChildArgs {
@@ -126,6 +140,59 @@ pub(crate) fn spawn(spec: Spec<'_>, output: &OwnedFd) -> io::Result<Child> {
     };
     let stack = Stack::new()?;
 
+    let flags = libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PIDFD | libc::SIGCHLD;
+    #[cfg(test)]
+    let flags = if WITHOUT_PIDFD.load(Ordering::Relaxed) {
+        flags & !libc::CLONE_PIDFD
+    } else {
+        flags
+    };
+    let (pid, pidfd) = match clone_child(&args, &stack, flags) {
+        // A kernel older than pidfds may refuse the flag rather than ignore it.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            clone_child(&args, &stack, flags & !libc::CLONE_PIDFD)?
+        }
+        r => r?,
+    };
+    drop(stack);
+    // SAFETY: a descriptor CLONE_PIDFD stored, which nothing else owns.
+    let pidfd = (pidfd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(pidfd) });
+    let failed = args.err.load(Ordering::Acquire);
+    if failed != 0 {
+        // The child has exited (with 127); reap it.
+        reap_blocking(pid);
+        return Err(io::Error::from_raw_os_error(failed));
+    }
+    let exited = match pidfd {
+        // SAFETY: the AsyncFd owns the pidfd, which nothing replaces or closes while it does.
+        Some(fd) => unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+            .map(Exited::Pidfd)
+            .map_err(io::Error::from),
+        None => tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())
+            .map(Exited::Sigchld),
+    };
+    match exited {
+        Ok(exited) => Ok(Child {
+            pid,
+            exited,
+            status: None,
+        }),
+        Err(e) => {
+            // SAFETY: kill has no memory arguments; the child is ours and not reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            reap_blocking(pid);
+            Err(e)
+        }
+    }
+}
+
+/// `clone(flags)` running [`child_main`] on `stack`: the child's pid and its pidfd (-1 if the
+/// kernel gave none).
+fn clone_child(
+    args: &ChildArgs,
+    stack: &Stack,
+    flags: libc::c_int,
+) -> io::Result<(libc::pid_t, libc::c_int)> {
     let mut pidfd: libc::c_int = -1;
     // SAFETY: sigset_t is plain data, initialised by sigfillset before use.
     let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
@@ -142,8 +209,8 @@ pub(crate) fn spawn(spec: Spec<'_>, output: &OwnedFd) -> io::Result<Child> {
         let pid = libc::clone(
             child_main,
             stack.top(),
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PIDFD | libc::SIGCHLD,
-            std::ptr::from_ref(&args).cast_mut().cast(),
+            flags,
+            std::ptr::from_ref(args).cast_mut().cast(),
             &mut pidfd as *mut libc::c_int,
             std::ptr::null_mut::<libc::c_void>(),
             std::ptr::null_mut::<libc::pid_t>(),
@@ -152,33 +219,10 @@ pub(crate) fn spawn(spec: Spec<'_>, output: &OwnedFd) -> io::Result<Child> {
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
         (pid, clone_err)
     };
-    drop(stack);
     if pid < 0 {
         return Err(clone_err);
     }
-    // SAFETY: CLONE_PIDFD stored a new descriptor that nothing else owns.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-    let failed = args.err.load(Ordering::Acquire);
-    if failed != 0 {
-        // The child has exited (with 127); reap it.
-        reap_blocking(pid);
-        return Err(io::Error::from_raw_os_error(failed));
-    }
-    // SAFETY: the AsyncFd owns the pidfd, which nothing replaces or closes while it does.
-    match unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) } {
-        Ok(pidfd) => Ok(Child {
-            pid,
-            pidfd,
-            status: None,
-        }),
-        Err(e) => {
-            let e = io::Error::from(e);
-            // SAFETY: kill has no memory arguments; the child is ours and not reaped.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            reap_blocking(pid);
-            Err(e)
-        }
-    }
+    Ok((pid, pidfd))
 }
 
 /// The child's stack: anonymous memory with a guard page below it.
@@ -370,12 +414,23 @@ impl Child {
             return Ok(status);
         }
         loop {
-            let mut ready = self.pidfd.readable().await?;
-            if let Some(status) = try_reap(self.pid)? {
-                self.status = Some(status);
-                return Ok(status);
+            match &mut self.exited {
+                Exited::Pidfd(fd) => {
+                    let mut ready = fd.readable().await?;
+                    if let Some(status) = try_reap(self.pid)? {
+                        self.status = Some(status);
+                        return Ok(status);
+                    }
+                    ready.clear_ready();
+                }
+                Exited::Sigchld(signal) => {
+                    if let Some(status) = try_reap(self.pid)? {
+                        self.status = Some(status);
+                        return Ok(status);
+                    }
+                    signal.recv().await;
+                }
             }
-            ready.clear_ready();
         }
     }
 
@@ -533,5 +588,23 @@ mod tests {
         // Once reaped, the pid is no longer ours to signal.
         child.start_kill().unwrap();
         assert_eq!(child.wait().await.unwrap().signal(), Some(libc::SIGKILL));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_pidfds_a_child_is_awaited_by_sigchld() {
+        WITHOUT_PIDFD.store(true, Ordering::Relaxed);
+        let (mut quick, _out) =
+            run(spec(Path::new("/bin/sh"), &["sh", "-c", "exit 3"], None)).unwrap();
+        assert!(matches!(quick.exited, Exited::Sigchld(_)));
+        let (mut slow, _out2) =
+            run(spec(Path::new("/bin/sleep"), &["sleep", "1000"], None)).unwrap();
+        // Another child's exit wakes the wait of this one, which goes on waiting.
+        assert_eq!(quick.wait().await.unwrap().code(), Some(3));
+        let pending =
+            tokio::time::timeout(std::time::Duration::from_millis(100), slow.wait()).await;
+        assert!(pending.is_err(), "{pending:?}");
+        slow.start_kill().unwrap();
+        assert_eq!(slow.wait().await.unwrap().signal(), Some(libc::SIGKILL));
+        assert!(no_children_left());
     }
 }
