@@ -165,6 +165,18 @@ pub(crate) async fn lock_counters_of(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<()
     Ok(())
 }
 
+/// How one attempt ends: see [`finish_many`].
+pub(crate) struct End<'a> {
+    pub a: &'a Active,
+    pub status: AttemptStatus,
+    pub class: Option<FailureClass>,
+    pub detail: &'a str,
+    pub exit_code: Option<i32>,
+    /// Its `running` event's time when that comes in the same batch as its end (the row is
+    /// updated once, not twice).
+    pub started_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
 /// Moves an attempt to a terminal status and, when the class is retryable and the policy
 /// allows, creates the next Attempt in the same transaction. Returns the retry's pool to nudge.
 pub(crate) async fn finish(
@@ -175,42 +187,95 @@ pub(crate) async fn finish(
     detail: &str,
     exit_code: Option<i32>,
 ) -> Result<Option<Uuid>, Error> {
-    debug_assert!(status.is_terminal());
-    let cancel_requested = sqlx::query_scalar!(
-        r#"SELECT cancel_requested_at IS NOT NULL AS "cancel_requested!" FROM tasks WHERE id = $1"#,
-        a.task_id,
-    )
-    .fetch_one(&mut **tx)
-    .await?;
-    // A task whose cancellation was requested ends cancelled, whatever else happened.
-    let (status, class) = if cancel_requested && status != AttemptStatus::Succeeded {
-        (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))
-    } else {
-        (status, class)
-    };
-    sqlx::query!(
-        r#"UPDATE attempts SET status = $2, finished_at = clock_timestamp(), failure_class = $3,
-               failure_detail = NULLIF($4, ''), exit_code = $5
-           WHERE id = $1"#,
-        a.id,
-        status.as_str(),
-        class.map(|c| c.as_str()),
+    let end = End {
+        a,
+        status,
+        class,
         detail,
         exit_code,
-    )
-    .execute(&mut **tx)
-    .await?;
-    tracing::info!(attempt_id = %a.id, task_id = %a.task_id, %status, class = class.map(|c| c.as_str()), "attempt finished");
-    // Nobody is waiting for the attempt's open tool requests any more.
-    sqlx::query!(
-        "UPDATE approvals SET status = 'denied', decided_at = now(), decided_by = 'platform',
-                reason = 'the attempt ended: ' || $2 WHERE attempt_id = $1 AND status = 'pending'",
-        a.id,
-        status.as_str(),
-    )
-    .execute(&mut **tx)
-    .await?;
+        started_at: None,
+    };
+    Ok(finish_many(tx, &[end]).await?.pop().flatten())
+}
 
+/// [`finish`] for several attempts (distinct, locked by the caller, their counters locked in
+/// the global order when there are several): one statement ends them all and denies their
+/// pending approvals; only a retry or fallback takes statements of its own. Returns, per
+/// attempt in order, the pool of its retry to nudge.
+pub(crate) async fn finish_many(
+    tx: &mut Tx<'_>,
+    ends: &[End<'_>],
+) -> Result<Vec<Option<Uuid>>, Error> {
+    debug_assert!(ends.iter().all(|e| e.status.is_terminal()));
+    let ids: Vec<Uuid> = ends.iter().map(|e| e.a.id).collect();
+    let statuses: Vec<&str> = ends.iter().map(|e| e.status.as_str()).collect();
+    let classes: Vec<Option<&str>> = ends.iter().map(|e| e.class.map(|c| c.as_str())).collect();
+    let details: Vec<&str> = ends.iter().map(|e| e.detail).collect();
+    let exits: Vec<Option<i32>> = ends.iter().map(|e| e.exit_code).collect();
+    let started: Vec<Option<chrono::DateTime<chrono::Utc>>> =
+        ends.iter().map(|e| e.started_at).collect();
+    // A task whose cancellation was requested ends cancelled, whatever else happened, except
+    // a success. Nobody is waiting for an ended attempt's open tool requests any more.
+    let rows = sqlx::query!(
+        r#"
+        WITH f AS (
+            SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
+                                 $6::timestamptz[])
+                AS f(id, status, class, detail, exit_code, started_at)
+        ), u AS (
+            UPDATE attempts a SET
+                status = CASE WHEN t.cancel_requested_at IS NOT NULL AND f.status <> 'succeeded'
+                              THEN 'cancelled' ELSE f.status END,
+                failure_class = CASE WHEN t.cancel_requested_at IS NOT NULL AND f.status <> 'succeeded'
+                                     THEN 'cancelled' ELSE f.class END,
+                finished_at = clock_timestamp(),
+                failure_detail = NULLIF(f.detail, ''),
+                exit_code = f.exit_code,
+                started_at = COALESCE(f.started_at, a.started_at)
+            FROM f, tasks t
+            WHERE a.id = f.id AND t.id = a.task_id
+            RETURNING a.id, a.status, a.failure_class, t.cancel_requested_at IS NOT NULL AS cancel_requested
+        ), denied AS (
+            UPDATE approvals ap SET status = 'denied', decided_at = now(), decided_by = 'platform',
+                reason = 'the attempt ended: ' || u.status
+            FROM u WHERE ap.attempt_id = u.id AND ap.status = 'pending'
+        )
+        SELECT id AS "id!", status AS "status!", failure_class,
+               cancel_requested AS "cancel_requested!" FROM u
+        "#,
+        &ids,
+        &statuses as &[&str],
+        &classes as &[Option<&str>],
+        &details as &[&str],
+        &exits as &[Option<i32>],
+        &started as &[Option<chrono::DateTime<chrono::Utc>>],
+    )
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut pools = Vec::with_capacity(ends.len());
+    for e in ends {
+        let Some(row) = rows.iter().find(|r| r.id == e.a.id) else {
+            // Locked by the caller, so it exists; nothing to retry if it somehow does not.
+            pools.push(None);
+            continue;
+        };
+        let status = AttemptStatus::parse(&row.status).unwrap_or(e.status);
+        let class = row.failure_class.as_deref().map(FailureClass::parse);
+        let a = e.a;
+        tracing::info!(attempt_id = %a.id, task_id = %a.task_id, %status, class = class.map(|c| c.as_str()), "attempt finished");
+        pools.push(after_end(tx, a, status, class, row.cancel_requested).await?);
+    }
+    Ok(pools)
+}
+
+/// What follows an attempt's end in the same transaction: a fallback provider or a retry.
+async fn after_end(
+    tx: &mut Tx<'_>,
+    a: &Active,
+    status: AttemptStatus,
+    class: Option<FailureClass>,
+    cancel_requested: bool,
+) -> Result<Option<Uuid>, Error> {
     // The provider itself is the problem: try the binding's next fallback provider, fresh.
     let provider_trouble = matches!(
         class,

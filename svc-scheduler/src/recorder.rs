@@ -558,18 +558,22 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     if ending.len() > 1 {
         attempts::lock_counters_of(&mut tx, &ending).await?;
     }
-    // Transitions in event order, each against the attempt as the events before it left it.
-    for (i, change) in changes {
-        let attempt_id = items[i].ev.as_ref().expect("checked item").0;
+    // The transitions, a statement for each kind: an attempt's `running` comes before its end
+    // and nothing after its end (fenced above), and each was decided against the attempt as
+    // the events before it left it. A `running` that comes with the end is written by the end.
+    let mut running: (Vec<Uuid>, Vec<chrono::DateTime<chrono::Utc>>) = (vec![], vec![]);
+    let mut ends = Vec::new();
+    for (i, change) in &changes {
+        let attempt_id = items[*i].ev.as_ref().expect("checked item").0;
         match change {
             Change::Running { at } => {
-                sqlx::query!(
-                    "UPDATE attempts SET status = 'running', started_at = $2 WHERE id = $1",
-                    attempt_id,
-                    at,
-                )
-                .execute(&mut *tx)
-                .await?;
+                let ends_here = changes
+                    .iter()
+                    .any(|(_, c)| matches!(c, Change::Finish { a, .. } if a.id == attempt_id));
+                if !ends_here {
+                    running.0.push(attempt_id);
+                    running.1.push(*at);
+                }
             }
             Change::Session(s) => {
                 sqlx::query!(
@@ -587,12 +591,42 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
                 detail,
                 exit,
             } => {
-                if let Some(pool) =
-                    attempts::finish(&mut tx, &a, status, class, &detail, exit).await?
-                {
-                    after.retry_pools.push(pool);
-                }
+                let started_at = changes.iter().find_map(|(j, c)| match c {
+                    Change::Running { at }
+                        if items[*j].ev.as_ref().is_some_and(|(id, _)| *id == a.id) =>
+                    {
+                        Some(*at)
+                    }
+                    _ => None,
+                });
+                ends.push(attempts::End {
+                    a,
+                    status: *status,
+                    class: *class,
+                    detail,
+                    exit_code: *exit,
+                    started_at,
+                });
             }
+        }
+    }
+    if !running.0.is_empty() {
+        sqlx::query!(
+            "UPDATE attempts a SET status = 'running', started_at = u.at
+             FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at) WHERE a.id = u.id",
+            &running.0,
+            &running.1,
+        )
+        .execute(&mut *tx)
+        .await?;
+    }
+    if !ends.is_empty() {
+        for pool in attempts::finish_many(&mut tx, &ends)
+            .await?
+            .into_iter()
+            .flatten()
+        {
+            after.retry_pools.push(pool);
         }
     }
     tx.commit().await?;

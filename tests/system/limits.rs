@@ -588,3 +588,139 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
     .unwrap();
     assert_eq!(retried, 1, "a new attempt is scheduled");
 }
+
+/// Attempts that end in one recorder batch end in one statement: an attempt whose `running` and
+/// end come together gets its start time from the `running` event, a task whose cancellation
+/// was requested ends `cancelled` whatever its failure, an attempt that only started is
+/// `running`, and the host's counter counts the one still active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attempts_ending_in_one_batch_end_together_with_their_start_times() {
+    use agentscope_schemas::v1::{AttemptState, ExecutionEvent, Lifecycle, execution_event::Body};
+    use prost::Message as _;
+    let mut stack = Stack::start("limits-batch-end", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("batch-end", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let raw = raw_host(&stack, "raw", 3).await;
+    let host = raw.0.clone();
+    let mut claimed: Vec<(String, String, u64)> = Vec::new();
+    for input in ["ok", "cancelled", "running"] {
+        let task = stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent, "input": input}))
+            .await
+            .unwrap();
+        let held: Vec<&str> = claimed.iter().map(|(_, a, _)| a.as_str()).collect();
+        let offer = raw_claim(&stack, &raw, &held, &[]).await;
+        assert_eq!(offer.assignments.len(), 1, "{input}");
+        let a = &offer.assignments[0];
+        assert_eq!(a.attempt_id, task["attempts"][0]["id"].as_str().unwrap());
+        claimed.push((
+            task["id"].as_str().unwrap().to_string(),
+            a.attempt_id.clone(),
+            a.lease_token,
+        ));
+    }
+    sqlx::query("UPDATE tasks SET cancel_requested_at = now() WHERE id = $1::uuid")
+        .bind(&claimed[1].0)
+        .execute(&stack.pg)
+        .await
+        .unwrap();
+
+    let started_ms = agentscope_bus::now_ms() - 5_000;
+    let event = |(_, attempt, token): &(String, String, u64), seq: u64, state: AttemptState| {
+        ExecutionEvent {
+            attempt_id: attempt.clone(),
+            seq,
+            lease_token: *token,
+            host_id: host.clone(),
+            at_ms: started_ms + seq as i64,
+            body: Some(Body::Lifecycle(Lifecycle {
+                state: state as i32,
+                failure_class: if state == AttemptState::Failed {
+                    "provider_error".into()
+                } else {
+                    String::new()
+                },
+                detail: String::new(),
+                exit_code: if state == AttemptState::Failed { 3 } else { 0 },
+                has_exit_code: state != AttemptState::Running,
+            })),
+        }
+        .encode_to_vec()
+    };
+    // Published while no scheduler runs, so that the recorder finds them together.
+    stack.scheduler.terminate(Duration::from_secs(20));
+    let js = async_nats::jetstream::new(stack.nats.service_client("scheduler").await.unwrap());
+    let events = [
+        (0, event(&claimed[0], 1, AttemptState::Running)),
+        (1, event(&claimed[1], 1, AttemptState::Running)),
+        (2, event(&claimed[2], 1, AttemptState::Running)),
+        (0, event(&claimed[0], 2, AttemptState::Succeeded)),
+        (1, event(&claimed[1], 2, AttemptState::Failed)),
+    ];
+    for (i, payload) in events {
+        let subject = agentscope_bus::subjects::events(&host, &claimed[i].1);
+        js.publish(subject, payload.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    stack.restart_scheduler(false).await.unwrap();
+
+    let rows = kit::wait_for("the batch recorded", Duration::from_secs(30), || async {
+        let rows: Vec<(String, Option<String>, Option<i64>, Option<i32>, bool, i64)> =
+            sqlx::query_as(
+                "SELECT status, failure_class,
+                        (extract(epoch FROM started_at) * 1000)::int8, exit_code,
+                        finished_at IS NOT NULL AND finished_at >= started_at, last_seq
+                 FROM attempts WHERE id = ANY($1::uuid[]) ORDER BY array_position($1::uuid[], id)",
+            )
+            .bind(claimed.iter().map(|c| c.1.clone()).collect::<Vec<_>>())
+            .fetch_all(&stack.pg)
+            .await
+            .unwrap();
+        (rows.iter().map(|r| r.5).sum::<i64>() == 5).then_some(rows)
+    })
+    .await
+    .unwrap();
+    let s = Some(started_ms + 1);
+    assert_eq!(
+        rows,
+        vec![
+            ("succeeded".into(), None, s, Some(0), true, 2),
+            (
+                "cancelled".into(),
+                Some("cancelled".into()),
+                s,
+                Some(3),
+                true,
+                2
+            ),
+            ("running".into(), None, s, None, false, 1),
+        ]
+    );
+    let active: i32 = sqlx::query_scalar(
+        "SELECT active FROM attempt_counts WHERE scope = 'host' AND id = $1::uuid",
+    )
+    .bind(&host)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        active, 1,
+        "the running attempt is the host's only active one"
+    );
+    // Neither ended attempt is retried: a success, and a task whose cancellation was requested.
+    let attempts: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM attempts WHERE task_id = ANY($1::uuid[])")
+            .bind(claimed.iter().map(|c| c.0.clone()).collect::<Vec<_>>())
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 3);
+}
