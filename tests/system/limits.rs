@@ -589,6 +589,9 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
     assert_eq!(retried, 1, "a new attempt is scheduled");
 }
 
+/// status, failure_class, started_at (ms), exit_code, finished at or after its start, last_seq.
+type EndRow = (String, Option<String>, Option<i64>, Option<i32>, bool, i64);
+
 /// Attempts that end in one recorder batch end in one statement: an attempt whose `running` and
 /// end come together gets its start time from the `running` event, a task whose cancellation
 /// was requested ends `cancelled` whatever its failure, an attempt that only started is
@@ -673,17 +676,16 @@ async fn attempts_ending_in_one_batch_end_together_with_their_start_times() {
     stack.restart_scheduler(false).await.unwrap();
 
     let rows = kit::wait_for("the batch recorded", Duration::from_secs(30), || async {
-        let rows: Vec<(String, Option<String>, Option<i64>, Option<i32>, bool, i64)> =
-            sqlx::query_as(
-                "SELECT status, failure_class,
+        let rows: Vec<EndRow> = sqlx::query_as(
+            "SELECT status, failure_class,
                         (extract(epoch FROM started_at) * 1000)::int8, exit_code,
                         finished_at IS NOT NULL AND finished_at >= started_at, last_seq
                  FROM attempts WHERE id = ANY($1::uuid[]) ORDER BY array_position($1::uuid[], id)",
-            )
-            .bind(claimed.iter().map(|c| c.1.clone()).collect::<Vec<_>>())
-            .fetch_all(&stack.pg)
-            .await
-            .unwrap();
+        )
+        .bind(claimed.iter().map(|c| c.1.clone()).collect::<Vec<_>>())
+        .fetch_all(&stack.pg)
+        .await
+        .unwrap();
         (rows.iter().map(|r| r.5).sum::<i64>() == 5).then_some(rows)
     })
     .await
