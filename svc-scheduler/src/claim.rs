@@ -270,18 +270,40 @@ async fn reoffer(
             continue;
         }
         let key = lease_key(&host_id.to_string(), &id.to_string());
-        let Ok(Some(entry)) = ctx.leases.entry(&key).await else {
-            continue;
+        let revision = match ctx.leases.entry(&key).await {
+            Ok(Some(entry)) => {
+                if entry.operation != async_nats::jetstream::kv::Operation::Put {
+                    continue;
+                }
+                let holder = LeaseRecord::decode(entry.value.as_ref())
+                    .map(|l| l.host_id)
+                    .unwrap_or_default();
+                if holder != host_id.to_string() {
+                    continue;
+                }
+                entry.revision
+            }
+            // Missing: never created (the claim's scheduler died between its commit and the
+            // lease, so nobody was offered the attempt) or expired unrenewed. Either way this
+            // host, which does not hold the attempt and published nothing for it, gets it again
+            // under the claim's fencing token, with the lease that scheduler would have created.
+            Ok(None) => {
+                let Some(token) = token else { continue };
+                let now = agentscope_bus::now_ms();
+                let record = LeaseRecord {
+                    attempt_id: id.to_string(),
+                    host_id: host_id.to_string(),
+                    token: token as u64,
+                    acquired_at_ms: now,
+                    renewed_at_ms: now,
+                };
+                match ctx.leases.create(&key, record.encode_to_vec().into()).await {
+                    Ok(revision) => revision,
+                    Err(_) => continue,
+                }
+            }
+            Err(_) => continue,
         };
-        if entry.operation != async_nats::jetstream::kv::Operation::Put {
-            continue;
-        }
-        let holder = LeaseRecord::decode(entry.value.as_ref())
-            .map(|l| l.host_id)
-            .unwrap_or_default();
-        if holder != host_id.to_string() {
-            continue;
-        }
         tracing::warn!(attempt_id = %id, %host_id, "claim reply was lost; offering the attempt again");
         // Only its hash is stored, so the re-offer carries a fresh credential.
         let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
@@ -300,7 +322,7 @@ async fn reoffer(
             attempt_number: r.number as u32,
             lease_key: key,
             lease_token: token.unwrap_or_default() as u64,
-            lease_revision: entry.revision,
+            lease_revision: revision,
             spec: Some(spec_from_json(&spec)),
             traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
             task_token,

@@ -589,6 +589,74 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
     assert_eq!(retried, 1, "a new attempt is scheduled");
 }
 
+/// A claim whose scheduler died between its commit and the lease (so nobody was offered the
+/// attempt) is offered again to its host when that host next asks for work without listing it,
+/// under the claim's fencing token and with the lease created then: the attempt runs once, as
+/// attempt 1, instead of being lost and retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_committed_without_its_lease_is_offered_again_to_its_host() {
+    use agentscope_schemas::v1::LeaseRecord;
+    use prost::Message as _;
+    let stack = Stack::start("limits-reoffer", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("reoffer", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let raw = raw_host(&stack, "raw", 2).await;
+    let host = raw.0.clone();
+    let task = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent, "input": "one"}))
+        .await
+        .unwrap();
+    let attempt = task["attempts"][0]["id"].as_str().unwrap().to_string();
+    let token: i64 = sqlx::query_scalar(
+        "UPDATE attempts SET status = 'claimed', host_id = $2::uuid,
+                lease_token = nextval('lease_tokens'), claimed_at = clock_timestamp()
+         WHERE id = $1::uuid RETURNING lease_token",
+    )
+    .bind(&attempt)
+    .bind(&host)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+
+    let offer = raw_claim(&stack, &raw, &[], &[]).await;
+    assert_eq!(offer.assignments.len(), 1, "{:?}", offer.assignments);
+    let a = &offer.assignments[0];
+    assert_eq!(
+        (a.attempt_id.as_str(), a.lease_token),
+        (attempt.as_str(), token as u64)
+    );
+    let service = stack.nats.service_client("scheduler").await.unwrap();
+    let leases = async_nats::jetstream::new(service)
+        .get_key_value(agentscope_bus::BUCKET_LEASES)
+        .await
+        .unwrap();
+    let entry = leases
+        .entry(agentscope_bus::lease_key(&host, &attempt))
+        .await
+        .unwrap()
+        .expect("the lease is created with the offer");
+    assert_eq!(entry.revision, a.lease_revision);
+    let record = LeaseRecord::decode(entry.value.as_ref()).unwrap();
+    assert_eq!(
+        (record.token, record.host_id.as_str()),
+        (token as u64, host.as_str())
+    );
+    let (status, number): (String, i64) = sqlx::query_as(
+        "SELECT a.status, (SELECT count(*) FROM attempts b WHERE b.task_id = a.task_id)
+         FROM attempts a WHERE a.id = $1::uuid",
+    )
+    .bind(&attempt)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!((status.as_str(), number), ("claimed", 1));
+}
+
 /// status, failure_class, started_at (ms), exit_code, finished at or after its start, last_seq.
 type EndRow = (String, Option<String>, Option<i64>, Option<i32>, bool, i64);
 
