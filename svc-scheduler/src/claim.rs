@@ -147,14 +147,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     let host = host_id.to_string();
     let leases = futures::future::join_all(ids.iter().zip(&lease_tokens).map(|(id, token)| {
         let key = lease_key(&host, &id.to_string());
-        let now = agentscope_bus::now_ms();
-        let record = LeaseRecord {
-            attempt_id: id.to_string(),
-            host_id: host.clone(),
-            token: *token as u64,
-            acquired_at_ms: now,
-            renewed_at_ms: now,
-        };
+        let record = new_lease(&host, *id, *token);
         async move {
             let res = ctx.leases.create(&key, record.encode_to_vec().into()).await;
             (key, res)
@@ -245,6 +238,18 @@ fn note_waiting(pool_id: Uuid, waiting: u32) {
     crate::attempts::set_waiting(pool_id, waiting);
 }
 
+/// The record of a lease `host` takes now on `attempt` under its claim's fencing `token`.
+fn new_lease(host: &str, attempt: Uuid, token: i64) -> LeaseRecord {
+    let now = agentscope_bus::now_ms();
+    LeaseRecord {
+        attempt_id: attempt.to_string(),
+        host_id: host.to_string(),
+        token: token as u64,
+        acquired_at_ms: now,
+        renewed_at_ms: now,
+    }
+}
+
 async fn reoffer(
     ctx: &Ctx,
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
@@ -289,14 +294,7 @@ async fn reoffer(
             // under the claim's fencing token, with the lease that scheduler would have created.
             Ok(None) => {
                 let Some(token) = token else { continue };
-                let now = agentscope_bus::now_ms();
-                let record = LeaseRecord {
-                    attempt_id: id.to_string(),
-                    host_id: host_id.to_string(),
-                    token: token as u64,
-                    acquired_at_ms: now,
-                    renewed_at_ms: now,
-                };
+                let record = new_lease(&host_id.to_string(), id, token);
                 match ctx.leases.create(&key, record.encode_to_vec().into()).await {
                     Ok(revision) => revision,
                     Err(_) => continue,

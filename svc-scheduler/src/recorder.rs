@@ -567,13 +567,8 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         let attempt_id = items[*i].ev.as_ref().expect("checked item").0;
         match change {
             Change::Running { at } => {
-                let ends_here = changes
-                    .iter()
-                    .any(|(_, c)| matches!(c, Change::Finish { a, .. } if a.id == attempt_id));
-                if !ends_here {
-                    running.0.push(attempt_id);
-                    running.1.push(*at);
-                }
+                running.0.push(attempt_id);
+                running.1.push(*at);
             }
             Change::Session(s) => {
                 sqlx::query!(
@@ -591,13 +586,10 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
                 detail,
                 exit,
             } => {
-                let started_at = changes.iter().find_map(|(j, c)| match c {
-                    Change::Running { at }
-                        if items[*j].ev.as_ref().is_some_and(|(id, _)| *id == a.id) =>
-                    {
-                        Some(*at)
-                    }
-                    _ => None,
+                // Its `running`, if any, came before it and is taken over by the end.
+                let started_at = running.0.iter().position(|id| *id == a.id).map(|k| {
+                    running.0.swap_remove(k);
+                    running.1.swap_remove(k)
                 });
                 ends.push(attempts::End {
                     a,

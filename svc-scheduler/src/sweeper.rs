@@ -125,6 +125,17 @@ async fn mark_lost(ctx: &Ctx, attempt_id: Uuid, token: i64) -> Result<(), crate:
     if !a.status.is_active() || a.lease_token != Some(token) {
         return Ok(());
     }
+    // Read again under the row lock: a claim offered again to its host creates a missing lease
+    // while it holds this row, so a lease seen missing before the lock may exist now.
+    let key = lease_key(
+        &a.host_id.map(|h| h.to_string()).unwrap_or_default(),
+        &attempt_id.to_string(),
+    );
+    if let Ok(Some(e)) = ctx.leases.entry(&key).await
+        && e.operation == Operation::Put
+    {
+        return Ok(());
+    }
     // The host's last words may still be on their way to the recorder (a scheduler restart
     // delays redelivery): an attempt is lost only once everything it published is recorded.
     if unrecorded_events(ctx, a.host_id, attempt_id, a.last_seq).await? {
