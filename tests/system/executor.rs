@@ -254,18 +254,23 @@ async fn the_mcp_server_offers_the_executor_tools() {
         .unwrap();
     let issue_id = issue["id"].as_str().unwrap().to_string();
     let tf = token_file.clone();
-    let token = kit::wait_for("the credential", Duration::from_secs(60), || {
+    // The script writes the working directory last, and its file exists (empty) before `pwd`
+    // has written it: wait for the whole line.
+    let (token, workdir) = kit::wait_for("the credential", Duration::from_secs(60), || {
         let tf = tf.clone();
         async move {
-            std::fs::read_to_string(&tf)
+            let token = std::fs::read_to_string(&tf)
                 .ok()
                 .map(|s| s.trim().to_string())
-                .filter(|s| s.starts_with("agt_"))
+                .filter(|s| s.starts_with("agt_"))?;
+            let dir = std::fs::read_to_string(format!("{}.dir", tf.display()))
+                .ok()
+                .filter(|s| s.ends_with('\n'))?;
+            Some((token, dir))
         }
     })
     .await
     .unwrap();
-    let workdir = std::fs::read_to_string(format!("{}.dir", token_file.display())).unwrap();
 
     let mut child = std::process::Command::new(kit::bin("agentscope").unwrap())
         .arg("mcp")
