@@ -21,6 +21,10 @@ pub struct Config {
     /// A host whose last heartbeat is older than this shows as offline.
     pub host_offline_after_ms: u64,
     pub db_max_connections: u32,
+    /// Connections of task submissions' own pool (besides `db_max_connections`): a backend
+    /// plans each statement on its first runs, so the submission path, spread over the whole
+    /// pool, would keep paying that warm-up.
+    pub db_submit_connections: u32,
     #[serde(default)]
     pub log_format: String,
     /// Vault keys, `id:hex32,...` (the first seals); empty: secrets cannot be stored.
@@ -46,6 +50,7 @@ impl Config {
             ("max_artifact_bytes", (10 * 1024 * 1024).into()),
             ("host_offline_after_ms", 10_000.into()),
             ("db_max_connections", 16.into()),
+            ("db_submit_connections", 16.into()),
             ("log_format", "".into()),
             ("vault_keys", "".into()),
             ("allow_local_environment", false.into()),
@@ -73,8 +78,8 @@ impl Config {
         if self.max_artifact_bytes < 1024 || self.max_artifact_bytes > 512 * 1024 * 1024 {
             return bad("max_artifact_bytes must be between 1024 and 536870912");
         }
-        if self.db_max_connections == 0 {
-            return bad("db_max_connections must be positive");
+        if self.db_max_connections == 0 || self.db_submit_connections == 0 {
+            return bad("db_max_connections and db_submit_connections must be positive");
         }
         if let Err(e) = agentscope_domain::vault::Keyring::parse(&self.vault_keys.0) {
             return bad(&e.to_string());

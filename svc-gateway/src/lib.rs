@@ -31,6 +31,8 @@ use uuid::Uuid;
 #[derive(Clone)]
 pub struct AppState {
     pub db: sqlx::PgPool,
+    /// Task submissions' own connections (`Config::db_submit_connections`).
+    pub submit_db: sqlx::PgPool,
     pub nats: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     pub config: Arc<Config>,
@@ -63,6 +65,10 @@ impl App {
             .await
             .context("start svc-gateway")?;
         agentscope_store::migrate(&db).await?;
+        let submit_db =
+            agentscope_store::connect(&config.database_url, config.db_submit_connections)
+                .await
+                .context("start svc-gateway")?;
         let nats = config.nats.connect(&config.nats_url, "svc-gateway").await?;
         let js = async_nats::jetstream::new(nats.clone());
         Topology::tasks(&js).await?;
@@ -76,6 +82,7 @@ impl App {
         Ok(App {
             state: AppState {
                 db,
+                submit_db,
                 nats,
                 js,
                 config: Arc::new(config),

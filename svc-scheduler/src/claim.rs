@@ -110,7 +110,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         ctx.config.run_timeout_secs as i64,
         DEFAULT_TIMEOUT_SOURCE,
     )
-    .fetch_one(&ctx.db)
+    .fetch_one(&ctx.claim_db)
     .await?;
     if !r.registered {
         return Ok(refused("not_registered", "register before claiming"));
@@ -128,7 +128,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     // same lease, instead of letting the lease lapse into a retry (nothing new this time; the
     // host asks again at once while work waits).
     let mut assignments = if r.lost_offers.unwrap_or(false) {
-        let mut tx = ctx.db.begin().await?;
+        let mut tx = ctx.claim_db.begin().await?;
         let again = reoffer(ctx, &mut tx, host_id, workspace_id, &req.held_attempts).await?;
         tx.commit().await?;
         again

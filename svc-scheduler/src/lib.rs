@@ -62,6 +62,10 @@ impl Error {
 #[derive(Clone)]
 pub(crate) struct Ctx {
     pub db: PgPool,
+    /// Claims' own connections, and the recorder's: a few backends that stay warm
+    /// (`Config::db_claim_connections`).
+    pub claim_db: PgPool,
+    pub recorder_db: PgPool,
     pub nats: async_nats::Client,
     pub js: jetstream::Context,
     pub leases: jetstream::kv::Store,
@@ -85,6 +89,13 @@ impl App {
             .await
             .context("start svc-scheduler")?;
         agentscope_store::migrate(&db).await?;
+        let claim_db = agentscope_store::connect(&config.database_url, config.db_claim_connections)
+            .await
+            .context("start svc-scheduler")?;
+        let recorder_db =
+            agentscope_store::connect(&config.database_url, config.db_recorder_connections)
+                .await
+                .context("start svc-scheduler")?;
         let nats = config
             .nats
             .connect(&config.nats_url, "svc-scheduler")
@@ -114,6 +125,8 @@ impl App {
         Ok(App {
             ctx: Ctx {
                 db,
+                claim_db,
+                recorder_db,
                 nats,
                 js,
                 leases,

@@ -402,7 +402,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     }
     let mut ids: Vec<Uuid> = by_attempt.iter().map(|(a, _)| *a).collect();
     ids.sort();
-    let mut tx = ctx.db.begin().await?;
+    let mut tx = ctx.recorder_db.begin().await?;
     let locked = attempts::lock_many(&mut tx, &ids).await?;
 
     let mut rows = Rows::default();
@@ -688,7 +688,7 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     let Some(body) = ev.body.as_ref() else {
         return Err(Error::Rejected("event has no body".into()));
     };
-    let mut tx = ctx.db.begin().await?;
+    let mut tx = ctx.recorder_db.begin().await?;
     let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
         return Err(Error::Rejected(format!("unknown attempt {attempt_id}")));
     };

@@ -389,7 +389,7 @@ pub async fn create_task(
         }
     }
     // The task and its first attempt, in one statement.
-    let mut conn = s.db.acquire().await?;
+    let mut conn = s.submit_db.acquire().await?;
     let sub = Submission {
         task: TaskFields {
             workspace_id: auth.workspace_id,
