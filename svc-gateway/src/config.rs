@@ -50,7 +50,7 @@ impl Config {
             ("max_artifact_bytes", (10 * 1024 * 1024).into()),
             ("host_offline_after_ms", 10_000.into()),
             ("db_max_connections", 16.into()),
-            ("db_submit_connections", 16.into()),
+            ("db_submit_connections", 8.into()),
             ("log_format", "".into()),
             ("vault_keys", "".into()),
             ("allow_local_environment", false.into()),
