@@ -65,10 +65,7 @@ impl App {
             .await
             .context("start svc-gateway")?;
         agentscope_store::migrate(&db).await?;
-        let submit_db =
-            agentscope_store::connect(&config.database_url, config.db_submit_connections)
-                .await
-                .context("start svc-gateway")?;
+        let submit_db = agentscope_store::sibling(&db, config.db_submit_connections);
         let nats = config.nats.connect(&config.nats_url, "svc-gateway").await?;
         let js = async_nats::jetstream::new(nats.clone());
         Topology::tasks(&js).await?;

@@ -25,11 +25,12 @@ pub struct Config {
     /// How often expired leases and unscheduled tasks are swept.
     pub sweep_interval_ms: u64,
     pub db_max_connections: u32,
-    /// Connections of the claims' own pool and of the recorder's (besides `db_max_connections`).
-    /// Each backend compiles the claim function and plans each statement on its first calls
-    /// (3.6 ms, then about 1.2 ms for the next five, 0.6 ms after that, measured here): hot
-    /// paths that spread over a large pool keep paying for that, and on colder caches.
+    /// Connections of the claims' own pool (besides `db_max_connections`). Each backend
+    /// compiles the claim function and plans each statement on its first calls (3.6 ms, then
+    /// about 1.2 ms for the next five, 0.6 ms after that, measured here): hot paths that spread
+    /// over a large pool keep paying for that, and on colder caches.
     pub db_claim_connections: u32,
+    /// Connections of the recorder's own pool: one per worker.
     pub db_recorder_connections: u32,
     /// Deliveries of one stream message before a consumer gives up on it and records it in
     /// `rejected_messages` (also the consumers' JetStream `max_deliver`). Transient failures

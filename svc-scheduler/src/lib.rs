@@ -62,8 +62,8 @@ impl Error {
 #[derive(Clone)]
 pub(crate) struct Ctx {
     pub db: PgPool,
-    /// Claims' own connections, and the recorder's: a few backends that stay warm
-    /// (`Config::db_claim_connections`).
+    /// Claims' own connections (`Config::db_claim_connections`) and the recorder's
+    /// (`Config::db_recorder_connections`): a few backends that stay warm.
     pub claim_db: PgPool,
     pub recorder_db: PgPool,
     pub nats: async_nats::Client,
@@ -89,13 +89,8 @@ impl App {
             .await
             .context("start svc-scheduler")?;
         agentscope_store::migrate(&db).await?;
-        let claim_db = agentscope_store::connect(&config.database_url, config.db_claim_connections)
-            .await
-            .context("start svc-scheduler")?;
-        let recorder_db =
-            agentscope_store::connect(&config.database_url, config.db_recorder_connections)
-                .await
-                .context("start svc-scheduler")?;
+        let claim_db = agentscope_store::sibling(&db, config.db_claim_connections);
+        let recorder_db = agentscope_store::sibling(&db, config.db_recorder_connections);
         let nats = config
             .nats
             .connect(&config.nats_url, "svc-scheduler")

@@ -35,6 +35,21 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// fails its query like any outage in the middle of one.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, Error> {
     let options = PgConnectOptions::from_str(url).map_err(Error::Url)?;
+    pool_options(max_connections)
+        .connect_with(options)
+        .await
+        .map_err(Error::Connect)
+}
+
+/// A second pool to the database of `pool`, with the same settings and at most
+/// `max_connections`, for a hot path that should keep to a few warm backends (a backend plans a
+/// statement on its first runs; a path spread over a large pool keeps paying that). It opens its
+/// connections when first used: `pool`, connected already, has shown the database reachable.
+pub fn sibling(pool: &PgPool, max_connections: u32) -> PgPool {
+    pool_options(max_connections).connect_lazy_with((*pool.connect_options()).clone())
+}
+
+fn pool_options(max_connections: u32) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(10))
@@ -48,9 +63,6 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, Error> {
                 Ok(true)
             })
         })
-        .connect_with(options)
-        .await
-        .map_err(Error::Connect)
 }
 
 /// Apply pending migrations. Safe to call from several services at once (sqlx takes an advisory lock).
