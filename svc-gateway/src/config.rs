@@ -25,6 +25,14 @@ pub struct Config {
     /// plans each statement on its first runs, so the submission path, spread over the whole
     /// pool, would keep paying that warm-up.
     pub db_submit_connections: u32,
+    /// Direct dispatch: a stored task's attempt is claimed for an idle host of its pool and
+    /// offered to it by the gateway itself (`dispatch.rs`); off, every new attempt waits for a
+    /// host's claim through the scheduler.
+    pub direct_dispatch: bool,
+    /// The run timeout written into a spec that sets none when the attempt is claimed: the
+    /// scheduler's `run_timeout_secs`, under the same name (`AGENTSCOPE_RUN_TIMEOUT_SECS`);
+    /// give both services the same value.
+    pub run_timeout_secs: u64,
     #[serde(default)]
     pub log_format: String,
     /// Vault keys, `id:hex32,...` (the first seals); empty: secrets cannot be stored.
@@ -51,6 +59,11 @@ impl Config {
             ("host_offline_after_ms", 10_000.into()),
             ("db_max_connections", 16.into()),
             ("db_submit_connections", 8.into()),
+            ("direct_dispatch", true.into()),
+            (
+                "run_timeout_secs",
+                agentscope_store::first_attempt::DEFAULT_RUN_TIMEOUT_SECS.into(),
+            ),
             ("log_format", "".into()),
             ("vault_keys", "".into()),
             ("allow_local_environment", false.into()),
@@ -80,6 +93,9 @@ impl Config {
         }
         if self.db_max_connections == 0 || self.db_submit_connections == 0 {
             return bad("db_max_connections and db_submit_connections must be positive");
+        }
+        if self.run_timeout_secs == 0 || self.run_timeout_secs > u32::MAX as u64 {
+            return bad("run_timeout_secs must be between 1 and 4294967295");
         }
         if let Err(e) = agentscope_domain::vault::Keyring::parse(&self.vault_keys.0) {
             return bad(&e.to_string());

@@ -6,6 +6,7 @@
 
 pub mod api;
 mod config;
+mod dispatch;
 mod error;
 mod extract;
 mod issue_writes;
@@ -35,6 +36,8 @@ pub struct AppState {
     pub submit_db: sqlx::PgPool,
     pub nats: async_nats::Client,
     pub js: async_nats::jetstream::Context,
+    /// The lease bucket (the scheduler creates it), opened on the first direct dispatch.
+    pub leases: Arc<tokio::sync::OnceCell<async_nats::jetstream::kv::Store>>,
     pub config: Arc<Config>,
     pub metrics: Metrics,
     /// (attempt id, task id, whether the attempt ended) of every commit of the recorder (and of
@@ -82,6 +85,7 @@ impl App {
                 submit_db,
                 nats,
                 js,
+                leases: Default::default(),
                 config: Arc::new(config),
                 metrics: Metrics::default(),
                 recorded,

@@ -4,7 +4,7 @@
 use crate::{Ctx, attempt, journal};
 use agentscope_bus::subjects;
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::{ClaimOffer, ClaimRequest};
+use agentscope_schemas::v1::{ClaimOffer, ClaimRequest, OfferReply};
 use agentscope_telemetry::supervisor::Work;
 use futures::{FutureExt, StreamExt};
 use std::sync::Arc;
@@ -33,6 +33,11 @@ pub(crate) async fn claim_loop(
     let mut claim_now = true;
     // The last claim's answer: more work waits than it could take.
     let mut work_waiting = false;
+    // Attempts the gateway claimed for this host when it stored their tasks.
+    let mut offers = ctx
+        .nats
+        .subscribe(subjects::host_offer(&ctx.host_id.to_string()))
+        .await?;
     loop {
         if claim_now && slots.available_permits() > 0 {
             next_poll = tokio::time::Instant::now() + poll;
@@ -75,6 +80,15 @@ pub(crate) async fn claim_loop(
         };
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
+            offer = offers.next() => match offer {
+                Some(msg) => take_offer(&ctx, &slots, &attempts, msg).await,
+                None => {
+                    offers = ctx
+                        .nats
+                        .subscribe(subjects::host_offer(&ctx.host_id.to_string()))
+                        .await?;
+                }
+            },
             open = nudge => {
                 if open {
                     // Several nudges queued up are one claim.
@@ -145,6 +159,16 @@ async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usiz
                     st.reported.retain(|id| !recorded.contains(id.as_str()));
                 }
                 for a in offer.assignments {
+                    if ctx
+                        .state
+                        .lock()
+                        .expect("host state")
+                        .running
+                        .contains_key(&a.attempt_id)
+                    {
+                        // Already running here (offered by the gateway meanwhile).
+                        continue;
+                    }
                     let permit = slots.clone().try_acquire_owned();
                     let Ok(permit) = permit else {
                         tracing::error!(attempt_id = %a.attempt_id, "offered more than free capacity; its lease will lapse");
@@ -161,6 +185,45 @@ async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usiz
         Err(_) => tracing::warn!("claim request timed out"),
     }
     (got, 0)
+}
+
+/// An offer the gateway made: attempts it claimed for this host (`ClaimOffer`). The answer says
+/// which are taken (also one this host already has: an offer is never run twice) and which are
+/// declined (no free slot, or the host is stopping), which the gateway puts back in the queue.
+/// The answer goes first, then the attempts start.
+async fn take_offer(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work, msg: async_nats::Message) {
+    let Some(reply) = msg.reply else { return };
+    let Ok(offer) = ClaimOffer::decode(msg.payload.as_ref()) else {
+        tracing::warn!("malformed offer");
+        return;
+    };
+    let mut answer = OfferReply::default();
+    let mut start = Vec::new();
+    for a in offer.assignments {
+        let known = {
+            let st = ctx.state.lock().expect("host state");
+            st.running.contains_key(&a.attempt_id)
+                || st.finished.contains(&a.attempt_id)
+                || st.reported.contains(&a.attempt_id)
+        };
+        if known {
+            answer.accepted.push(a.attempt_id);
+            continue;
+        }
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) if !attempts.stopping().is_cancelled() => p,
+            _ => {
+                answer.declined.push(a.attempt_id);
+                continue;
+            }
+        };
+        answer.accepted.push(a.attempt_id.clone());
+        start.push((a, permit));
+    }
+    let _ = ctx.nats.publish(reply, answer.encode_to_vec().into()).await;
+    for (a, permit) in start {
+        spawn_attempt(ctx, attempts, a.into(), permit, None);
+    }
 }
 
 /// Runs an attempt as work of the host's supervisor, holding `permit` (a capacity slot) until it

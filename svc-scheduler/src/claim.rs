@@ -14,9 +14,10 @@
 //! once a lease TTL has passed (`sweeper`).
 
 use crate::{Ctx, Error};
+use agentscope_bus::dispatch::{new_lease, spec_from_json};
 use agentscope_bus::{Endpoint, Request, SCHEDULER_QUEUE, lease_key, subjects};
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord, TaskSpec};
+use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, ClaimRequest, LeaseRecord};
 use agentscope_store::first_attempt::DEFAULT_TIMEOUT_SOURCE;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -147,7 +148,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
     let host = host_id.to_string();
     let leases = futures::future::join_all(ids.iter().zip(&lease_tokens).map(|(id, token)| {
         let key = lease_key(&host, &id.to_string());
-        let record = new_lease(&host, *id, *token);
+        let record = new_lease(&host, &id.to_string(), *token);
         async move {
             let res = ctx.leases.create(&key, record.encode_to_vec().into()).await;
             (key, res)
@@ -238,16 +239,13 @@ fn note_waiting(pool_id: Uuid, waiting: u32) {
     crate::attempts::set_waiting(pool_id, waiting);
 }
 
-/// The record of a lease `host` takes now on `attempt` under its claim's fencing `token`.
-fn new_lease(host: &str, attempt: Uuid, token: i64) -> LeaseRecord {
-    let now = agentscope_bus::now_ms();
-    LeaseRecord {
-        attempt_id: attempt.to_string(),
-        host_id: host.to_string(),
-        token: token as u64,
-        acquired_at_ms: now,
-        renewed_at_ms: now,
-    }
+/// How long after its claim an offer may still be on its way: half the time a host waits for
+/// a claim reply (`lease_ttl_ms / 3`, within 0.5–5 s), so that a reply lost for good is offered
+/// again on the host's first claim after its wait, but an attempt the gateway offered the host a
+/// moment ago (`dispatch.rs` in svc-gateway) is not offered twice (with a second task token, which
+/// would void the first) while that offer crosses the host's claim.
+fn in_flight_secs(lease_ttl_ms: u64) -> f64 {
+    (lease_ttl_ms / 3).clamp(500, 5_000) as f64 / 2_000.0
 }
 
 async fn reoffer(
@@ -259,10 +257,13 @@ async fn reoffer(
 ) -> Result<Vec<AttemptAssignment>, Error> {
     let rows = sqlx::query!(
         "SELECT id, task_id, number, spec, lease_token FROM attempts
-         WHERE host_id = $1 AND status = 'claimed' AND NOT (id::text = ANY($2)) FOR UPDATE",
+         WHERE host_id = $1 AND status = 'claimed' AND NOT (id::text = ANY($2))
+           AND claimed_at < clock_timestamp() - make_interval(secs => $3)
+         FOR UPDATE",
         host_id,
         // A slice of the request's ids: text[] (the check expects an owned Vec<String>).
         held as &[String],
+        in_flight_secs(ctx.config.lease_ttl_ms),
     )
     .fetch_all(&mut **tx)
     .await?;
@@ -276,10 +277,7 @@ async fn reoffer(
         }
         let key = lease_key(&host_id.to_string(), &id.to_string());
         let revision = match ctx.leases.entry(&key).await {
-            Ok(Some(entry)) => {
-                if entry.operation != async_nats::jetstream::kv::Operation::Put {
-                    continue;
-                }
+            Ok(Some(entry)) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
                 let holder = LeaseRecord::decode(entry.value.as_ref())
                     .map(|l| l.host_id)
                     .unwrap_or_default();
@@ -288,13 +286,14 @@ async fn reoffer(
                 }
                 entry.revision
             }
-            // Missing: never created (the claim's scheduler died between its commit and the
-            // lease, so nobody was offered the attempt) or expired unrenewed. Either way this
-            // host, which does not hold the attempt and published nothing for it, gets it again
-            // under the claim's fencing token, with the lease that scheduler would have created.
-            Ok(None) => {
+            // Missing or removed: never created (the claim's scheduler died between its commit
+            // and the lease, so nobody was offered the attempt), expired unrenewed, or removed
+            // when an earlier claim of the attempt was put back. Either way this host, which
+            // does not hold the attempt and published nothing for it, gets it again under the
+            // claim's fencing token, with the lease that scheduler would have created.
+            Ok(_) => {
                 let Some(token) = token else { continue };
-                let record = new_lease(&host_id.to_string(), id, token);
+                let record = new_lease(&host_id.to_string(), &id.to_string(), token);
                 match ctx.leases.create(&key, record.encode_to_vec().into()).await {
                     Ok(revision) => revision,
                     Err(_) => continue,
@@ -327,44 +326,4 @@ async fn reoffer(
         });
     }
     Ok(out)
-}
-
-fn spec_from_json(v: &serde_json::Value) -> TaskSpec {
-    let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
-    TaskSpec {
-        provider: s("provider"),
-        repository: s("repository"),
-        branch: s("branch"),
-        input: s("input"),
-        instructions: s("instructions"),
-        params: v["params"]
-            .as_object()
-            .map(|o| {
-                o.iter()
-                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
-                    .collect()
-            })
-            .unwrap_or_default(),
-        issue_title: s("issue_title"),
-        issue_body: s("issue_body"),
-        command: v["command"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|x| {
-                        x.as_str()
-                            .map(str::to_string)
-                            .unwrap_or_else(|| x.to_string())
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
-        agent_id: s("agent_id"),
-        agent_version_id: s("agent_version_id"),
-        timeout_secs: v["timeout_secs"].as_u64().unwrap_or(0) as u32,
-        issue_id: s("issue_id"),
-        resume_session_id: s("resume_session_id"),
-        resume_from_attempt_id: s("resume_from_attempt_id"),
-        timeout_source: s("timeout_source"),
-    }
 }

@@ -62,7 +62,10 @@ impl Config {
             ("db_recorder_connections", 4.into()),
             ("max_deliver", 1_000.into()),
             ("redelivery_max_ms", 10_000.into()),
-            ("run_timeout_secs", (4 * 3600).into()),
+            (
+                "run_timeout_secs",
+                agentscope_store::first_attempt::DEFAULT_RUN_TIMEOUT_SECS.into(),
+            ),
             ("log_format", "".into()),
         ])?;
         config.validate()?;

@@ -334,15 +334,22 @@ async fn a_slot_whose_attempt_ended_is_claimed_before_the_end_is_recorded() {
 
 /// A host lists an ended attempt in its claims only until a reply says its end is recorded: a
 /// busy host's requests stay as small as what it actually holds (they once carried its last 256
-/// attempts, 9 KB, on every claim).
+/// attempts, 9 KB, on every claim). The gateway's direct dispatch is off, so that every task
+/// comes through a claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_stops_listing_ends_once_they_are_recorded() {
     use agentscope_schemas::v1::ClaimRequest;
     use futures::StreamExt as _;
     use prost::Message as _;
-    let stack = Stack::start("limits-listed", StackOptions::default())
-        .await
-        .unwrap();
+    let stack = Stack::start(
+        "limits-listed",
+        StackOptions {
+            gateway_env: vec![("AGENTSCOPE_DIRECT_DISPATCH".into(), "false".into())],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let (agent, _) = stack
         .command_agent("quick", "pool", &["true"], None)
         .await
@@ -592,7 +599,9 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
 /// A claim whose scheduler died between its commit and the lease (so nobody was offered the
 /// attempt) is offered again to its host when that host next asks for work without listing it,
 /// under the claim's fencing token and with the lease created then: the attempt runs once, as
-/// attempt 1, instead of being lost and retried.
+/// attempt 1, instead of being lost and retried. Not while the claim is younger than half a
+/// host's claim wait (an offer may still be on its way: the gateway's, crossing the host's
+/// claim), since a second offer would carry a second task token and void the first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_committed_without_its_lease_is_offered_again_to_its_host() {
     use agentscope_schemas::v1::LeaseRecord;
@@ -623,7 +632,21 @@ async fn a_claim_committed_without_its_lease_is_offered_again_to_its_host() {
     .await
     .unwrap();
 
-    let offer = raw_claim(&stack, &raw, &[], &[]).await;
+    let young = raw_claim(&stack, &raw, &[], &[]).await;
+    assert!(young.assignments.is_empty(), "{:?}", young.assignments);
+    // Half of a host's claim wait (a third of the 3 s lease TTL), then it is offered again.
+    let claimed = std::time::Instant::now();
+    let offer = kit::wait_for("the claim offered again", Duration::from_secs(10), || {
+        let raw = &raw;
+        let stack = &stack;
+        async move {
+            let offer = raw_claim(stack, raw, &[], &[]).await;
+            (!offer.assignments.is_empty()).then_some(offer)
+        }
+    })
+    .await
+    .unwrap();
+    assert!(claimed.elapsed() >= Duration::from_millis(400));
     assert_eq!(offer.assignments.len(), 1, "{:?}", offer.assignments);
     let a = &offer.assignments[0];
     assert_eq!(
@@ -793,4 +816,224 @@ async fn attempts_ending_in_one_batch_end_together_with_their_start_times() {
             .await
             .unwrap();
     assert_eq!(attempts, 3);
+}
+
+/// One of the gateway's metrics, by its `result` label, from its `/metrics`.
+async fn dispatches(stack: &Stack, result: &str) -> u64 {
+    let text = kit::http_client()
+        .get(format!("{}/metrics", stack.api.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let prefix = format!("agentscope_dispatch_total{{result=\"{result}\"}}");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A task whose pool has an idle host is claimed for that host and offered to it by the
+/// gateway, in the request that stores it: the answer already says `claimed` on that host, and
+/// the attempt runs without a nudge or a claim through the scheduler (the host polls only every
+/// ten minutes here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
+    let stack = Stack::start("dispatch-direct", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("direct", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let state = stack.dir.path.join("host-h1-state");
+    let _h1 = stack
+        .spawn_host(
+            "h1",
+            "pool",
+            2,
+            &state,
+            &[("AGENTSCOPE_POLL_INTERVAL_MS", "600000")],
+        )
+        .unwrap();
+    stack.wait_host_ready("h1").await.unwrap();
+    let host: String = sqlx::query_scalar("SELECT id::text FROM hosts WHERE name = 'h1'")
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+    for i in 0..3 {
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": format!("direct {i}")}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(t["status"], "running", "{t:#}");
+        assert_eq!(t["attempts"][0]["status"], "claimed", "{t:#}");
+        assert_eq!(t["attempts"][0]["host_id"], host.as_str(), "{t:#}");
+        let id = t["id"].as_str().unwrap();
+        stack
+            .wait_task(id, "succeeded", Duration::from_secs(60))
+            .await
+            .unwrap();
+    }
+    assert_eq!(dispatches(&stack, "offered").await, 3);
+    let claims = claims_answered(&stack.scheduler_health).await;
+    assert_eq!(claims.get("offered"), None, "{claims:?}");
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 3, "one attempt per task");
+}
+
+/// An offer nobody takes goes back to the queue before the answer: a host that is not listening
+/// (no responders) and one that declines (no free slot) leave the attempt queued, without a host,
+/// a fencing token or a lease key, and the host's counter where it was; one that accepts has it
+/// claimed under the offer's token and lease, which its next claim does not offer again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_nobody_takes_goes_back_to_the_queue() {
+    use agentscope_schemas::v1::{ClaimOffer, OfferReply};
+    use futures::StreamExt;
+    use prost::Message as _;
+    let stack = Stack::start("dispatch-declined", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("declined", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let raw = raw_host(&stack, "raw", 2).await;
+    let host = raw.0.clone();
+    let service = stack.nats.service_client("scheduler").await.unwrap();
+    let leases = async_nats::jetstream::new(service)
+        .get_key_value(agentscope_bus::BUCKET_LEASES)
+        .await
+        .unwrap();
+    let submit = |input: &'static str| {
+        let api = stack.api.clone();
+        let agent = agent.clone();
+        let pg = stack.pg.clone();
+        let host = host.clone();
+        async move {
+            // Its heartbeat, as the scheduler mirrors it (a raw host does not beat).
+            sqlx::query("UPDATE hosts SET last_seen_at = now() WHERE id = $1::uuid")
+                .bind(&host)
+                .execute(&pg)
+                .await
+                .unwrap();
+            api.post("/v1/tasks", json!({"agent_id": agent, "input": input}))
+                .await
+                .unwrap()
+        }
+    };
+    let queued_again = |t: serde_json::Value| {
+        let pg = stack.pg.clone();
+        let leases = leases.clone();
+        let host = host.clone();
+        async move {
+            assert_eq!(t["attempts"][0]["status"], "queued", "{t:#}");
+            let attempt = t["attempts"][0]["id"].as_str().unwrap().to_string();
+            let row: (String, Option<String>, Option<i64>, i64) = sqlx::query_as(
+                "SELECT status, host_id::text, lease_token,
+                        COALESCE((SELECT active FROM attempt_counts WHERE scope = 'host' AND id = $2::uuid), 0)::bigint
+                 FROM attempts WHERE id = $1::uuid",
+            )
+            .bind(&attempt)
+            .bind(&host)
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+            assert_eq!(row, ("queued".into(), None, None, 0));
+            let key = agentscope_bus::lease_key(&host, &attempt);
+            assert!(leases.get(&key).await.unwrap().is_none(), "no lease left");
+            attempt
+        }
+    };
+
+    // Not listening: nobody responds.
+    let first = queued_again(submit("first").await).await;
+    assert_eq!(dispatches(&stack, "declined").await, 1);
+
+    // Listening, and declining the next offer, then accepting the one after.
+    let mut offers = raw
+        .1
+        .subscribe(agentscope_bus::subjects::host_offer(&host))
+        .await
+        .unwrap();
+    raw.1.flush().await.unwrap();
+    let nc = raw.1.clone();
+    let answering = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        for accept in [false, true] {
+            let msg = offers.next().await.unwrap();
+            let offer = ClaimOffer::decode(msg.payload.as_ref()).unwrap();
+            let ids: Vec<String> = offer
+                .assignments
+                .iter()
+                .map(|a| a.attempt_id.clone())
+                .collect();
+            let reply = if accept {
+                OfferReply {
+                    accepted: ids,
+                    ..Default::default()
+                }
+            } else {
+                OfferReply {
+                    declined: ids,
+                    ..Default::default()
+                }
+            };
+            nc.publish(msg.reply.unwrap(), reply.encode_to_vec().into())
+                .await
+                .unwrap();
+            seen.push(offer);
+        }
+        seen
+    });
+    // The pool's oldest queued attempt goes first: the first task's, declined, so both wait.
+    let second = queued_again(submit("second").await).await;
+    let third = submit("third").await;
+    assert_eq!(third["attempts"][0]["status"], "queued", "{third:#}");
+    let seen = answering.await.unwrap();
+    assert_eq!(seen.len(), 2);
+    for offer in &seen {
+        assert_eq!(offer.assignments.len(), 1);
+        assert_eq!(offer.assignments[0].attempt_id, first);
+    }
+    assert_eq!(dispatches(&stack, "declined").await, 2);
+    assert_eq!(dispatches(&stack, "offered").await, 1);
+    // The accepted one: claimed for the host under the offer's token and lease.
+    let a = &seen[1].assignments[0];
+    let (status, holder, token): (String, String, i64) = sqlx::query_as(
+        "SELECT status, host_id::text, lease_token FROM attempts WHERE id = $1::uuid",
+    )
+    .bind(&first)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(
+        (status.as_str(), holder.as_str()),
+        ("claimed", host.as_str())
+    );
+    assert_eq!(token as u64, a.lease_token);
+    let entry = leases
+        .entry(agentscope_bus::lease_key(&host, &first))
+        .await
+        .unwrap()
+        .expect("the offer's lease");
+    assert_eq!(entry.revision, a.lease_revision);
+    assert!(!a.task_token.is_empty());
+    // The host's own claim, listing it, gets the next one and not it again.
+    let next = raw_claim(&stack, &raw, &[&first], &[]).await;
+    let got: Vec<&str> = next
+        .assignments
+        .iter()
+        .map(|a| a.attempt_id.as_str())
+        .collect();
+    assert_eq!(got, [second.as_str()]);
 }

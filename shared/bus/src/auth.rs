@@ -215,7 +215,7 @@ pub fn worker_inbox(token: &str) -> String {
 
 /// What a Runtime Host of `workspace_id` with id `host_id` may do on the bus: its own
 /// registration, claims, events, approval requests, leases and presence, its own control
-/// consumer, and the work nudges of its workspace's pools.
+/// consumer, the work nudges of its workspace's pools, and the offers made to it.
 pub fn host_permissions(workspace_id: &str, host_id: &str) -> Permissions {
     use crate::{BUCKET_LEASES, BUCKET_PRESENCE, STREAM_CONTROL, STREAM_EVENTS, subjects};
     let consumer = format!("host-{host_id}");
@@ -249,6 +249,7 @@ pub fn host_permissions(workspace_id: &str, host_id: &str) -> Permissions {
         subscribe: vec![
             format!("{inbox}.>"),
             format!("agentscope.pool.{workspace_id}.*.work"),
+            subjects::host_offer(host_id),
         ],
     }
 }
@@ -465,5 +466,12 @@ mod tests {
                 .any(|s| s.starts_with("agentscope.approvals.decide"))
         );
         assert!(p.subscribe.iter().all(|s| !s.starts_with("_INBOX.")));
+        // Offers: its own, received only; no host can make one.
+        assert!(
+            p.subscribe
+                .contains(&"agentscope.host.h1.offer".to_string())
+        );
+        assert!(p.subscribe.iter().all(|s| !s.contains("h2")));
+        assert!(p.publish.iter().all(|s| !s.ends_with(".offer")));
     }
 }

@@ -3,6 +3,7 @@
 //! [`consume`]). Architecture invariant: every subject string is built here.
 
 pub mod auth;
+pub mod dispatch;
 pub mod lease;
 mod loops;
 
@@ -50,6 +51,11 @@ pub mod subjects {
     }
     pub fn host_claim(host_id: &str) -> String {
         format!("agentscope.host.{host_id}.claim")
+    }
+    /// Core request/reply, gateway → one host: attempts the gateway claimed for it when it
+    /// stored their tasks (`ClaimOffer` → `OfferReply`). Only services may publish here.
+    pub fn host_offer(host_id: &str) -> String {
+        format!("agentscope.host.{host_id}.offer")
     }
     /// The token of `subject` at `index` (0-based), e.g. the host id of a claim subject.
     pub fn token(subject: &str, index: usize) -> Option<&str> {

@@ -35,10 +35,13 @@ pub struct Plan {
 }
 
 /// Where a run timeout comes from when neither the task nor its runtime profile sets one: the
-/// scheduler's `run_timeout_secs`, which only the scheduler knows. The spec then carries this
-/// source and no `timeout_secs` until the claim that leases the attempt writes it in
-/// (`claim_attempts`, migration 0006).
+/// deployment's `run_timeout_secs`, a setting of the services that claim (the scheduler, and the
+/// gateway for its direct dispatch). The spec then carries this source and no `timeout_secs`
+/// until the claim that leases the attempt writes it in (`claim_attempts`, migration 0006).
 pub const DEFAULT_TIMEOUT_SOURCE: &str = "default";
+
+/// `run_timeout_secs` unless configured: 4 hours.
+pub const DEFAULT_RUN_TIMEOUT_SECS: u64 = 4 * 3600;
 
 /// The run timeout an attempt's task or runtime profile sets, and which of the two: the task's own
 /// `timeout_secs`, else the profile's `timeout_secs` parameter. Values that are not positive

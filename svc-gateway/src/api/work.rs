@@ -2,6 +2,7 @@
 
 use crate::AppState;
 use crate::api::resources::check_name;
+use crate::dispatch::Dispatched;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Body, Id};
 use agentscope_api as t;
@@ -424,12 +425,27 @@ pub async fn create_task(
         }
         Err(e) => return Err(e.into()),
     };
-    announce(&s, auth.workspace_id, stored.pool_id).await;
+    // Straight to an idle host if the pool has one; else the pool's hosts hear of it.
+    let mut attempt = stored.attempt;
+    let mut status = AttemptStatus::Queued;
+    match crate::dispatch::dispatch(&s, auth.workspace_id, attempt.id).await {
+        Dispatched::Claimed {
+            host_id,
+            lease_token,
+        } => {
+            s.metrics.inc("agentscope_tasks_submitted_total", &[]);
+            status = AttemptStatus::Claimed;
+            attempt.status = status.as_str().to_string();
+            attempt.host_id = Some(host_id);
+            attempt.lease_token = Some(lease_token);
+        }
+        Dispatched::Queued => announce(&s, auth.workspace_id, stored.pool_id).await,
+    }
     Ok((
         StatusCode::CREATED,
         Json(t::Task {
             id: stored.id,
-            status: task_status(Some(AttemptStatus::Queued)).to_string(),
+            status: task_status(Some(status)).to_string(),
             issue_id: b.issue_id,
             agent_id: b.agent_id,
             repository: b.repository,
@@ -439,7 +455,7 @@ pub async fn create_task(
             idempotency_key: b.idempotency_key,
             cancel_requested_at: None,
             created_at: stored.created_at,
-            attempts: vec![stored.attempt],
+            attempts: vec![attempt],
         }),
     ))
 }
