@@ -101,7 +101,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
                   r_recorded_ends AS recorded_ends, r_lost_offers AS lost_offers, r_reason AS reason,
                   r_ids AS ids, r_task_ids AS task_ids, r_numbers AS numbers, r_specs AS specs,
                   r_tokens AS tokens, r_slots AS slots
-           FROM claim_attempts($1, $2, $3, $4, $5, $6, $7, $8)"#,
+           FROM claim_attempts($1, $2, $3, $4, $5, $6, $7, $8, $9)"#,
         host_id,
         workspace_id,
         req.free_slots.min(i32::MAX as u32) as i32,
@@ -110,6 +110,7 @@ async fn claim(ctx: &Ctx, req: ClaimRequest) -> Result<ClaimOffer, Error> {
         &hashes,
         ctx.config.run_timeout_secs as i64,
         DEFAULT_TIMEOUT_SOURCE,
+        in_flight_ms(ctx.config.lease_ttl_ms) as i64,
     )
     .fetch_one(&ctx.claim_db)
     .await?;
@@ -242,10 +243,11 @@ fn note_waiting(pool_id: Uuid, waiting: u32) {
 /// How long after its claim an offer may still be on its way: half the time a host waits for
 /// a claim reply (`lease_ttl_ms / 3`, within 0.5–5 s), so that a reply lost for good is offered
 /// again on the host's first claim after its wait, but an attempt the gateway offered the host a
-/// moment ago (`dispatch.rs` in svc-gateway) is not offered twice (with a second task token, which
-/// would void the first) while that offer crosses the host's claim.
-fn in_flight_secs(lease_ttl_ms: u64) -> f64 {
-    (lease_ttl_ms / 3).clamp(500, 5_000) as f64 / 2_000.0
+/// moment ago (`dispatch.rs` in svc-gateway) neither counts as a lost offer (which would keep
+/// the host's claim from taking anything new) nor is offered twice (with a second task token,
+/// which would void the first) while that offer crosses the host's claim.
+fn in_flight_ms(lease_ttl_ms: u64) -> u64 {
+    (lease_ttl_ms / 3).clamp(500, 5_000) / 2
 }
 
 async fn reoffer(
@@ -258,12 +260,12 @@ async fn reoffer(
     let rows = sqlx::query!(
         "SELECT id, task_id, number, spec, lease_token FROM attempts
          WHERE host_id = $1 AND status = 'claimed' AND NOT (id::text = ANY($2))
-           AND claimed_at < clock_timestamp() - make_interval(secs => $3)
+           AND claimed_at < clock_timestamp() - make_interval(secs => $3::bigint / 1000.0)
          FOR UPDATE",
         host_id,
         // A slice of the request's ids: text[] (the check expects an owned Vec<String>).
         held as &[String],
-        in_flight_secs(ctx.config.lease_ttl_ms),
+        in_flight_ms(ctx.config.lease_ttl_ms) as i64,
     )
     .fetch_all(&mut **tx)
     .await?;

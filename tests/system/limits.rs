@@ -601,7 +601,8 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
 /// under the claim's fencing token and with the lease created then: the attempt runs once, as
 /// attempt 1, instead of being lost and retried. Not while the claim is younger than half a
 /// host's claim wait (an offer may still be on its way: the gateway's, crossing the host's
-/// claim), since a second offer would carry a second task token and void the first.
+/// claim), since a second offer would carry a second task token and void the first; nor does
+/// such a young claim keep the host's claim from taking new work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_committed_without_its_lease_is_offered_again_to_its_host() {
     use agentscope_schemas::v1::LeaseRecord;
@@ -632,15 +633,28 @@ async fn a_claim_committed_without_its_lease_is_offered_again_to_its_host() {
     .await
     .unwrap();
 
+    // Young, it neither comes again nor keeps the host from taking new work.
+    let two = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent, "input": "two"}))
+        .await
+        .unwrap();
+    let two = two["attempts"][0]["id"].as_str().unwrap().to_string();
     let young = raw_claim(&stack, &raw, &[], &[]).await;
-    assert!(young.assignments.is_empty(), "{:?}", young.assignments);
+    let got: Vec<&str> = young
+        .assignments
+        .iter()
+        .map(|a| a.attempt_id.as_str())
+        .collect();
+    assert_eq!(got, [two.as_str()]);
     // Half of a host's claim wait (a third of the 3 s lease TTL), then it is offered again.
     let claimed = std::time::Instant::now();
     let offer = kit::wait_for("the claim offered again", Duration::from_secs(10), || {
         let raw = &raw;
         let stack = &stack;
+        let two = &two;
         async move {
-            let offer = raw_claim(stack, raw, &[], &[]).await;
+            let offer = raw_claim(stack, raw, &[two.as_str()], &[]).await;
             (!offer.assignments.is_empty()).then_some(offer)
         }
     })
