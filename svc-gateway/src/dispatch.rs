@@ -3,7 +3,9 @@
 //! `claim_attempts` for one slot), creates the lease and offers it to that host
 //! (`agentscope.host.<id>.offer`), all before it answers. The usual path (a nudge, the host's
 //! claim to the scheduler, the scheduler's claim and lease, the reply) costs two more hops
-//! through the broker, two more wake-ups and a second transaction.
+//! through the broker, two more wake-ups and a second transaction. Only an idle host (nothing
+//! active) gets work this way: once hosts are busy, their own claims take it in batches, which
+//! costs less per attempt than a claim and an offer each.
 //!
 //! Everything the scheduler's claims guarantee holds: the same statement under the same
 //! counters' locks decides, the lease is created after the commit with the claim's fencing
@@ -43,12 +45,9 @@ pub(crate) enum Dispatched {
     Queued,
 }
 
-/// Tries to hand `attempt_id` (queued, just stored in `workspace_id`) to an idle host of its
-/// pool.
+/// Tries to hand `attempt_id` (queued, just stored in `workspace_id`, with an idle host in its
+/// pool a moment ago) to an idle host of its pool.
 pub(crate) async fn dispatch(s: &AppState, workspace_id: Uuid, attempt_id: Uuid) -> Dispatched {
-    if !s.config.direct_dispatch {
-        return Dispatched::Queued;
-    }
     match try_dispatch(s, workspace_id, attempt_id).await {
         Ok(d) => d,
         Err(e) => {

@@ -194,15 +194,36 @@ BEGIN
 END;
 $$;
 
+-- An idle host of a pool for an attempt of `p_provider` needing `p_caps`: seen within
+-- `p_fresh_ms` (its heartbeat, mirrored into `hosts`), the provider ready there, the
+-- capabilities present, and no active attempt by its counter (read unlocked: a claim decides
+-- under the counters' locks); one at random if several are, NULL if none. The gateway asks it in
+-- the statement that stores a task, and runs `dispatch_attempt` only when there is one.
+CREATE FUNCTION idle_host(
+    p_workspace uuid, p_pool uuid, p_provider text, p_caps text[], p_fresh_ms bigint)
+RETURNS uuid
+LANGUAGE sql AS $$
+    SELECT hs.id
+      FROM hosts hs LEFT JOIN attempt_counts ac ON ac.scope = 'host' AND ac.id = hs.id
+     WHERE hs.workspace_id = p_workspace AND hs.pool_id = p_pool
+       AND hs.last_seen_at > clock_timestamp() - make_interval(secs => p_fresh_ms / 1000.0)
+       AND COALESCE(ac.active, 0) = 0 AND hs.capacity > 0
+       AND p_caps <@ hs.capabilities
+       AND EXISTS (SELECT 1 FROM jsonb_array_elements(hs.providers) e
+                    WHERE e->>'name' = p_provider AND e->'installed' = 'true'::jsonb
+                      AND e->'logged_in' = 'true'::jsonb)
+     ORDER BY random()
+     LIMIT 1
+$$;
+
 -- Direct dispatch (svc-gateway, its exception on `attempts`): the gateway, having stored
 -- a task with its attempt 1, claims queued work of the attempt's pool for one idle host in one
 -- statement, and then offers it to that host itself, instead of nudging the hosts and waiting
 -- for one to ask the scheduler.
 --
--- The host is one of the pool's that can run the attempt (its provider ready, the attempt's
--- capabilities), seen within `p_fresh_ms` (its heartbeat, mirrored into `hosts`), and below its
--- capacity by its counter (read unlocked: the claim itself decides under the counters' locks);
--- the least loaded first, ties broken at random. The claim is `claim_attempts` for one slot,
+-- The host is an `idle_host` of the attempt's pool. A busy pool is left to the hosts' own
+-- claims, which take work in batches: one claim per attempt costs more than the hops it saves
+-- once hosts are busy. The claim is `claim_attempts` for one slot,
 -- with every attempt claimed for the host listed as held (the host's own claims judge lost
 -- offers, not this) and none as ended (the counter is the upper bound of what runs there). It
 -- takes the pool's oldest queued work the host can run, which is the new attempt unless others
@@ -225,17 +246,7 @@ BEGIN
     IF NOT FOUND OR a.pool_id IS NULL OR a.provider IS NULL THEN
         RETURN;
     END IF;
-    SELECT hs.id INTO v_host
-      FROM hosts hs LEFT JOIN attempt_counts ac ON ac.scope = 'host' AND ac.id = hs.id
-     WHERE hs.workspace_id = a.workspace_id AND hs.pool_id = a.pool_id
-       AND hs.last_seen_at > clock_timestamp() - make_interval(secs => p_fresh_ms / 1000.0)
-       AND COALESCE(ac.active, 0) < hs.capacity
-       AND a.required_capabilities <@ hs.capabilities
-       AND EXISTS (SELECT 1 FROM jsonb_array_elements(hs.providers) e
-                    WHERE e->>'name' = a.provider AND e->'installed' = 'true'::jsonb
-                      AND e->'logged_in' = 'true'::jsonb)
-     ORDER BY COALESCE(ac.active, 0), random()
-     LIMIT 1;
+    v_host := idle_host(a.workspace_id, a.pool_id, a.provider, a.required_capabilities, p_fresh_ms);
     IF v_host IS NULL THEN
         RETURN;
     END IF;

@@ -104,7 +104,7 @@ pub async fn create_issue(
                 idempotency_key: None,
                 request_hash: None,
             };
-            let stored = insert_task(&mut tx, &sub)
+            let stored = insert_task(&mut tx, &sub, idle_within_ms(&s))
                 .await?
                 .ok_or_else(|| ApiError::Db(sqlx::Error::RowNotFound))?;
             Some(stored)
@@ -114,7 +114,7 @@ pub async fn create_issue(
     tx.commit().await?;
     let task_id = task.as_ref().map(|t| t.id);
     if let Some(t) = task {
-        announce(&s, auth.workspace_id, t.pool_id).await;
+        hand_out(&s, auth.workspace_id, &t).await;
     }
     Ok((
         StatusCode::CREATED,
@@ -257,6 +257,9 @@ struct Stored {
     created_at: chrono::DateTime<chrono::Utc>,
     attempt: t::Attempt,
     pool_id: Option<Uuid>,
+    /// The pool had an idle host for it when it was stored (`idle_host`, migration 0007), and
+    /// direct dispatch is on.
+    idle_host: bool,
 }
 
 /// Stores a task and its first attempt, queued, in one statement (so in one transaction with
@@ -271,6 +274,7 @@ struct Stored {
 async fn insert_task(
     db: &mut sqlx::PgConnection,
     sub: &Submission<'_>,
+    idle_within_ms: i64,
 ) -> Result<Option<Stored>, sqlx::Error> {
     let task = &sub.task;
     let Some(p) = agentscope_store::first_attempt::plan(&mut *db, task).await? else {
@@ -290,7 +294,9 @@ async fn insert_task(
                 SELECT $11, t.id, $2, 1, 'queued', $4, $12, $13, $14, $15, $16, $17 FROM t
                 RETURNING created_at, not_before
             )
-            SELECT t.created_at, a.created_at AS attempt_created_at, a.not_before FROM t, a
+            SELECT t.created_at, a.created_at AS attempt_created_at, a.not_before,
+                   $18::bigint > 0 AND idle_host($2, $14, $15, $16, $18) IS NOT NULL AS "idle_host!"
+            FROM t, a
             "#,
         id,
         task.workspace_id,
@@ -309,6 +315,7 @@ async fn insert_task(
         p.provider.as_deref(),
         &p.required_capabilities,
         &p.spec,
+        idle_within_ms,
     )
     .fetch_optional(&mut *db)
     .await;
@@ -319,6 +326,7 @@ async fn insert_task(
         id,
         created_at: row.created_at,
         pool_id: p.pool_id,
+        idle_host: row.idle_host,
         attempt: t::Attempt {
             id: attempt_id,
             task_id: id,
@@ -347,6 +355,30 @@ async fn insert_task(
 /// scheduler's nudges). If it is lost, hosts poll and the scheduler's sweep nudges pools with
 /// ready work; the scheduler also counts these (`agentscope_bus::NEW_WORK`) in its view of
 /// waiting work.
+/// How recent a host's heartbeat must be for the statement that stores a task to count it as
+/// an idle host (0: direct dispatch is off).
+fn idle_within_ms(s: &AppState) -> i64 {
+    if s.config.direct_dispatch {
+        s.config.host_offline_after_ms.min(i64::MAX as u64) as i64
+    } else {
+        0
+    }
+}
+
+/// A stored task's attempt 1 goes straight to an idle host if its pool had one; else the pool's
+/// hosts hear of it.
+async fn hand_out(s: &AppState, workspace_id: Uuid, stored: &Stored) -> Dispatched {
+    if stored.idle_host {
+        let d = crate::dispatch::dispatch(s, workspace_id, stored.attempt.id).await;
+        if d != Dispatched::Queued {
+            s.metrics.inc("agentscope_tasks_submitted_total", &[]);
+            return d;
+        }
+    }
+    announce(s, workspace_id, stored.pool_id).await;
+    Dispatched::Queued
+}
+
 async fn announce(s: &AppState, workspace_id: Uuid, pool_id: Option<Uuid>) {
     let Some(pool_id) = pool_id else { return };
     let sent = s
@@ -404,7 +436,7 @@ pub async fn create_task(
         idempotency_key: b.idempotency_key.as_deref(),
         request_hash: Some(&hash),
     };
-    let stored = insert_task(&mut conn, &sub).await;
+    let stored = insert_task(&mut conn, &sub, idle_within_ms(&s)).await;
     drop(conn);
     let stored = match stored {
         Ok(Some(stored)) => stored,
@@ -425,21 +457,18 @@ pub async fn create_task(
         }
         Err(e) => return Err(e.into()),
     };
-    // Straight to an idle host if the pool has one; else the pool's hosts hear of it.
-    let mut attempt = stored.attempt;
     let mut status = AttemptStatus::Queued;
-    match crate::dispatch::dispatch(&s, auth.workspace_id, attempt.id).await {
-        Dispatched::Claimed {
-            host_id,
-            lease_token,
-        } => {
-            s.metrics.inc("agentscope_tasks_submitted_total", &[]);
-            status = AttemptStatus::Claimed;
-            attempt.status = status.as_str().to_string();
-            attempt.host_id = Some(host_id);
-            attempt.lease_token = Some(lease_token);
-        }
-        Dispatched::Queued => announce(&s, auth.workspace_id, stored.pool_id).await,
+    let dispatched = hand_out(&s, auth.workspace_id, &stored).await;
+    let mut attempt = stored.attempt;
+    if let Dispatched::Claimed {
+        host_id,
+        lease_token,
+    } = dispatched
+    {
+        status = AttemptStatus::Claimed;
+        attempt.status = status.as_str().to_string();
+        attempt.host_id = Some(host_id);
+        attempt.lease_token = Some(lease_token);
     }
     Ok((
         StatusCode::CREATED,
