@@ -1,13 +1,14 @@
-//! Direct dispatch: when the gateway has stored a task with its attempt 1, it claims queued
-//! work of the attempt's pool for one idle host (`dispatch_attempt`, migration 0007, which is
-//! `claim_attempts` for one slot), creates the lease and offers it to that host
+//! Direct dispatch: when the gateway stores a task with its attempt 1, the same statement
+//! (`submit_task`, migration 0007) claims queued work of the attempt's pool for an idle host
+//! (`claim_attempts` for one slot); the gateway then creates the lease and offers it to that host
 //! (`agentscope.host.<id>.offer`), all before it answers. The usual path (a nudge, the host's
 //! claim to the scheduler, the scheduler's claim and lease, the reply) costs two more hops
 //! through the broker, two more wake-ups and a second transaction. Only an idle host (nothing
-//! active) gets work this way: once hosts are busy, their own claims take it in batches, which
-//! costs less per attempt than a claim and an offer each.
+//! active) gets work this way, and one pool's dispatches of a gateway go one at a time: once
+//! hosts are busy, their own claims take work in batches, which costs less per attempt than a
+//! claim and an offer each.
 //!
-//! Everything the scheduler's claims guarantee holds: the same statement under the same
+//! Everything the scheduler's claims guarantee holds: the same function under the same
 //! counters' locks decides, the lease is created after the commit with the claim's fencing
 //! token, and an attempt nobody got is never left to lapse:
 //! - the lease cannot be created, no host answers (it is gone: no responders), or the host
@@ -24,8 +25,9 @@ use agentscope_bus::dispatch::{new_lease, spec_from_json};
 use agentscope_bus::{BUCKET_LEASES, lease_key, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, OfferReply};
-use agentscope_store::first_attempt::DEFAULT_TIMEOUT_SOURCE;
 use async_nats::jetstream::kv;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -34,6 +36,39 @@ const OFFER_WAIT: Duration = Duration::from_secs(2);
 
 static WARNING: agentscope_telemetry::Throttle =
     agentscope_telemetry::Throttle::new(Duration::from_secs(5));
+
+/// The pools this gateway is dispatching to now.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct InFlight(Arc<Mutex<HashSet<Uuid>>>);
+
+/// A pool's turn to dispatch; ends when dropped.
+pub(crate) struct Turn {
+    pools: InFlight,
+    pool: Uuid,
+}
+
+impl InFlight {
+    pub(crate) fn enter(&self, pool: Uuid) -> Option<Turn> {
+        self.0
+            .lock()
+            .expect("dispatching pools")
+            .insert(pool)
+            .then(|| Turn {
+                pools: self.clone(),
+                pool,
+            })
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.pools
+            .0
+            .lock()
+            .expect("dispatching pools")
+            .remove(&self.pool);
+    }
+}
 
 /// What direct dispatch did for the attempt the gateway just stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,14 +80,53 @@ pub(crate) enum Dispatched {
     Queued,
 }
 
-/// Tries to hand `attempt_id` (queued, just stored in `workspace_id`, with an idle host in its
-/// pool a moment ago) to an idle host of its pool.
-pub(crate) async fn dispatch(s: &AppState, workspace_id: Uuid, attempt_id: Uuid) -> Dispatched {
-    match try_dispatch(s, workspace_id, attempt_id).await {
+/// What the statement that stored a task claimed for an idle host: its first attempt (one slot).
+#[derive(Debug, Clone)]
+pub(crate) struct Claim {
+    host: Uuid,
+    id: Uuid,
+    task_id: Uuid,
+    number: i32,
+    spec: serde_json::Value,
+    token: i64,
+}
+
+impl Claim {
+    /// The first attempt of a claim's arrays, if any.
+    pub(crate) fn first(
+        host: Uuid,
+        ids: Vec<Uuid>,
+        task_ids: Vec<Uuid>,
+        numbers: Vec<i32>,
+        specs: Vec<serde_json::Value>,
+        tokens: Vec<i64>,
+    ) -> Option<Claim> {
+        Some(Claim {
+            host,
+            id: *ids.first()?,
+            task_id: *task_ids.first()?,
+            number: *numbers.first()?,
+            spec: specs.into_iter().next()?,
+            token: *tokens.first()?,
+        })
+    }
+}
+
+/// Offers `claim` (made for `attempt_id`'s submission in `workspace_id`, whose hash of
+/// `task_token` it got) to its host.
+pub(crate) async fn offer(
+    s: &AppState,
+    workspace_id: Uuid,
+    attempt_id: Uuid,
+    claim: Claim,
+    task_token: String,
+) -> Dispatched {
+    let (host, id) = (claim.host, claim.id);
+    match try_offer(s, workspace_id, attempt_id, claim, task_token).await {
         Ok(d) => d,
         Err(e) => {
             if let Some(more) = WARNING.check() {
-                tracing::warn!(error = %e, %attempt_id, "direct dispatch failed; the pool's hosts are nudged instead{more}");
+                tracing::warn!(error = %e, attempt_id = %id, host_id = %host, "direct dispatch failed; the pool's hosts are nudged instead{more}");
             }
             s.metrics
                 .inc("agentscope_dispatch_total", &[("result", "error")]);
@@ -61,66 +135,46 @@ pub(crate) async fn dispatch(s: &AppState, workspace_id: Uuid, attempt_id: Uuid)
     }
 }
 
-async fn try_dispatch(
+async fn try_offer(
     s: &AppState,
     workspace_id: Uuid,
     attempt_id: Uuid,
+    c: Claim,
+    task_token: String,
 ) -> anyhow::Result<Dispatched> {
-    let leases = s
+    let (host, id, token) = (c.host, c.id, c.token);
+    let key = lease_key(&host.to_string(), &id.to_string());
+    let leases = match s
         .leases
         .get_or_try_init(|| s.js.get_key_value(BUCKET_LEASES))
-        .await?;
-    let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
-    let claim = sqlx::query!(
-        r#"SELECT r_host AS "host!", r_ids AS "ids!", r_task_ids AS "task_ids!",
-                  r_numbers AS "numbers!", r_specs AS "specs!", r_tokens AS "tokens!"
-           FROM dispatch_attempt($1, $2, $3, $4, $5)"#,
-        attempt_id,
-        s.config.host_offline_after_ms.min(i64::MAX as u64) as i64,
-        agentscope_domain::hash_token(&task_token),
-        s.config.run_timeout_secs as i64,
-        DEFAULT_TIMEOUT_SOURCE,
-    )
-    .fetch_optional(&s.submit_db)
-    .await?;
-    let Some(c) = claim else {
-        s.metrics
-            .inc("agentscope_dispatch_total", &[("result", "no_idle_host")]);
-        return Ok(Dispatched::Queued);
+        .await
+    {
+        Ok(l) => l,
+        Err(e) => {
+            requeue(s, None, &key, id, token).await;
+            return Err(e.into());
+        }
     };
-    let (Some(id), Some(task_id), Some(number), Some(spec), Some(token)) = (
-        c.ids.first(),
-        c.task_ids.first(),
-        c.numbers.first(),
-        c.specs.first(),
-        c.tokens.first(),
-    ) else {
-        anyhow::bail!("dispatch_attempt returned an empty claim");
-    };
-    let (host, id, token) = (c.host, *id, *token);
-    let key = lease_key(&host.to_string(), &id.to_string());
     let record = new_lease(&host.to_string(), &id.to_string(), token);
     let revision = match leases.create(&key, record.encode_to_vec().into()).await {
         Ok(r) => r,
         Err(e) => {
             // Nobody was offered it.
-            requeue(s, leases, &key, id, token, false).await;
-            s.metrics
-                .inc("agentscope_dispatch_total", &[("result", "unleased")]);
+            requeue(s, None, &key, id, token).await;
             return Err(e.into());
         }
     };
     let offer = ClaimOffer {
         assignments: vec![AttemptAssignment {
             attempt_id: id.to_string(),
-            task_id: task_id.to_string(),
+            task_id: c.task_id.to_string(),
             // The new attempt's pool, so its workspace.
             workspace_id: workspace_id.to_string(),
-            attempt_number: *number as u32,
+            attempt_number: c.number as u32,
             lease_key: key.clone(),
             lease_token: token as u64,
             lease_revision: revision,
-            spec: Some(spec_from_json(spec)),
+            spec: Some(spec_from_json(&c.spec)),
             traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
             task_token,
         }],
@@ -135,8 +189,7 @@ async fn try_dispatch(
         .await;
     let taken = match answer {
         Ok(msg) => match OfferReply::decode(msg.payload.as_ref()) {
-            Ok(r) if r.accepted.iter().any(|a| *a == id.to_string()) => true,
-            Ok(_) => false,
+            Ok(r) => r.accepted.iter().any(|a| *a == id.to_string()),
             Err(_) => {
                 tracing::warn!(host_id = %host, "malformed answer to an offer; the attempt stays claimed for the host");
                 true
@@ -150,14 +203,14 @@ async fn try_dispatch(
         }
     };
     if !taken {
-        requeue(s, leases, &key, id, token, true).await;
+        requeue(s, Some(leases), &key, id, token).await;
         s.metrics
             .inc("agentscope_dispatch_total", &[("result", "declined")]);
         return Ok(Dispatched::Queued);
     }
     s.metrics
         .inc("agentscope_dispatch_total", &[("result", "offered")]);
-    tracing::info!(attempt_id = %id, task_id = %task_id, host_id = %host, lease_token = token, "attempt claimed and offered by the gateway");
+    tracing::info!(attempt_id = %id, task_id = %c.task_id, host_id = %host, lease_token = token, "attempt claimed and offered by the gateway");
     if id != attempt_id {
         // An older attempt of the pool went first: the new one still waits.
         return Ok(Dispatched::Queued);
@@ -169,10 +222,12 @@ async fn try_dispatch(
 }
 
 /// Puts an attempt the gateway claimed and nobody got back in the queue: first its lease key
-/// (`leased`) goes, so that a later claim for the same host can create it again; if that fails
+/// (if `leased` holds it) goes, so that a later claim for the same host can create it again; if that fails
 /// the attempt stays claimed, and the host's next claim or the sweeper deals with it.
-async fn requeue(s: &AppState, leases: &kv::Store, key: &str, id: Uuid, token: i64, leased: bool) {
-    if leased && let Err(e) = leases.purge(key).await {
+async fn requeue(s: &AppState, leased: Option<&kv::Store>, key: &str, id: Uuid, token: i64) {
+    if let Some(leases) = leased
+        && let Err(e) = leases.purge(key).await
+    {
         tracing::warn!(error = %e, attempt_id = %id, "offer not taken and its lease not removed; the attempt stays claimed until its lease lapses");
         return;
     }

@@ -38,6 +38,8 @@ pub struct AppState {
     pub js: async_nats::jetstream::Context,
     /// The lease bucket (the scheduler creates it), opened on the first direct dispatch.
     pub leases: Arc<tokio::sync::OnceCell<async_nats::jetstream::kv::Store>>,
+    /// The pools a direct dispatch of this gateway is under way for (one at a time each).
+    pub(crate) dispatching: dispatch::InFlight,
     pub config: Arc<Config>,
     pub metrics: Metrics,
     /// (attempt id, task id, whether the attempt ended) of every commit of the recorder (and of
@@ -86,6 +88,7 @@ impl App {
                 nats,
                 js,
                 leases: Default::default(),
+                dispatching: Default::default(),
                 config: Arc::new(config),
                 metrics: Metrics::default(),
                 recorded,

@@ -197,12 +197,15 @@ $$;
 -- An idle host of a pool for an attempt of `p_provider` needing `p_caps`: seen within
 -- `p_fresh_ms` (its heartbeat, mirrored into `hosts`), the provider ready there, the
 -- capabilities present, and no active attempt by its counter (read unlocked: a claim decides
--- under the counters' locks); one at random if several are, NULL if none. The gateway asks it in
--- the statement that stores a task, and runs `dispatch_attempt` only when there is one.
+-- under the counters' locks); one at random if several are, NULL if none.
 CREATE FUNCTION idle_host(
     p_workspace uuid, p_pool uuid, p_provider text, p_caps text[], p_fresh_ms bigint)
 RETURNS uuid
-LANGUAGE sql AS $$
+-- PL/pgSQL, not SQL: a backend keeps its plan (a SQL function's is made again for each
+-- statement that calls it, on every task's insert).
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN (
     SELECT hs.id
       FROM hosts hs LEFT JOIN attempt_counts ac ON ac.scope = 'host' AND ac.id = hs.id
      WHERE hs.workspace_id = p_workspace AND hs.pool_id = p_pool
@@ -213,57 +216,64 @@ LANGUAGE sql AS $$
                     WHERE e->>'name' = p_provider AND e->'installed' = 'true'::jsonb
                       AND e->'logged_in' = 'true'::jsonb)
      ORDER BY random()
-     LIMIT 1
+     LIMIT 1);
+END;
 $$;
 
--- Direct dispatch (svc-gateway, its exception on `attempts`): the gateway, having stored
--- a task with its attempt 1, claims queued work of the attempt's pool for one idle host in one
--- statement, and then offers it to that host itself, instead of nudging the hosts and waiting
--- for one to ask the scheduler.
+-- A task and its attempt 1, stored in one statement (svc-gateway: tasks; attempts, its
+-- exception), and direct dispatch: when `p_fresh_ms` is positive and the pool has an
+-- `idle_host` for the attempt, the same transaction claims queued work of the pool for that host
+-- (`claim_attempts` for one slot, with every attempt claimed for the host listed as held, since
+-- the host's own claims judge lost offers, and none as ended, since the counter is the upper
+-- bound of what runs there). The claim takes the pool's oldest queued work the host can run,
+-- which is the new attempt unless others wait; the gateway then creates its lease and offers it
+-- to the host. A busy pool is left to the hosts' own claims, which take work in batches: one
+-- claim per attempt costs more than the hops it saves once hosts are busy.
 --
--- The host is an `idle_host` of the attempt's pool. A busy pool is left to the hosts' own
--- claims, which take work in batches: one claim per attempt costs more than the hops it saves
--- once hosts are busy. The claim is `claim_attempts` for one slot,
--- with every attempt claimed for the host listed as held (the host's own claims judge lost
--- offers, not this) and none as ended (the counter is the upper bound of what runs there). It
--- takes the pool's oldest queued work the host can run, which is the new attempt unless others
--- wait. Returns one row when something was claimed (r_host, and the claim's arrays), none
--- otherwise.
-CREATE FUNCTION dispatch_attempt(
-    p_attempt uuid, p_fresh_ms bigint, p_hash text, p_timeout bigint, p_timeout_source text)
+-- Returns one row: the task's `created_at` (the attempt's too, and its `not_before`), and when
+-- something was claimed, the host and the claim's arrays (NULL otherwise).
+CREATE FUNCTION submit_task(
+    p_task uuid, p_workspace uuid, p_issue uuid, p_agent uuid, p_repository text,
+    p_branch text, p_input text, p_timeout_secs integer, p_idempotency_key text,
+    p_request_hash text, p_attempt uuid, p_agent_version uuid, p_binding uuid, p_pool uuid,
+    p_provider text, p_caps text[], p_spec jsonb, p_fresh_ms bigint, p_hash text,
+    p_run_timeout bigint, p_timeout_source text)
 RETURNS TABLE (
-    r_host uuid, r_ids uuid[], r_task_ids uuid[], r_numbers integer[], r_specs jsonb[],
-    r_tokens bigint[])
+    r_created_at timestamptz, r_host uuid, r_ids uuid[], r_task_ids uuid[],
+    r_numbers integer[], r_specs jsonb[], r_tokens bigint[])
 LANGUAGE plpgsql AS $$
 DECLARE
-    a record;
     c record;
     v_host uuid;
 BEGIN
-    SELECT at.workspace_id, at.pool_id, at.provider, at.required_capabilities INTO a
-      FROM attempts at
-     WHERE at.id = p_attempt AND at.status = 'queued' AND at.not_before <= now();
-    IF NOT FOUND OR a.pool_id IS NULL OR a.provider IS NULL THEN
-        RETURN;
+    INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input,
+                       timeout_secs, idempotency_key, request_hash)
+    VALUES (p_task, p_workspace, p_issue, p_agent, p_repository, p_branch, p_input,
+            p_timeout_secs, p_idempotency_key, p_request_hash)
+    RETURNING created_at INTO r_created_at;
+    INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id,
+                          agent_version_id, binding_id, pool_id, provider,
+                          required_capabilities, spec)
+    VALUES (p_attempt, p_task, p_workspace, 1, 'queued', p_agent, p_agent_version, p_binding,
+            p_pool, p_provider, p_caps, p_spec);
+    IF p_fresh_ms > 0 AND p_pool IS NOT NULL AND p_provider IS NOT NULL THEN
+        v_host := idle_host(p_workspace, p_pool, p_provider, p_caps, p_fresh_ms);
     END IF;
-    v_host := idle_host(a.workspace_id, a.pool_id, a.provider, a.required_capabilities, p_fresh_ms);
-    IF v_host IS NULL THEN
-        RETURN;
+    IF v_host IS NOT NULL THEN
+        SELECT * INTO c
+          FROM claim_attempts(v_host, p_workspace, 1,
+                              ARRAY(SELECT x.id::text FROM attempts x
+                                     WHERE x.host_id = v_host AND x.status = 'claimed'),
+                              '{}', ARRAY[p_hash], p_run_timeout, p_timeout_source, 0);
+        IF c.r_ids IS NOT NULL AND cardinality(c.r_ids) > 0 THEN
+            r_host := v_host;
+            r_ids := c.r_ids;
+            r_task_ids := c.r_task_ids;
+            r_numbers := c.r_numbers;
+            r_specs := c.r_specs;
+            r_tokens := c.r_tokens;
+        END IF;
     END IF;
-    SELECT * INTO c
-      FROM claim_attempts(v_host, a.workspace_id, 1,
-                          ARRAY(SELECT x.id::text FROM attempts x
-                                 WHERE x.host_id = v_host AND x.status = 'claimed'),
-                          '{}', ARRAY[p_hash], p_timeout, p_timeout_source, 0);
-    IF c.r_ids IS NULL OR cardinality(c.r_ids) = 0 THEN
-        RETURN;
-    END IF;
-    r_host := v_host;
-    r_ids := c.r_ids;
-    r_task_ids := c.r_task_ids;
-    r_numbers := c.r_numbers;
-    r_specs := c.r_specs;
-    r_tokens := c.r_tokens;
     RETURN NEXT;
 END;
 $$;

@@ -1,6 +1,7 @@
 //! Issues, comments, tasks (submission, cancellation) and attempts.
 
 use crate::AppState;
+use crate::Config;
 use crate::api::resources::check_name;
 use crate::dispatch::Dispatched;
 use crate::error::{ApiError, ApiResult};
@@ -11,7 +12,7 @@ use agentscope_bus::subjects;
 use agentscope_domain::{AttemptStatus, task_status};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::CancelRequest;
-use agentscope_store::first_attempt::TaskFields;
+use agentscope_store::first_attempt::{DEFAULT_TIMEOUT_SOURCE, TaskFields};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -104,7 +105,7 @@ pub async fn create_issue(
                 idempotency_key: None,
                 request_hash: None,
             };
-            let stored = insert_task(&mut tx, &sub, idle_within_ms(&s))
+            let stored = insert_task(&mut tx, &sub, dispatching(&s))
                 .await?
                 .ok_or_else(|| ApiError::Db(sqlx::Error::RowNotFound))?;
             Some(stored)
@@ -113,8 +114,8 @@ pub async fn create_issue(
     };
     tx.commit().await?;
     let task_id = task.as_ref().map(|t| t.id);
-    if let Some(t) = task {
-        hand_out(&s, auth.workspace_id, &t).await;
+    if let Some(mut t) = task {
+        hand_out(&s, auth.workspace_id, &mut t).await;
     }
     Ok((
         StatusCode::CREATED,
@@ -257,15 +258,18 @@ struct Stored {
     created_at: chrono::DateTime<chrono::Utc>,
     attempt: t::Attempt,
     pool_id: Option<Uuid>,
-    /// The pool had an idle host for it when it was stored (`idle_host`, migration 0007), and
-    /// direct dispatch is on.
-    idle_host: bool,
+    /// Work of the pool the same transaction claimed for an idle host (direct dispatch), with
+    /// the task token whose hash it got, and the pool's turn to dispatch.
+    claim: Option<(crate::dispatch::Claim, String)>,
+    _turn: Option<crate::dispatch::Turn>,
 }
 
-/// Stores a task and its first attempt, queued, in one statement (so in one transaction with
-/// whatever else `db` is in): the task is never without an attempt, and no bus message stands
-/// between the submission and the hosts. `None` when the agent, or the issue, is not in the
-/// workspace.
+/// Stores a task and its first attempt, queued, in one statement (`submit_task`, migration
+/// 0007; so in one transaction with whatever else `db` is in): the task is never without an
+/// attempt, and no bus message stands between the submission and the hosts. With direct dispatch
+/// on (`dispatching`) and no other dispatch of this gateway under way for the pool, the same
+/// statement claims the pool's work for an idle host if it has one. `None` when the agent, or the
+/// issue, is not in the workspace.
 ///
 /// The attempt is resolved first ([`agentscope_store::first_attempt::plan`]), by the same read
 /// the scheduler makes for a task found without an attempt; that read also checks that the agent
@@ -274,30 +278,30 @@ struct Stored {
 async fn insert_task(
     db: &mut sqlx::PgConnection,
     sub: &Submission<'_>,
-    idle_within_ms: i64,
+    dispatching: Option<(&crate::dispatch::InFlight, &Config)>,
 ) -> Result<Option<Stored>, sqlx::Error> {
     let task = &sub.task;
     let Some(p) = agentscope_store::first_attempt::plan(&mut *db, task).await? else {
         return Ok(None);
     };
     let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
+    let turn = match (dispatching, p.pool_id) {
+        (Some((pools, _)), Some(pool)) => pools.enter(pool),
+        _ => None,
+    };
+    let (fresh_ms, run_timeout) = match (&turn, dispatching) {
+        (Some(_), Some((_, c))) => (
+            c.host_offline_after_ms.min(i64::MAX as u64) as i64,
+            c.run_timeout_secs as i64,
+        ),
+        _ => (0, 0),
+    };
+    let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
     let row = sqlx::query!(
-        r#"
-            WITH t AS (
-                INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input,
-                    timeout_secs, idempotency_key, request_hash)
-                VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-                RETURNING id, created_at
-            ), a AS (
-                INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id,
-                    agent_version_id, binding_id, pool_id, provider, required_capabilities, spec)
-                SELECT $11, t.id, $2, 1, 'queued', $4, $12, $13, $14, $15, $16, $17 FROM t
-                RETURNING created_at, not_before
-            )
-            SELECT t.created_at, a.created_at AS attempt_created_at, a.not_before,
-                   $18::bigint > 0 AND idle_host($2, $14, $15, $16, $18) IS NOT NULL AS "idle_host!"
-            FROM t, a
-            "#,
+        r#"SELECT r_created_at AS "created_at!", r_host AS host, r_ids AS ids,
+                  r_task_ids AS task_ids, r_numbers AS numbers, r_specs AS specs, r_tokens AS tokens
+           FROM submit_task($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+                            $17, $18, $19, $20, $21)"#,
         id,
         task.workspace_id,
         task.issue_id,
@@ -315,18 +319,36 @@ async fn insert_task(
         p.provider.as_deref(),
         &p.required_capabilities,
         &p.spec,
-        idle_within_ms,
+        fresh_ms,
+        agentscope_domain::hash_token(&task_token),
+        run_timeout,
+        DEFAULT_TIMEOUT_SOURCE,
     )
     .fetch_optional(&mut *db)
     .await;
     let Some(row) = row? else {
         return Ok(None);
     };
+    let claim = match (
+        row.host,
+        row.ids,
+        row.task_ids,
+        row.numbers,
+        row.specs,
+        row.tokens,
+    ) {
+        (Some(host), Some(ids), Some(task_ids), Some(numbers), Some(specs), Some(tokens)) => {
+            crate::dispatch::Claim::first(host, ids, task_ids, numbers, specs, tokens)
+                .map(|c| (c, task_token))
+        }
+        _ => None,
+    };
     Ok(Some(Stored {
         id,
         created_at: row.created_at,
         pool_id: p.pool_id,
-        idle_host: row.idle_host,
+        claim,
+        _turn: turn,
         attempt: t::Attempt {
             id: attempt_id,
             task_id: id,
@@ -336,8 +358,8 @@ async fn insert_task(
             host_id: None,
             lease_token: None,
             agent_version_id: p.agent_version_id,
-            created_at: row.attempt_created_at,
-            not_before: row.not_before,
+            created_at: row.created_at,
+            not_before: row.created_at,
             claimed_at: None,
             started_at: None,
             finished_at: None,
@@ -355,21 +377,18 @@ async fn insert_task(
 /// scheduler's nudges). If it is lost, hosts poll and the scheduler's sweep nudges pools with
 /// ready work; the scheduler also counts these (`agentscope_bus::NEW_WORK`) in its view of
 /// waiting work.
-/// How recent a host's heartbeat must be for the statement that stores a task to count it as
-/// an idle host (0: direct dispatch is off).
-fn idle_within_ms(s: &AppState) -> i64 {
-    if s.config.direct_dispatch {
-        s.config.host_offline_after_ms.min(i64::MAX as u64) as i64
-    } else {
-        0
-    }
+/// Direct dispatch's settings and this gateway's pools under way, if it is on.
+fn dispatching(s: &AppState) -> Option<(&crate::dispatch::InFlight, &Config)> {
+    s.config
+        .direct_dispatch
+        .then_some((&s.dispatching, &*s.config))
 }
 
-/// A stored task's attempt 1 goes straight to an idle host if its pool had one; else the pool's
-/// hosts hear of it.
-async fn hand_out(s: &AppState, workspace_id: Uuid, stored: &Stored) -> Dispatched {
-    if stored.idle_host {
-        let d = crate::dispatch::dispatch(s, workspace_id, stored.attempt.id).await;
+/// A stored task's attempt 1: the work its statement claimed for an idle host is offered there;
+/// otherwise (or if the offer is not taken) the pool's hosts hear of it.
+async fn hand_out(s: &AppState, workspace_id: Uuid, stored: &mut Stored) -> Dispatched {
+    if let Some((claim, token)) = stored.claim.take() {
+        let d = crate::dispatch::offer(s, workspace_id, stored.attempt.id, claim, token).await;
         if d != Dispatched::Queued {
             s.metrics.inc("agentscope_tasks_submitted_total", &[]);
             return d;
@@ -436,7 +455,7 @@ pub async fn create_task(
         idempotency_key: b.idempotency_key.as_deref(),
         request_hash: Some(&hash),
     };
-    let stored = insert_task(&mut conn, &sub, idle_within_ms(&s)).await;
+    let stored = insert_task(&mut conn, &sub, dispatching(&s)).await;
     drop(conn);
     let stored = match stored {
         Ok(Some(stored)) => stored,
@@ -458,7 +477,8 @@ pub async fn create_task(
         Err(e) => return Err(e.into()),
     };
     let mut status = AttemptStatus::Queued;
-    let dispatched = hand_out(&s, auth.workspace_id, &stored).await;
+    let mut stored = stored;
+    let dispatched = hand_out(&s, auth.workspace_id, &mut stored).await;
     let mut attempt = stored.attempt;
     if let Dispatched::Claimed {
         host_id,
