@@ -908,7 +908,8 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
 /// An offer nobody takes goes back to the queue before the answer: a host that is not listening
 /// (no responders) and one that declines (no free slot) leave the attempt queued, without a host,
 /// a fencing token or a lease key, and the host's counter where it was; one that accepts has it
-/// claimed under the offer's token and lease, which its next claim does not offer again.
+/// claimed under the offer's token and lease, which its next claim does not offer again; and a
+/// host with work active is not offered any (a busy pool is left to the hosts' claims).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offer_nobody_takes_goes_back_to_the_queue() {
     use agentscope_schemas::v1::{ClaimOffer, OfferReply};
@@ -1050,4 +1051,9 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
         .map(|a| a.attempt_id.as_str())
         .collect();
     assert_eq!(got, [second.as_str()]);
+    // A host with work active is not idle: no offer, the hosts' claims take it.
+    let fourth = submit("fourth").await;
+    assert_eq!(fourth["attempts"][0]["status"], "queued", "{fourth:#}");
+    assert_eq!(dispatches(&stack, "declined").await, 2);
+    assert_eq!(dispatches(&stack, "offered").await, 1);
 }
