@@ -1057,3 +1057,74 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
     assert_eq!(dispatches(&stack, "declined").await, 2);
     assert_eq!(dispatches(&stack, "offered").await, 1);
 }
+
+/// An offer whose answer never comes (the host got it and its answer was lost, or it never got
+/// it) leaves the attempt claimed for the host: the submission answers `claimed` once the wait is
+/// over, and a host that does not have it gets it on its next claim that does not list it, under
+/// the same fencing token and lease, and with a task token that works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_whose_answer_is_lost_comes_again_with_the_hosts_next_claim() {
+    use agentscope_schemas::v1::ClaimOffer;
+    use futures::StreamExt;
+    use prost::Message as _;
+    let stack = Stack::start("dispatch-lost", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("lost", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let raw = raw_host(&stack, "raw", 2).await;
+    let host = raw.0.clone();
+    // It hears offers and never answers.
+    let mut offers = raw
+        .1
+        .subscribe(agentscope_bus::subjects::host_offer(&host))
+        .await
+        .unwrap();
+    raw.1.flush().await.unwrap();
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent, "input": "lost"}))
+        .await
+        .unwrap();
+    assert_eq!(t["attempts"][0]["status"], "claimed", "{t:#}");
+    assert_eq!(t["attempts"][0]["host_id"], host.as_str(), "{t:#}");
+    let attempt = t["attempts"][0]["id"].as_str().unwrap().to_string();
+    let first = ClaimOffer::decode(offers.next().await.unwrap().payload.as_ref()).unwrap();
+    let a = &first.assignments[0];
+    assert_eq!(a.attempt_id, attempt);
+    assert_eq!(dispatches(&stack, "offered").await, 1);
+
+    let again = kit::wait_for("the attempt offered again", Duration::from_secs(10), || {
+        let raw = &raw;
+        let stack = &stack;
+        async move {
+            let offer = raw_claim(stack, raw, &[], &[]).await;
+            (!offer.assignments.is_empty()).then_some(offer)
+        }
+    })
+    .await
+    .unwrap();
+    let b = &again.assignments[0];
+    assert_eq!(
+        (b.attempt_id.as_str(), b.lease_token, b.lease_key.as_str()),
+        (attempt.as_str(), a.lease_token, a.lease_key.as_str())
+    );
+    // The first offer's credential is void, the new one reads the task.
+    let read = |token: String| {
+        let base = stack.api.base.clone();
+        async move {
+            kit::http_client()
+                .get(format!("{base}/v1/task"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(read(b.task_token.clone()).await, 200);
+    assert_eq!(read(a.task_token.clone()).await, 401);
+}
