@@ -1,15 +1,15 @@
 //! Direct dispatch: when the gateway stores a task with its attempt 1, the same statement
-//! (`submit_task`, migration 0007) claims queued work of the attempt's pool for an idle host
-//! (`claim_attempts` for one slot); the gateway then creates the lease and offers it to that host
-//! (`agentscope.host.<id>.offer`), all before it answers. The usual path (a nudge, the host's
+//! (`submit_task`, migration 0007) stores the attempt claimed for an idle host of its pool, within
+//! every limit, unless older work of the pool waits for that host; the gateway then creates the
+//! lease and offers it to that host (`agentscope.host.<id>.offer`), all before it answers. The usual path (a nudge, the host's
 //! claim to the scheduler, the scheduler's claim and lease, the reply) costs two more hops
 //! through the broker, two more wake-ups and a second transaction. Only an idle host (nothing
 //! active) gets work this way, and one pool's dispatches of a gateway go one at a time: once
 //! hosts are busy, their own claims take work in batches, which costs less per attempt than a
 //! claim and an offer each.
 //!
-//! Everything the scheduler's claims guarantee holds: the same function under the same
-//! counters' locks decides, the lease is created after the commit with the claim's fencing
+//! Everything the scheduler's claims guarantee holds: the same counters, locked in the same
+//! order, decide, the lease is created after the commit with the claim's fencing
 //! token, and an attempt nobody got is never left to lapse:
 //! - the lease cannot be created, no host answers (it is gone: no responders), or the host
 //!   declines (no free slot, stopping): the lease key is removed and the attempt goes back to
@@ -112,17 +112,16 @@ impl Claim {
     }
 }
 
-/// Offers `claim` (made for `attempt_id`'s submission in `workspace_id`, whose hash of
-/// `task_token` it got) to its host.
+/// Offers `claim` (a submission's attempt in `workspace_id`, stored claimed with the hash of
+/// `task_token`) to its host.
 pub(crate) async fn offer(
     s: &AppState,
     workspace_id: Uuid,
-    attempt_id: Uuid,
     claim: Claim,
     task_token: String,
 ) -> Dispatched {
     let (host, id) = (claim.host, claim.id);
-    match try_offer(s, workspace_id, attempt_id, claim, task_token).await {
+    match try_offer(s, workspace_id, claim, task_token).await {
         Ok(d) => d,
         Err(e) => {
             if let Some(more) = WARNING.check() {
@@ -138,7 +137,6 @@ pub(crate) async fn offer(
 async fn try_offer(
     s: &AppState,
     workspace_id: Uuid,
-    attempt_id: Uuid,
     c: Claim,
     task_token: String,
 ) -> anyhow::Result<Dispatched> {
@@ -211,10 +209,6 @@ async fn try_offer(
     s.metrics
         .inc("agentscope_dispatch_total", &[("result", "offered")]);
     tracing::info!(attempt_id = %id, task_id = %c.task_id, host_id = %host, lease_token = token, "attempt claimed and offered by the gateway");
-    if id != attempt_id {
-        // An older attempt of the pool went first: the new one still waits.
-        return Ok(Dispatched::Queued);
-    }
     Ok(Dispatched::Claimed {
         host_id: host,
         lease_token: token,

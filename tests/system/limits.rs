@@ -908,8 +908,9 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
 /// An offer nobody takes goes back to the queue before the answer: a host that is not listening
 /// (no responders) and one that declines (no free slot) leave the attempt queued, without a host,
 /// a fencing token or a lease key, and the host's counter where it was; one that accepts has it
-/// claimed under the offer's token and lease, which its next claim does not offer again; and a
-/// host with work active is not offered any (a busy pool is left to the hosts' claims).
+/// claimed under the offer's token and lease, which its next claim does not offer again. No offer
+/// while older work of the pool waits (the hosts' claims take the oldest first), nor to a host
+/// with work active (a busy pool is left to the hosts' claims).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offer_nobody_takes_goes_back_to_the_queue() {
     use agentscope_schemas::v1::{ClaimOffer, OfferReply};
@@ -966,15 +967,29 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
             assert_eq!(row, ("queued".into(), None, None, 0));
             let key = agentscope_bus::lease_key(&host, &attempt);
             assert!(leases.get(&key).await.unwrap().is_none(), "no lease left");
-            attempt
+            (t["id"].as_str().unwrap().to_string(), attempt)
+        }
+    };
+    let cancel = |task: String| {
+        let stack = &stack;
+        async move {
+            stack
+                .api
+                .post(&format!("/v1/tasks/{task}/cancel"), json!({}))
+                .await
+                .unwrap();
+            stack
+                .wait_attempt(&task, 1, "cancelled", Duration::from_secs(30))
+                .await
+                .unwrap();
         }
     };
 
     // Not listening: nobody responds.
-    let first = queued_again(submit("first").await).await;
+    let (first, _) = queued_again(submit("first").await).await;
     assert_eq!(dispatches(&stack, "declined").await, 1);
 
-    // Listening, and declining the next offer, then accepting the one after.
+    // Listening from now on: declining the next offer, accepting the one after.
     let mut offers = raw
         .1
         .subscribe(agentscope_bus::subjects::host_offer(&host))
@@ -982,10 +997,12 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
         .unwrap();
     raw.1.flush().await.unwrap();
     let nc = raw.1.clone();
-    let answering = tokio::spawn(async move {
-        let mut seen = Vec::new();
+    let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
         for accept in [false, true] {
-            let msg = offers.next().await.unwrap();
+            let Some(msg) = offers.next().await else {
+                return;
+            };
             let offer = ClaimOffer::decode(msg.payload.as_ref()).unwrap();
             let ids: Vec<String> = offer
                 .assignments
@@ -1006,28 +1023,51 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
             nc.publish(msg.reply.unwrap(), reply.encode_to_vec().into())
                 .await
                 .unwrap();
-            seen.push(offer);
+            let _ = seen_tx.send(offer);
         }
-        seen
     });
-    // The pool's oldest queued attempt goes first: the first task's, declined, so both wait.
-    let second = queued_again(submit("second").await).await;
-    let third = submit("third").await;
-    assert_eq!(third["attempts"][0]["status"], "queued", "{third:#}");
-    let seen = answering.await.unwrap();
-    assert_eq!(seen.len(), 2);
-    for offer in &seen {
-        assert_eq!(offer.assignments.len(), 1);
-        assert_eq!(offer.assignments[0].attempt_id, first);
+    // The offer answered before the submission's answer (handed over just after the reply).
+    async fn next_offer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<ClaimOffer>) -> ClaimOffer {
+        tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("an offer")
+            .expect("the responder runs")
     }
+
+    // The first task still waits: the host is idle, but older work goes first, by claims.
+    let (second, _) = queued_again(submit("second").await).await;
+    assert_eq!(dispatches(&stack, "declined").await, 1);
+    assert!(
+        seen_rx.try_recv().is_err(),
+        "no offer while older work waits"
+    );
+    cancel(first).await;
+    cancel(second).await;
+
+    // Declined.
+    let (third, third_attempt) = queued_again(submit("third").await).await;
+    let declined = next_offer(&mut seen_rx).await;
+    assert_eq!(declined.assignments[0].attempt_id, third_attempt);
     assert_eq!(dispatches(&stack, "declined").await, 2);
+    cancel(third).await;
+
+    // Accepted: claimed for the host under the offer's token and lease.
+    let fourth = submit("fourth").await;
+    assert_eq!(fourth["attempts"][0]["status"], "claimed", "{fourth:#}");
+    assert_eq!(
+        fourth["attempts"][0]["host_id"],
+        host.as_str(),
+        "{fourth:#}"
+    );
+    let fourth = fourth["attempts"][0]["id"].as_str().unwrap().to_string();
+    let accepted = next_offer(&mut seen_rx).await;
+    let a = &accepted.assignments[0];
+    assert_eq!(a.attempt_id, fourth);
     assert_eq!(dispatches(&stack, "offered").await, 1);
-    // The accepted one: claimed for the host under the offer's token and lease.
-    let a = &seen[1].assignments[0];
     let (status, holder, token): (String, String, i64) = sqlx::query_as(
         "SELECT status, host_id::text, lease_token FROM attempts WHERE id = $1::uuid",
     )
-    .bind(&first)
+    .bind(&fourth)
     .fetch_one(&stack.pg)
     .await
     .unwrap();
@@ -1037,25 +1077,27 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
     );
     assert_eq!(token as u64, a.lease_token);
     let entry = leases
-        .entry(agentscope_bus::lease_key(&host, &first))
+        .entry(agentscope_bus::lease_key(&host, &fourth))
         .await
         .unwrap()
         .expect("the offer's lease");
     assert_eq!(entry.revision, a.lease_revision);
     assert!(!a.task_token.is_empty());
-    // The host's own claim, listing it, gets the next one and not it again.
-    let next = raw_claim(&stack, &raw, &[&first], &[]).await;
+
+    // A host with work active is not idle: no offer; its own claim, listing the fourth, gets
+    // the fifth and not the fourth again.
+    let fifth = submit("fifth").await;
+    assert_eq!(fifth["attempts"][0]["status"], "queued", "{fifth:#}");
+    let fifth = fifth["attempts"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(dispatches(&stack, "declined").await, 2);
+    assert_eq!(dispatches(&stack, "offered").await, 1);
+    let next = raw_claim(&stack, &raw, &[&fourth], &[]).await;
     let got: Vec<&str> = next
         .assignments
         .iter()
         .map(|a| a.attempt_id.as_str())
         .collect();
-    assert_eq!(got, [second.as_str()]);
-    // A host with work active is not idle: no offer, the hosts' claims take it.
-    let fourth = submit("fourth").await;
-    assert_eq!(fourth["attempts"][0]["status"], "queued", "{fourth:#}");
-    assert_eq!(dispatches(&stack, "declined").await, 2);
-    assert_eq!(dispatches(&stack, "offered").await, 1);
+    assert_eq!(got, [fifth.as_str()]);
 }
 
 /// An offer whose answer never comes (the host got it and its answer was lost, or it never got
@@ -1127,4 +1169,50 @@ async fn an_offer_whose_answer_is_lost_comes_again_with_the_hosts_next_claim() {
     };
     assert_eq!(read(b.task_token.clone()).await, 200);
     assert_eq!(read(a.task_token.clone()).await, 401);
+}
+
+/// Direct dispatch keeps every limit: with an agent limit of 1, a second task finds an idle host
+/// but is stored queued (not claimed) while the first runs, and runs after it, through a claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_dispatch_keeps_the_agent_limit() {
+    let stack = Stack::start("dispatch-limit", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("limited", "pool", &["sleep", "1"], Some(1))
+        .await
+        .unwrap();
+    let _h1 = stack.host("h1", "pool", 1).await.unwrap();
+    let _h2 = stack.host("h2", "pool", 1).await.unwrap();
+    let post = |input: &'static str| {
+        let api = stack.api.clone();
+        let agent = agent.clone();
+        async move {
+            api.post("/v1/tasks", json!({"agent_id": agent, "input": input}))
+                .await
+                .unwrap()
+        }
+    };
+    let first = post("first").await;
+    assert_eq!(first["attempts"][0]["status"], "claimed", "{first:#}");
+    let second = post("second").await;
+    assert_eq!(second["attempts"][0]["status"], "queued", "{second:#}");
+    assert!(second["attempts"][0]["host_id"].is_null(), "{second:#}");
+    for t in [&first, &second] {
+        stack
+            .wait_task(
+                t["id"].as_str().unwrap(),
+                "succeeded",
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+    }
+    let all: Vec<(f64, f64)> = host_intervals(&stack)
+        .await
+        .into_values()
+        .flatten()
+        .collect();
+    assert_eq!(all.len(), 2);
+    assert_eq!(max_overlap(&all), 1, "the agent ran two attempts at once");
 }

@@ -221,17 +221,17 @@ END;
 $$;
 
 -- A task and its attempt 1, stored in one statement (svc-gateway: tasks; attempts, its
--- exception), and direct dispatch: when `p_fresh_ms` is positive and the pool has an
--- `idle_host` for the attempt, the same transaction claims queued work of the pool for that host
--- (`claim_attempts` for one slot, with every attempt claimed for the host listed as held, since
--- the host's own claims judge lost offers, and none as ended, since the counter is the upper
--- bound of what runs there). The claim takes the pool's oldest queued work the host can run,
--- which is the new attempt unless others wait; the gateway then creates its lease and offers it
--- to the host. A busy pool is left to the hosts' own claims, which take work in batches: one
--- claim per attempt costs more than the hops it saves once hosts are busy.
+-- exception), and direct dispatch: when `p_fresh_ms` is positive, the pool has an `idle_host` for
+-- the attempt, and no older queued work of the pool waits that this host could run, the attempt
+-- is stored claimed for that host, within every limit: the counters of the limits that apply are
+-- locked in the trigger's order (workspace, pool, agent, host; as `claim_attempts` does), each
+-- checked, and the insert moves them (the trigger). The gateway then creates its lease and offers
+-- it to the host. Otherwise the attempt is stored queued and the pool's hosts claim it: a busy
+-- pool, or one with a backlog, is left to the hosts' own claims, which take work in batches and
+-- oldest first (one claim per attempt costs more than the hops it saves once hosts are busy).
 --
 -- Returns one row: the task's `created_at` (the attempt's too, and its `not_before`), and when
--- something was claimed, the host and the claim's arrays (NULL otherwise).
+-- the attempt was claimed, the host and the claim in `claim_attempts`' arrays (NULL otherwise).
 CREATE FUNCTION submit_task(
     p_task uuid, p_workspace uuid, p_issue uuid, p_agent uuid, p_repository text,
     p_branch text, p_input text, p_timeout_secs integer, p_idempotency_key text,
@@ -243,37 +243,93 @@ RETURNS TABLE (
     r_numbers integer[], r_specs jsonb[], r_tokens bigint[])
 LANGUAGE plpgsql AS $$
 DECLARE
-    c record;
+    l record;
+    x record;
     v_host uuid;
+    v_ok boolean := true;
+    v_scopes text[] := '{}';
+    v_keys uuid[] := '{}';
+    v_token bigint;
+    v_spec jsonb := p_spec;
 BEGIN
     INSERT INTO tasks (id, workspace_id, issue_id, agent_id, repository, branch, input,
                        timeout_secs, idempotency_key, request_hash)
     VALUES (p_task, p_workspace, p_issue, p_agent, p_repository, p_branch, p_input,
             p_timeout_secs, p_idempotency_key, p_request_hash)
     RETURNING created_at INTO r_created_at;
+    IF p_fresh_ms > 0 AND p_pool IS NOT NULL AND p_provider IS NOT NULL THEN
+        v_host := idle_host(p_workspace, p_pool, p_provider, p_caps, p_fresh_ms);
+    END IF;
+    IF v_host IS NOT NULL AND NOT EXISTS (
+        SELECT 1 FROM attempts a JOIN hosts hs ON hs.id = v_host
+         WHERE a.status = 'queued' AND a.workspace_id = p_workspace AND a.pool_id = p_pool
+           AND a.not_before <= now() AND a.required_capabilities <@ hs.capabilities
+           AND EXISTS (SELECT 1 FROM jsonb_array_elements(hs.providers) e
+                        WHERE e->>'name' = a.provider AND e->'installed' = 'true'::jsonb
+                          AND e->'logged_in' = 'true'::jsonb)) THEN
+        SELECT w.max_concurrency AS workspace_limit, p.max_concurrency AS pool_limit,
+               b.max_concurrency AS agent_limit, hs.capacity AS host_limit
+          INTO l
+          FROM hosts hs JOIN workspaces w ON w.id = p_workspace JOIN pools p ON p.id = p_pool
+               LEFT JOIN bindings b ON b.id = p_binding
+         WHERE hs.id = v_host;
+        IF l.workspace_limit IS NOT NULL THEN
+            v_scopes := v_scopes || 'workspace'::text;
+            v_keys := v_keys || p_workspace;
+        END IF;
+        IF l.pool_limit IS NOT NULL THEN
+            v_scopes := v_scopes || 'pool'::text;
+            v_keys := v_keys || p_pool;
+        END IF;
+        IF l.agent_limit IS NOT NULL THEN
+            v_scopes := v_scopes || 'agent'::text;
+            v_keys := v_keys || p_agent;
+        END IF;
+        v_scopes := v_scopes || 'host'::text;
+        v_keys := v_keys || v_host;
+        FOR x IN
+            INSERT INTO attempt_counts (scope, id, active)
+            SELECT s, k, 0 FROM unnest(v_scopes, v_keys) WITH ORDINALITY AS u(s, k, n) ORDER BY n
+            ON CONFLICT (scope, id) DO UPDATE SET active = attempt_counts.active
+            RETURNING attempt_counts.scope, attempt_counts.active
+        LOOP
+            v_ok := v_ok AND x.active < CASE x.scope
+                WHEN 'workspace' THEN l.workspace_limit
+                WHEN 'pool' THEN l.pool_limit
+                WHEN 'agent' THEN l.agent_limit
+                ELSE l.host_limit END;
+        END LOOP;
+        IF v_ok THEN
+            -- As `claim_attempts` does: a spec without a run timeout of its own gets the
+            -- deployment's.
+            IF (jsonb_typeof(p_spec->'timeout_secs') = 'number'
+                AND p_spec->'timeout_secs' > '0'::jsonb) IS NOT TRUE THEN
+                v_spec := p_spec || jsonb_build_object('timeout_secs', p_run_timeout,
+                                                       'timeout_source', p_timeout_source);
+            END IF;
+            v_token := nextval('lease_tokens');
+            INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id,
+                                  agent_version_id, binding_id, pool_id, provider,
+                                  required_capabilities, spec, host_id, lease_token, claimed_at,
+                                  task_token_hash)
+            VALUES (p_attempt, p_task, p_workspace, 1, 'claimed', p_agent, p_agent_version,
+                    p_binding, p_pool, p_provider, p_caps, v_spec, v_host, v_token,
+                    clock_timestamp(), p_hash);
+            r_host := v_host;
+            r_ids := ARRAY[p_attempt];
+            r_task_ids := ARRAY[p_task];
+            r_numbers := ARRAY[1];
+            r_specs := ARRAY[v_spec];
+            r_tokens := ARRAY[v_token];
+            RETURN NEXT;
+            RETURN;
+        END IF;
+    END IF;
     INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id,
                           agent_version_id, binding_id, pool_id, provider,
                           required_capabilities, spec)
     VALUES (p_attempt, p_task, p_workspace, 1, 'queued', p_agent, p_agent_version, p_binding,
             p_pool, p_provider, p_caps, p_spec);
-    IF p_fresh_ms > 0 AND p_pool IS NOT NULL AND p_provider IS NOT NULL THEN
-        v_host := idle_host(p_workspace, p_pool, p_provider, p_caps, p_fresh_ms);
-    END IF;
-    IF v_host IS NOT NULL THEN
-        SELECT * INTO c
-          FROM claim_attempts(v_host, p_workspace, 1,
-                              ARRAY(SELECT x.id::text FROM attempts x
-                                     WHERE x.host_id = v_host AND x.status = 'claimed'),
-                              '{}', ARRAY[p_hash], p_run_timeout, p_timeout_source, 0);
-        IF c.r_ids IS NOT NULL AND cardinality(c.r_ids) > 0 THEN
-            r_host := v_host;
-            r_ids := c.r_ids;
-            r_task_ids := c.r_task_ids;
-            r_numbers := c.r_numbers;
-            r_specs := c.r_specs;
-            r_tokens := c.r_tokens;
-        END IF;
-    END IF;
     RETURN NEXT;
 END;
 $$;

@@ -258,8 +258,8 @@ struct Stored {
     created_at: chrono::DateTime<chrono::Utc>,
     attempt: t::Attempt,
     pool_id: Option<Uuid>,
-    /// Work of the pool the same transaction claimed for an idle host (direct dispatch), with
-    /// the task token whose hash it got, and the pool's turn to dispatch.
+    /// The attempt as stored claimed for an idle host (direct dispatch), with the task token
+    /// whose hash it got, and the pool's turn to dispatch.
     claim: Option<(crate::dispatch::Claim, String)>,
     _turn: Option<crate::dispatch::Turn>,
 }
@@ -267,8 +267,8 @@ struct Stored {
 /// Stores a task and its first attempt, queued, in one statement (`submit_task`, migration
 /// 0007; so in one transaction with whatever else `db` is in): the task is never without an
 /// attempt, and no bus message stands between the submission and the hosts. With direct dispatch
-/// on (`dispatching`) and no other dispatch of this gateway under way for the pool, the same
-/// statement claims the pool's work for an idle host if it has one. `None` when the agent, or the
+/// on (`dispatching`) and no other dispatch of this gateway under way for the pool, the attempt is
+/// stored claimed for an idle host if the pool has one and no older work waits for it. `None` when the agent, or the
 /// issue, is not in the workspace.
 ///
 /// The attempt is resolved first ([`agentscope_store::first_attempt::plan`]), by the same read
@@ -388,7 +388,7 @@ fn dispatching(s: &AppState) -> Option<(&crate::dispatch::InFlight, &Config)> {
 /// otherwise (or if the offer is not taken) the pool's hosts hear of it.
 async fn hand_out(s: &AppState, workspace_id: Uuid, stored: &mut Stored) -> Dispatched {
     if let Some((claim, token)) = stored.claim.take() {
-        let d = crate::dispatch::offer(s, workspace_id, stored.attempt.id, claim, token).await;
+        let d = crate::dispatch::offer(s, workspace_id, claim, token).await;
         if d != Dispatched::Queued {
             s.metrics.inc("agentscope_tasks_submitted_total", &[]);
             return d;
