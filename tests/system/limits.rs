@@ -438,6 +438,15 @@ async fn raw_host(stack: &Stack, name: &str, capacity: u32) -> (String, async_na
     (id, nc)
 }
 
+/// The lease bucket, read as the scheduler reads it.
+async fn lease_bucket(stack: &Stack) -> async_nats::jetstream::kv::Store {
+    let service = stack.nats.service_client("scheduler").await.unwrap();
+    async_nats::jetstream::new(service)
+        .get_key_value(agentscope_bus::BUCKET_LEASES)
+        .await
+        .unwrap()
+}
+
 /// One claim of a raw host for one slot, listing `held` and `ended`; refusals fail the test.
 async fn raw_claim(
     stack: &Stack,
@@ -514,11 +523,7 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
 
     // Someone else holds the attempt's lease key: the claim commits, cannot create the lease,
     // and puts the attempt back.
-    let service = stack.nats.service_client("scheduler").await.unwrap();
-    let leases = async_nats::jetstream::new(service)
-        .get_key_value(agentscope_bus::BUCKET_LEASES)
-        .await
-        .unwrap();
+    let leases = lease_bucket(&stack).await;
     let key = agentscope_bus::lease_key(&host, &first);
     leases.create(&key, "squatter".into()).await.unwrap();
     let offer = claim().await;
@@ -667,11 +672,7 @@ async fn a_claim_committed_without_its_lease_is_offered_again_to_its_host() {
         (a.attempt_id.as_str(), a.lease_token),
         (attempt.as_str(), token as u64)
     );
-    let service = stack.nats.service_client("scheduler").await.unwrap();
-    let leases = async_nats::jetstream::new(service)
-        .get_key_value(agentscope_bus::BUCKET_LEASES)
-        .await
-        .unwrap();
+    let leases = lease_bucket(&stack).await;
     let entry = leases
         .entry(agentscope_bus::lease_key(&host, &attempt))
         .await
@@ -925,11 +926,7 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
         .unwrap();
     let raw = raw_host(&stack, "raw", 2).await;
     let host = raw.0.clone();
-    let service = stack.nats.service_client("scheduler").await.unwrap();
-    let leases = async_nats::jetstream::new(service)
-        .get_key_value(agentscope_bus::BUCKET_LEASES)
-        .await
-        .unwrap();
+    let leases = lease_bucket(&stack).await;
     let submit = |input: &'static str| {
         let api = stack.api.clone();
         let agent = agent.clone();
