@@ -133,6 +133,9 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         agentscope_bus::subjects::ISSUE_WRITE.to_string(),
         agentscope_bus::subjects::SESSIONS_NUDGE.to_string(),
         agentscope_bus::subjects::control(&host_a),
+        // Offers: the gateway's to make, to any host, itself included.
+        agentscope_bus::subjects::host_offer(&host_a),
+        agentscope_bus::subjects::host_offer(&me),
         // Another workspace's pool nudges.
         agentscope_bus::subjects::pool_work(&uuid::Uuid::new_v4().to_string(), &pool_id),
         // Reading any message of the events stream, or a control consumer with a wide filter.
@@ -153,8 +156,8 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         refused(&errors, subject).await;
     }
 
-    // Another host's control messages, every inbox, every event, the services' request
-    // subjects and other workspaces' nudges cannot be heard.
+    // Another host's control messages and offers, every inbox, every event, the services'
+    // request subjects and other workspaces' nudges cannot be heard.
     let forbidden_subscriptions = [
         agentscope_bus::subjects::control(&host_a),
         "agentscope.control.>".to_string(),
@@ -164,6 +167,9 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         agentscope_bus::subjects::HOST_CLAIM_ALL.to_string(),
         agentscope_bus::subjects::APPROVAL_DECIDE.to_string(),
         "agentscope.pool.*.*.work".to_string(),
+        // Another host's offers (they carry its attempts' task credentials).
+        agentscope_bus::subjects::host_offer(&host_a),
+        "agentscope.host.*.offer".to_string(),
         ">".to_string(),
     ];
     for subject in &forbidden_subscriptions {
@@ -205,6 +211,18 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
             .iter()
             .any(|e| e.contains(&own.to_lowercase())),
         "own workspace nudges are allowed"
+    );
+    // Its own offers it may hear.
+    let own_offers = agentscope_bus::subjects::host_offer(&me);
+    let _offers = nc.subscribe(own_offers.clone()).await.unwrap();
+    nc.flush().await.unwrap();
+    assert!(
+        !errors.lock().unwrap().iter().any(|e| e.contains(&format!(
+            "subscription to \"{}\"",
+            own_offers.to_lowercase()
+        ))),
+        "own offers are allowed: {:?}",
+        errors.lock().unwrap()
     );
 
     // On its own subject, an event for host A's running attempt (its lease token guessed from the
