@@ -385,17 +385,25 @@ fn dispatching(s: &AppState) -> Option<(&crate::dispatch::InFlight, &Config)> {
 }
 
 /// A stored task's attempt 1: the work its statement claimed for an idle host is offered there;
-/// otherwise (or if the offer is not taken) the pool's hosts hear of it.
+/// otherwise (or if the offer is not taken) the pool's hosts hear of it. Done in a task of its
+/// own, so that a client that goes away meanwhile does not leave an offer half made (the attempt
+/// would wait, claimed, for its host's next claim).
 async fn hand_out(s: &AppState, workspace_id: Uuid, stored: &mut Stored) -> Dispatched {
-    if let Some((claim, token)) = stored.claim.take() {
-        let d = crate::dispatch::offer(s, workspace_id, claim, token).await;
-        if d != Dispatched::Queued {
-            s.metrics.inc("agentscope_tasks_submitted_total", &[]);
-            return d;
+    let claim = stored.claim.take();
+    let (s, pool_id) = (s.clone(), stored.pool_id);
+    tokio::spawn(async move {
+        if let Some((claim, token)) = claim {
+            let d = crate::dispatch::offer(&s, workspace_id, claim, token).await;
+            if d != Dispatched::Queued {
+                s.metrics.inc("agentscope_tasks_submitted_total", &[]);
+                return d;
+            }
         }
-    }
-    announce(s, workspace_id, stored.pool_id).await;
-    Dispatched::Queued
+        announce(&s, workspace_id, pool_id).await;
+        Dispatched::Queued
+    })
+    .await
+    .unwrap_or(Dispatched::Queued)
 }
 
 async fn announce(s: &AppState, workspace_id: Uuid, pool_id: Option<Uuid>) {
