@@ -80,36 +80,14 @@ pub(crate) enum Dispatched {
     Queued,
 }
 
-/// What the statement that stored a task claimed for an idle host: its first attempt (one slot).
+/// A submission's attempt 1 as the statement that stored it claimed it for an idle host.
 #[derive(Debug, Clone)]
 pub(crate) struct Claim {
-    host: Uuid,
-    id: Uuid,
-    task_id: Uuid,
-    number: i32,
-    spec: serde_json::Value,
-    token: i64,
-}
-
-impl Claim {
-    /// The first attempt of a claim's arrays, if any.
-    pub(crate) fn first(
-        host: Uuid,
-        ids: Vec<Uuid>,
-        task_ids: Vec<Uuid>,
-        numbers: Vec<i32>,
-        specs: Vec<serde_json::Value>,
-        tokens: Vec<i64>,
-    ) -> Option<Claim> {
-        Some(Claim {
-            host,
-            id: *ids.first()?,
-            task_id: *task_ids.first()?,
-            number: *numbers.first()?,
-            spec: specs.into_iter().next()?,
-            token: *tokens.first()?,
-        })
-    }
+    pub(crate) host: Uuid,
+    pub(crate) id: Uuid,
+    pub(crate) task_id: Uuid,
+    pub(crate) spec: serde_json::Value,
+    pub(crate) token: i64,
 }
 
 /// Offers `claim` (a submission's attempt in `workspace_id`, stored claimed with the hash of
@@ -168,7 +146,7 @@ async fn try_offer(
             task_id: c.task_id.to_string(),
             // The new attempt's pool, so its workspace.
             workspace_id: workspace_id.to_string(),
-            attempt_number: c.number as u32,
+            attempt_number: 1,
             lease_key: key.clone(),
             lease_token: token as u64,
             lease_revision: revision,

@@ -231,7 +231,7 @@ $$;
 -- oldest first (one claim per attempt costs more than the hops it saves once hosts are busy).
 --
 -- Returns one row: the task's `created_at` (the attempt's too, and its `not_before`), and when
--- the attempt was claimed, the host and the claim in `claim_attempts`' arrays (NULL otherwise).
+-- the attempt was stored claimed, its host, fencing token and spec (NULL otherwise).
 CREATE FUNCTION submit_task(
     p_task uuid, p_workspace uuid, p_issue uuid, p_agent uuid, p_repository text,
     p_branch text, p_input text, p_timeout_secs integer, p_idempotency_key text,
@@ -239,8 +239,7 @@ CREATE FUNCTION submit_task(
     p_provider text, p_caps text[], p_spec jsonb, p_fresh_ms bigint, p_hash text,
     p_run_timeout bigint, p_timeout_source text)
 RETURNS TABLE (
-    r_created_at timestamptz, r_host uuid, r_ids uuid[], r_task_ids uuid[],
-    r_numbers integer[], r_specs jsonb[], r_tokens bigint[])
+    r_created_at timestamptz, r_host uuid, r_token bigint, r_spec jsonb)
 LANGUAGE plpgsql AS $$
 DECLARE
     l record;
@@ -316,11 +315,8 @@ BEGIN
                     p_binding, p_pool, p_provider, p_caps, v_spec, v_host, v_token,
                     clock_timestamp(), p_hash);
             r_host := v_host;
-            r_ids := ARRAY[p_attempt];
-            r_task_ids := ARRAY[p_task];
-            r_numbers := ARRAY[1];
-            r_specs := ARRAY[v_spec];
-            r_tokens := ARRAY[v_token];
+            r_token := v_token;
+            r_spec := v_spec;
             RETURN NEXT;
             RETURN;
         END IF;

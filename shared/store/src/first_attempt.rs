@@ -37,7 +37,8 @@ pub struct Plan {
 /// Where a run timeout comes from when neither the task nor its runtime profile sets one: the
 /// deployment's `run_timeout_secs`, a setting of the services that claim (the scheduler, and the
 /// gateway for its direct dispatch). The spec then carries this source and no `timeout_secs`
-/// until the claim that leases the attempt writes it in (`claim_attempts`, migration 0006).
+/// until the claim that leases the attempt writes it in (`claim_attempts`, or `submit_task` for
+/// an attempt stored claimed; migrations 0006 and 0007).
 pub const DEFAULT_TIMEOUT_SOURCE: &str = "default";
 
 /// `run_timeout_secs` unless configured: 4 hours.

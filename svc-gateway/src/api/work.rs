@@ -264,12 +264,12 @@ struct Stored {
     _turn: Option<crate::dispatch::Turn>,
 }
 
-/// Stores a task and its first attempt, queued, in one statement (`submit_task`, migration
-/// 0007; so in one transaction with whatever else `db` is in): the task is never without an
-/// attempt, and no bus message stands between the submission and the hosts. With direct dispatch
-/// on (`dispatching`) and no other dispatch of this gateway under way for the pool, the attempt is
-/// stored claimed for an idle host if the pool has one and no older work waits for it. `None` when the agent, or the
-/// issue, is not in the workspace.
+/// Stores a task and its first attempt in one statement (`submit_task`, migration 0007; so in
+/// one transaction with whatever else `db` is in): the task is never without an attempt, and no
+/// bus message stands between the submission and the hosts. The attempt is queued, or, with
+/// direct dispatch on (`dispatching`) and no other dispatch of this gateway under way for the
+/// pool, claimed for an idle host if the pool has one and no older work waits for it. `None`
+/// when the agent, or the issue, is not in the workspace.
 ///
 /// The attempt is resolved first ([`agentscope_store::first_attempt::plan`]), by the same read
 /// the scheduler makes for a task found without an attempt; that read also checks that the agent
@@ -289,17 +289,21 @@ async fn insert_task(
         (Some((pools, _)), Some(pool)) => pools.enter(pool),
         _ => None,
     };
-    let (fresh_ms, run_timeout) = match (&turn, dispatching) {
+    // Only a submission that may dispatch needs a credential for its attempt (its hash is
+    // stored only if the attempt is stored claimed).
+    let (fresh_ms, run_timeout, task_token) = match (&turn, dispatching) {
         (Some(_), Some((_, c))) => (
             c.host_offline_after_ms.min(i64::MAX as u64) as i64,
             c.run_timeout_secs as i64,
+            Some(agentscope_domain::new_token(
+                agentscope_domain::TokenKind::Task,
+            )),
         ),
-        _ => (0, 0),
+        _ => (0, 0, None),
     };
-    let task_token = agentscope_domain::new_token(agentscope_domain::TokenKind::Task);
     let row = sqlx::query!(
-        r#"SELECT r_created_at AS "created_at!", r_host AS host, r_ids AS ids,
-                  r_task_ids AS task_ids, r_numbers AS numbers, r_specs AS specs, r_tokens AS tokens
+        r#"SELECT r_created_at AS "created_at!", r_host AS host, r_token AS token,
+                  r_spec AS spec
            FROM submit_task($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
                             $17, $18, $19, $20, $21)"#,
         id,
@@ -320,7 +324,7 @@ async fn insert_task(
         &p.required_capabilities,
         &p.spec,
         fresh_ms,
-        agentscope_domain::hash_token(&task_token),
+        task_token.as_deref().map(agentscope_domain::hash_token),
         run_timeout,
         DEFAULT_TIMEOUT_SOURCE,
     )
@@ -329,18 +333,17 @@ async fn insert_task(
     let Some(row) = row? else {
         return Ok(None);
     };
-    let claim = match (
-        row.host,
-        row.ids,
-        row.task_ids,
-        row.numbers,
-        row.specs,
-        row.tokens,
-    ) {
-        (Some(host), Some(ids), Some(task_ids), Some(numbers), Some(specs), Some(tokens)) => {
-            crate::dispatch::Claim::first(host, ids, task_ids, numbers, specs, tokens)
-                .map(|c| (c, task_token))
-        }
+    let claim = match (row.host, row.token, row.spec, task_token) {
+        (Some(host), Some(token), Some(spec), Some(task_token)) => Some((
+            crate::dispatch::Claim {
+                host,
+                id: attempt_id,
+                task_id: id,
+                spec,
+                token,
+            },
+            task_token,
+        )),
         _ => None,
     };
     Ok(Some(Stored {
@@ -373,10 +376,6 @@ async fn insert_task(
     }))
 }
 
-/// Wakes one host of the pool with a free slot for the attempt just stored (core NATS, as the
-/// scheduler's nudges). If it is lost, hosts poll and the scheduler's sweep nudges pools with
-/// ready work; the scheduler also counts these (`agentscope_bus::NEW_WORK`) in its view of
-/// waiting work.
 /// Direct dispatch's settings and this gateway's pools under way, if it is on.
 fn dispatching(s: &AppState) -> Option<(&crate::dispatch::InFlight, &Config)> {
     s.config
@@ -389,23 +388,29 @@ fn dispatching(s: &AppState) -> Option<(&crate::dispatch::InFlight, &Config)> {
 /// own, so that a client that goes away meanwhile does not leave an offer half made (the attempt
 /// would wait, claimed, for its host's next claim).
 async fn hand_out(s: &AppState, workspace_id: Uuid, stored: &mut Stored) -> Dispatched {
-    let claim = stored.claim.take();
-    let (s, pool_id) = (s.clone(), stored.pool_id);
+    let pool_id = stored.pool_id;
+    let Some((claim, token)) = stored.claim.take() else {
+        announce(s, workspace_id, pool_id).await;
+        return Dispatched::Queued;
+    };
+    let s = s.clone();
     tokio::spawn(async move {
-        if let Some((claim, token)) = claim {
-            let d = crate::dispatch::offer(&s, workspace_id, claim, token).await;
-            if d != Dispatched::Queued {
-                s.metrics.inc("agentscope_tasks_submitted_total", &[]);
-                return d;
-            }
+        let d = crate::dispatch::offer(&s, workspace_id, claim, token).await;
+        if d == Dispatched::Queued {
+            announce(&s, workspace_id, pool_id).await;
+        } else {
+            s.metrics.inc("agentscope_tasks_submitted_total", &[]);
         }
-        announce(&s, workspace_id, pool_id).await;
-        Dispatched::Queued
+        d
     })
     .await
     .unwrap_or(Dispatched::Queued)
 }
 
+/// Wakes one host of the pool with a free slot for the attempt just stored (core NATS, as the
+/// scheduler's nudges). If it is lost, hosts poll and the scheduler's sweep nudges pools with
+/// ready work; the scheduler also counts these (`agentscope_bus::NEW_WORK`) in its view of
+/// waiting work.
 async fn announce(s: &AppState, workspace_id: Uuid, pool_id: Option<Uuid>) {
     let Some(pool_id) = pool_id else { return };
     let sent = s
