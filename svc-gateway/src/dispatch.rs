@@ -131,15 +131,10 @@ async fn try_offer(
             return Err(e.into());
         }
     };
+    // The lease is created while the offer travels: the host takes the lease's revision from
+    // its first renewal (a renewal at an unknown revision reads the key and finds its own
+    // value), which comes a fifth of a TTL later, so neither waits for the other.
     let record = new_lease(&host.to_string(), &id.to_string(), token);
-    let revision = match leases.create(&key, record.encode_to_vec().into()).await {
-        Ok(r) => r,
-        Err(e) => {
-            // Nobody was offered it.
-            requeue(s, None, &key, id, token).await;
-            return Err(e.into());
-        }
-    };
     let offer = ClaimOffer {
         assignments: vec![AttemptAssignment {
             attempt_id: id.to_string(),
@@ -149,7 +144,7 @@ async fn try_offer(
             attempt_number: 1,
             lease_key: key.clone(),
             lease_token: token as u64,
-            lease_revision: revision,
+            lease_revision: 0,
             spec: Some(spec_from_json(&c.spec)),
             traceparent: agentscope_bus::current_traceparent().unwrap_or_default(),
             task_token,
@@ -159,10 +154,11 @@ async fn try_offer(
     let request = async_nats::Request::new()
         .payload(offer.encode_to_vec().into())
         .timeout(Some(OFFER_WAIT));
-    let answer = s
-        .nats
-        .send_request(subjects::host_offer(&host.to_string()), request)
-        .await;
+    let (created, answer) = tokio::join!(
+        leases.create(&key, record.encode_to_vec().into()),
+        s.nats
+            .send_request(subjects::host_offer(&host.to_string()), request)
+    );
     let taken = match answer {
         Ok(msg) => match OfferReply::decode(msg.payload.as_ref()) {
             Ok(r) => r.accepted.iter().any(|a| *a == id.to_string()),
@@ -178,6 +174,16 @@ async fn try_offer(
             true
         }
     };
+    if let Err(e) = created {
+        if !taken {
+            // Nobody has it and no lease was made.
+            requeue(s, None, &key, id, token).await;
+        }
+        // Taken without a lease: the host's first renewal finds none and stops the provider,
+        // and the attempt, claimed without a lease, goes the way of a lost claim (offered again
+        // on the host's next claim, or lost when the sweeper finds no lease).
+        return Err(e.into());
+    }
     if !taken {
         requeue(s, Some(leases), &key, id, token).await;
         s.metrics

@@ -896,14 +896,54 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
             .await
             .unwrap();
     }
-    assert_eq!(dispatches(&stack, "offered").await, 3);
+    // The offer goes out while the gateway creates the lease: the host learns its revision on
+    // its first renewal, and keeps it while its provider outlives the lease's TTL (3 s here).
+    let (slow, _) = stack
+        .command_agent("slow", "pool", &["sleep", "4"], None)
+        .await
+        .unwrap();
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": slow, "input": "slow"}))
+        .await
+        .unwrap();
+    assert_eq!(t["attempts"][0]["status"], "claimed", "{t:#}");
+    let (id, attempt) = (
+        t["id"].as_str().unwrap(),
+        t["attempts"][0]["id"].as_str().unwrap(),
+    );
+    let leases = lease_bucket(&stack).await;
+    let key = agentscope_bus::lease_key(&host, attempt);
+    let created = leases
+        .entry(&key)
+        .await
+        .unwrap()
+        .expect("the lease exists when the POST answers")
+        .revision;
+    kit::wait_for("the lease renewed", Duration::from_secs(10), || {
+        let (leases, key) = (&leases, &key);
+        async move {
+            let e = leases.entry(key).await.unwrap()?;
+            (e.operation == async_nats::jetstream::kv::Operation::Put && e.revision > created)
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap();
+    let done = stack
+        .wait_task(id, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(done["attempts"].as_array().unwrap().len(), 1, "{done:#}");
+
+    assert_eq!(dispatches(&stack, "offered").await, 4);
     let claims = claims_answered(&stack.scheduler_health).await;
     assert_eq!(claims.get("offered"), None, "{claims:?}");
     let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
         .fetch_one(&stack.pg)
         .await
         .unwrap();
-    assert_eq!(attempts, 3, "one attempt per task");
+    assert_eq!(attempts, 4, "one attempt per task");
 }
 
 /// An offer nobody takes goes back to the queue before the answer: a host that is not listening
@@ -1078,7 +1118,9 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
         .await
         .unwrap()
         .expect("the offer's lease");
-    assert_eq!(entry.revision, a.lease_revision);
+    // Created while the offer travelled: the host learns its revision when it first renews.
+    assert_eq!(a.lease_revision, 0);
+    assert!(entry.revision > 0);
     assert!(!a.task_token.is_empty());
 
     // A host with work active is not idle: no offer; its own claim, listing the fourth, gets

@@ -4,15 +4,16 @@
 
 use agentscope_schemas::v1::{LeaseRecord, TaskSpec};
 
-/// The record of a lease `host` takes now on `attempt` under its claim's fencing `token`.
+/// The record of the lease `host` holds on `attempt` under its claim's fencing `token`: the
+/// value its creator writes and its holder renews, byte for byte, so that the holder knows it
+/// for its own whichever revision it is at.
 pub fn new_lease(host: &str, attempt: &str, token: i64) -> LeaseRecord {
-    let now = crate::now_ms();
     LeaseRecord {
         attempt_id: attempt.to_string(),
         host_id: host.to_string(),
         token: token as u64,
-        acquired_at_ms: now,
-        renewed_at_ms: now,
+        acquired_at_ms: 0,
+        renewed_at_ms: 0,
     }
 }
 

@@ -3,7 +3,6 @@
 use super::Assignment;
 use crate::Ctx;
 use agentscope_schemas::Message;
-use agentscope_schemas::v1::LeaseRecord;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -12,14 +11,14 @@ use tokio_util::sync::CancellationToken;
 /// provider stops before any other host may start the same work. Fires `lost` when it ends.
 pub async fn keep_lease(ctx: Ctx, a: Assignment, lost: CancellationToken, done: CancellationToken) {
     let ttl = Duration::from_millis(ctx.lease_ttl_ms());
-    // The value never changes while the lease is held: equal value means "still ours".
-    let record = LeaseRecord {
-        attempt_id: a.attempt_id.clone(),
-        host_id: ctx.host_id.to_string(),
-        token: a.lease_token,
-        acquired_at_ms: 0,
-        renewed_at_ms: 0,
-    };
+    // The value never changes while the lease is held: equal value means "still ours". It is
+    // the one its creator wrote, so that a lease whose revision the offer did not carry (created
+    // while the offer travelled) is found ours on the first renewal.
+    let record = agentscope_bus::dispatch::new_lease(
+        &ctx.host_id.to_string(),
+        &a.attempt_id,
+        a.lease_token as i64,
+    );
     let lease = agentscope_bus::lease::Lease::held(
         &ctx.leases,
         &a.lease_key,
