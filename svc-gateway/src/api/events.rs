@@ -122,7 +122,7 @@ async fn events(
     };
     if !wants_sse {
         let limit = q.limit.unwrap_or(500).clamp(1, 5000);
-        let page = fetch(&s, scope, cursor, limit).await?;
+        let (page, _) = fetch(&s, scope, cursor, limit).await?;
         let next = page.last().map(|(c, _)| *c).unwrap_or(cursor);
         let items: Vec<Value> = page.into_iter().map(|(_, v)| v).collect();
         return Ok(Json(json!({"items": items, "next": next.render(scope)})).into_response());
@@ -249,10 +249,21 @@ async fn read_feed(
         return;
     }
     let mut wake = s.recorded.subscribe();
-    // Followers catch up from the database themselves; the feed starts at the scope's end.
-    let mut head = loop {
-        match tail(&s, scope).await {
-            Ok(c) => break c,
+    // Followers catch up from the database themselves; the feed starts at the scope's end
+    // (nothing to read there yet: whatever commits later sends a notice), unless it is over.
+    let mut newest = loop {
+        match fetch(
+            &s,
+            scope,
+            Cursor {
+                number: i32::MAX,
+                seq: i64::MAX,
+            },
+            1,
+        )
+        .await
+        {
+            Ok((_, n)) => break n,
             Err(e) => {
                 tracing::warn!(error = ?e, "read the end of a live stream");
                 tokio::select! {
@@ -262,58 +273,59 @@ async fn read_feed(
             }
         }
     };
-    // Whether the scope may be over: at the start, when a notice says an attempt of it ended,
-    // and when nothing was heard for a while (a notice may be lost).
-    let mut may_end = true;
+    let mut head = newest.as_ref().map(Newest::head).unwrap_or_default();
+    let mut first = true;
     loop {
-        // Everything committed after `head`, page by page, then whether the scope is over.
+        // Everything committed after `head`, page by page, then whether the scope is over (known
+        // from the last page's own read).
         let mut ok = true;
-        loop {
-            let page = match fetch(&s, scope, head, PAGE).await {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(error = ?e, "read events for live streams");
-                    ok = false;
+        if !first {
+            loop {
+                let (page, n) = match fetch(&s, scope, head, PAGE).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(error = ?e, "read events for live streams");
+                        ok = false;
+                        break;
+                    }
+                };
+                newest = n;
+                if page.is_empty() {
                     break;
                 }
-            };
-            if page.is_empty() {
-                break;
-            }
-            let full = page.len() as i64 == PAGE;
-            let prev = head;
-            let mut all = BytesMut::new();
-            let mut bounds = Vec::with_capacity(page.len());
-            for (c, v) in &page {
-                event_frame(&mut all, scope, *c, v);
-                bounds.push((*c, all.len()));
-            }
-            let all = all.freeze();
-            let mut start = 0;
-            let events: Vec<(Cursor, Bytes)> = bounds
-                .into_iter()
-                .map(|(c, end)| {
-                    let f = all.slice(start..end);
-                    start = end;
-                    (c, f)
-                })
-                .collect();
-            head = events.last().map(|(c, _)| *c).unwrap_or(head);
-            // Without receivers the feed is about to stop anyway.
-            let _ = tx.send(Arc::new(Batch {
-                prev,
-                events,
-                all,
-                end: None,
-            }));
-            if !full {
-                break;
+                let full = page.len() as i64 == PAGE;
+                let prev = head;
+                let mut all = BytesMut::new();
+                let mut bounds = Vec::with_capacity(page.len());
+                for (c, v) in &page {
+                    event_frame(&mut all, scope, *c, v);
+                    bounds.push((*c, all.len()));
+                }
+                let all = all.freeze();
+                let mut start = 0;
+                let events: Vec<(Cursor, Bytes)> = bounds
+                    .into_iter()
+                    .map(|(c, end)| {
+                        let f = all.slice(start..end);
+                        start = end;
+                        (c, f)
+                    })
+                    .collect();
+                head = events.last().map(|(c, _)| *c).unwrap_or(head);
+                // Without receivers the feed is about to stop anyway.
+                let _ = tx.send(Arc::new(Batch {
+                    prev,
+                    events,
+                    all,
+                    end: None,
+                }));
+                if !full {
+                    break;
+                }
             }
         }
-        if ok
-            && may_end
-            && let Ok(Some(status)) = finished(&s, scope, head).await
-        {
+        first = false;
+        if ok && let Some(status) = newest.as_ref().and_then(|n| n.finished(head)) {
             ended.store(true, Ordering::SeqCst);
             let _ = tx.send(Arc::new(Batch {
                 prev: head,
@@ -323,58 +335,26 @@ async fn read_feed(
             }));
             return;
         }
+        // Until a notice for the scope, or a while without one (a notice may be lost).
         let deadline = tokio::time::sleep(Duration::from_secs(2));
         tokio::pin!(deadline);
-        may_end = !ok;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = &mut deadline => {
-                    may_end = true;
-                    break;
-                }
+                _ = &mut deadline => break,
                 r = wake.recv() => match r {
-                    Ok((attempt, task, ended)) => {
+                    Ok((attempt, task, _)) => {
                         let hit = match scope { Scope::Attempt(a) => a == attempt, Scope::Task(t) => t == task };
                         if hit {
-                            may_end |= ended;
                             break;
                         }
                     }
-                    Err(broadcast::error::RecvError::Lagged(_)) => {
-                        may_end = true;
-                        break;
-                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => break,
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
             }
         }
     }
-}
-
-/// The cursor of the newest event recorded in the scope.
-async fn tail(s: &AppState, scope: Scope) -> ApiResult<Cursor> {
-    let row = match scope {
-        Scope::Attempt(id) => {
-            sqlx::query_as!(
-                Cursor,
-                r#"SELECT 0 AS "number!", last_seq AS seq FROM attempts WHERE id = $1"#,
-                id,
-            )
-            .fetch_optional(&s.db)
-            .await?
-        }
-        Scope::Task(id) => {
-            sqlx::query_as!(
-                Cursor,
-                "SELECT number, last_seq AS seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
-                id,
-            )
-            .fetch_optional(&s.db)
-            .await?
-        }
-    };
-    Ok(row.unwrap_or_default())
 }
 
 /// Feeds one SSE client until the stream's work is over or the client goes away: first from the
@@ -397,7 +377,7 @@ async fn follow(
             return;
         }
         if catch_up {
-            let page = match fetch(&s, scope, cursor, PAGE).await {
+            let (page, newest) = match fetch(&s, scope, cursor, PAGE).await {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(error = ?e, "read events for a live stream");
@@ -420,13 +400,9 @@ async fn follow(
                 continue;
             }
             catch_up = false;
-            match finished(&s, scope, cursor).await {
-                Ok(Some(status)) => {
-                    let _ = tx.send(end_event(&status)).await;
-                    return;
-                }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(error = ?e, "read stream state"),
+            if let Some(status) = newest.and_then(|n| n.finished(cursor)) {
+                let _ = tx.send(end_event(&status)).await;
+                return;
             }
         }
         let batch = tokio::select! {
@@ -504,7 +480,33 @@ fn error_code(e: &ApiError) -> &'static str {
     }
 }
 
-/// One recorded event with its attempt.
+/// The scope's newest attempt as of a read: its number (0 in an attempt's own stream), status
+/// and newest recorded seq.
+#[derive(Debug, Clone)]
+struct Newest {
+    number: i32,
+    status: String,
+    last_seq: i64,
+}
+
+impl Newest {
+    /// The cursor of the scope's newest event.
+    fn head(&self) -> Cursor {
+        Cursor {
+            number: self.number,
+            seq: self.last_seq,
+        }
+    }
+
+    /// The final status when nothing more can follow `c`, else None.
+    fn finished(&self, c: Cursor) -> Option<String> {
+        let terminal = AttemptStatus::parse(&self.status).is_some_and(|st| st.is_terminal());
+        let caught_up = c >= self.head() || self.last_seq == 0;
+        (terminal && caught_up).then(|| self.status.clone())
+    }
+}
+
+/// One event of a page, read with its scope's newest attempt.
 struct EventRow {
     attempt_id: Uuid,
     number: i32,
@@ -514,49 +516,109 @@ struct EventRow {
     at: chrono::DateTime<chrono::Utc>,
 }
 
+/// A page of events after `c` and, read in the same statement (so from the same snapshot), the
+/// scope's newest attempt: whether the page ends the scope needs no second query. None: the
+/// scope has no attempt.
 async fn fetch(
     s: &AppState,
     scope: Scope,
     c: Cursor,
     limit: i64,
-) -> ApiResult<Vec<(Cursor, Value)>> {
-    let rows = match scope {
+) -> ApiResult<(Vec<(Cursor, Value)>, Option<Newest>)> {
+    let mut newest = None;
+    let mut rows = Vec::new();
+    match scope {
         Scope::Attempt(id) => {
-            sqlx::query_as!(
-                EventRow,
-                "SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at FROM execution_events e
-                 JOIN attempts a ON a.id = e.attempt_id
-                 WHERE e.attempt_id = $1 AND e.seq > $2 ORDER BY e.seq LIMIT $3",
+            let found = sqlx::query!(
+                r#"SELECT a.id AS attempt_id, a.number, a.status, a.last_seq, e.seq AS "seq?",
+                          e.kind AS "kind?", e.payload AS "payload?", e.at AS "at?"
+                   FROM attempts a LEFT JOIN LATERAL (
+                       SELECT seq, kind, payload, at FROM execution_events
+                       WHERE attempt_id = a.id AND seq > $2 ORDER BY seq LIMIT $3) e ON true
+                   WHERE a.id = $1 ORDER BY e.seq"#,
                 id,
                 c.seq,
                 limit,
             )
             .fetch_all(&s.db)
-            .await?
+            .await?;
+            for r in found {
+                newest.get_or_insert_with(|| Newest {
+                    number: 0,
+                    status: r.status.clone(),
+                    last_seq: r.last_seq,
+                });
+                if let (Some(seq), Some(kind), Some(payload), Some(at)) =
+                    (r.seq, r.kind, r.payload, r.at)
+                {
+                    rows.push(EventRow {
+                        attempt_id: r.attempt_id,
+                        number: r.number,
+                        seq,
+                        kind,
+                        payload,
+                        at,
+                    });
+                }
+            }
         }
         Scope::Task(id) => {
             // The task's attempts by (task_id, number), each one's events by (attempt_id, seq):
             // both unique indexes, so a page reads only the rows it returns.
-            sqlx::query_as!(
-                EventRow,
-                r#"SELECT a.id AS attempt_id, a.number, e.seq AS "seq!", e.kind AS "kind!",
-                    e.payload AS "payload!", e.at AS "at!" FROM attempts a
-                 CROSS JOIN LATERAL (
-                     SELECT seq, kind, payload, at FROM execution_events
-                     WHERE attempt_id = a.id AND seq > CASE WHEN a.number = $2 THEN $3::bigint ELSE 0 END
-                     ORDER BY seq LIMIT $4) e
-                 WHERE a.task_id = $1 AND a.number >= $2
-                 ORDER BY a.number, e.seq LIMIT $4"#,
+            let found = sqlx::query!(
+                r#"WITH newest AS (
+                       SELECT number, status, last_seq FROM attempts
+                       WHERE task_id = $1 ORDER BY number DESC LIMIT 1)
+                   SELECT n.number AS "newest_number!", n.status AS "newest_status!",
+                          n.last_seq AS "newest_seq!", p.attempt_id AS "attempt_id?",
+                          p.number AS "number?", p.seq AS "seq?", p.kind AS "kind?",
+                          p.payload AS "payload?", p.at AS "at?"
+                   FROM newest n LEFT JOIN LATERAL (
+                       SELECT a.id AS attempt_id, a.number, e.seq, e.kind, e.payload, e.at
+                       FROM attempts a
+                       CROSS JOIN LATERAL (
+                           SELECT seq, kind, payload, at FROM execution_events
+                           WHERE attempt_id = a.id
+                             AND seq > CASE WHEN a.number = $2 THEN $3::bigint ELSE 0 END
+                           ORDER BY seq LIMIT $4) e
+                       WHERE a.task_id = $1 AND a.number >= $2
+                       ORDER BY a.number, e.seq LIMIT $4) p ON true
+                   ORDER BY p.number, p.seq"#,
                 id,
                 c.number,
                 c.seq,
                 limit,
             )
             .fetch_all(&s.db)
-            .await?
+            .await?;
+            for r in found {
+                newest.get_or_insert_with(|| Newest {
+                    number: r.newest_number,
+                    status: r.newest_status.clone(),
+                    last_seq: r.newest_seq,
+                });
+                if let (
+                    Some(attempt_id),
+                    Some(number),
+                    Some(seq),
+                    Some(kind),
+                    Some(payload),
+                    Some(at),
+                ) = (r.attempt_id, r.number, r.seq, r.kind, r.payload, r.at)
+                {
+                    rows.push(EventRow {
+                        attempt_id,
+                        number,
+                        seq,
+                        kind,
+                        payload,
+                        at,
+                    });
+                }
+            }
         }
     };
-    Ok(rows
+    let page = rows
         .into_iter()
         .map(|r| {
             let cur = Cursor {
@@ -579,36 +641,8 @@ async fn fetch(
                 }),
             )
         })
-        .collect())
-}
-
-/// The final status when nothing more can follow `c`, else None.
-async fn finished(s: &AppState, scope: Scope, c: Cursor) -> ApiResult<Option<String>> {
-    let row = match scope {
-        Scope::Attempt(id) => sqlx::query!(
-            "SELECT number, status, last_seq FROM attempts WHERE id = $1",
-            id,
-        )
-        .fetch_optional(&s.db)
-        .await?
-        .map(|r| (r.number, r.status, r.last_seq)),
-        Scope::Task(id) => sqlx::query!(
-            "SELECT number, status, last_seq FROM attempts WHERE task_id = $1 ORDER BY number DESC LIMIT 1",
-            id,
-        )
-        .fetch_optional(&s.db)
-        .await?
-        .map(|r| (r.number, r.status, r.last_seq)),
-    };
-    let Some((number, status, last_seq)) = row else {
-        return Ok(None);
-    };
-    let terminal = AttemptStatus::parse(&status).is_some_and(|st| st.is_terminal());
-    let caught_up = match scope {
-        Scope::Attempt(_) => c.seq >= last_seq,
-        Scope::Task(_) => (c.number, c.seq) >= (number, last_seq) || last_seq == 0,
-    };
-    Ok((terminal && caught_up).then_some(status))
+        .collect();
+    Ok((page, newest))
 }
 
 #[cfg(test)]
