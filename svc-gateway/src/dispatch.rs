@@ -1,7 +1,8 @@
 //! Direct dispatch: when the gateway stores a task with its attempt 1, the same statement
 //! (`submit_task`, migration 0007) stores the attempt claimed for an idle host of its pool, within
 //! every limit, unless older work of the pool waits for that host; the gateway then creates the
-//! lease and offers it to that host (`agentscope.host.<id>.offer`), all before it answers. The usual path (a nudge, the host's
+//! lease and, at the same time, offers it to that host (`agentscope.host.<id>.offer`), all before
+//! it answers. The usual path (a nudge, the host's
 //! claim to the scheduler, the scheduler's claim and lease, the reply) costs two more hops
 //! through the broker, two more wake-ups and a second transaction. Only an idle host (nothing
 //! active) gets work this way, and one pool's dispatches of a gateway go one at a time: once
@@ -11,9 +12,13 @@
 //! Everything the scheduler's claims guarantee holds: the same counters, locked in the same
 //! order, decide, the lease is created after the commit with the claim's fencing
 //! token, and an attempt nobody got is never left to lapse:
-//! - the lease cannot be created, no host answers (it is gone: no responders), or the host
-//!   declines (no free slot, stopping): the lease key is removed and the attempt goes back to
-//!   the queue (`UPDATE ... WHERE lease_token = <the claim's>`), then the pool is nudged;
+//! - no host answers (it is gone: no responders), or the host declines (no free slot,
+//!   stopping): the lease key is removed and the attempt goes back to the queue
+//!   (`UPDATE ... WHERE lease_token = <the claim's>`), then the pool is nudged; so does an
+//!   attempt whose lease could not be created and that nobody took;
+//! - the host took it and its lease could not be created: the host's first renewal finds no
+//!   lease and stops the provider, and the attempt, claimed without a lease, is lost after a
+//!   lease TTL (`sweeper`) and retried;
 //! - the offer's answer does not come: the host may have it, so the attempt stays claimed; a
 //!   host that did not get it is offered it again on its next claim that does not list it, and
 //!   one that is gone loses it when the lease's TTL has passed (`sweeper`), as with a lost claim
