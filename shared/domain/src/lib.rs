@@ -317,7 +317,7 @@ impl FailureClass {
             Self::Cancelled => "the task was cancelled on request",
             Self::Timeout => {
                 "raise the limit named in the detail (the task's `timeout_secs`, the runtime \
-                 profile's `timeout_secs`, or the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS) or split the work"
+                 profile's `timeout_secs`, or AGENTSCOPE_RUN_TIMEOUT_SECS of the scheduler and the gateway) or split the work"
             }
             Self::ModelUnreachable => {
                 "the provider could not connect to its model endpoint (named in the detail): check \

@@ -264,9 +264,9 @@ pub async fn explain(
 
 /// The run timeout that applies to the task's attempts and where it comes from. Precedence: the
 /// task's `timeout_secs`, then the runtime profile's `timeout_secs` parameter, then the
-/// deployment default (the scheduler's `AGENTSCOPE_RUN_TIMEOUT_SECS`). The scheduler resolves it
-/// when it creates an attempt (its spec keeps it); before that it is derived here, and the
-/// deployment default, which only the scheduler knows, is named without a number.
+/// deployment default (`AGENTSCOPE_RUN_TIMEOUT_SECS` of the scheduler and the gateway). The claim
+/// that leases an attempt writes the default into its spec; before that it is derived here, and
+/// the default is named without a number (the claiming service's setting decides it).
 async fn effective_timeout(
     s: &AppState,
     auth: Auth,
@@ -280,9 +280,9 @@ async fn effective_timeout(
                 format!("{n} s, from the runtime profile's timeout_secs (the task sets none)")
             }
             (_, Some(n)) => format!(
-                "{n} s, the deployment default (the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS; neither the task nor its runtime profile sets timeout_secs)"
+                "{n} s, the deployment default (AGENTSCOPE_RUN_TIMEOUT_SECS of the scheduler and the gateway; neither the task nor its runtime profile sets timeout_secs)"
             ),
-            (_, None) => "the deployment default (the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS; neither the task nor its runtime profile sets timeout_secs)".to_string(),
+            (_, None) => "the deployment default (AGENTSCOPE_RUN_TIMEOUT_SECS of the scheduler and the gateway; neither the task nor its runtime profile sets timeout_secs)".to_string(),
         };
         json!({"secs": secs, "source": source, "detail": detail})
     };

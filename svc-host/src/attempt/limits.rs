@@ -40,7 +40,7 @@ pub fn run_limit(spec: &super::Spec) -> (Duration, String) {
         "task" => format!("the task's timeout_secs ({secs} s)"),
         "profile" => format!("the runtime profile's timeout_secs ({secs} s)"),
         _ => format!(
-            "the deployment's default run timeout ({secs} s, the scheduler's AGENTSCOPE_RUN_TIMEOUT_SECS)"
+            "the deployment's default run timeout ({secs} s, AGENTSCOPE_RUN_TIMEOUT_SECS of the scheduler and the gateway)"
         ),
     };
     (Duration::from_secs(secs), limit)
