@@ -32,12 +32,15 @@ async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
 
 async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
     // 1. Active attempts whose lease key is gone (expired or purged) are lost. A claim creates
-    // its leases just after it commits: a claimed attempt without one is lost only once a lease
-    // TTL has passed (its scheduler died between the two, or could not put it back).
+    // its leases just after it commits, and a direct dispatch while its offer travels (so its
+    // host may already report the attempt running): an attempt without one is lost only once a
+    // lease TTL has passed since its claim (its claimer died in between, or could not put it
+    // back). That delays nothing else: a lease that expired was last renewed a TTL ago, so
+    // created at least that long ago.
     let active = sqlx::query!(
         r#"SELECT id, lease_token AS "lease_token!", host_id AS "host_id!" FROM attempts
            WHERE status IN ('claimed','running') AND lease_token IS NOT NULL AND host_id IS NOT NULL
-             AND (status = 'running' OR claimed_at < now() - make_interval(secs => $1))"#,
+             AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $1))"#,
         ctx.config.lease_ttl_ms as f64 / 1000.0,
     )
     .fetch_all(&ctx.db)

@@ -478,7 +478,8 @@ async fn raw_claim(
 /// A claim commits its attempts first and creates their leases after. An attempt whose lease
 /// cannot be created goes back to the queue (nobody was offered it) and is claimed later; one
 /// left claimed without a lease (its scheduler died between the two) is retried, but only once a
-/// lease TTL has passed since its claim.
+/// lease TTL has passed since its claim; so is one its host already reports running (a direct
+/// dispatch's host may start before the lease created beside the offer exists).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
     use agentscope_schemas::v1::LeaseRecord;
@@ -569,6 +570,48 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
     .execute(&stack.pg)
     .await
     .unwrap();
+    // The same for an attempt its host already reports running (a direct dispatch's host may,
+    // before the lease the gateway creates meanwhile exists).
+    let third = attempt_of(
+        stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent, "input": "three"}))
+            .await
+            .unwrap(),
+    );
+    sqlx::query(
+        "UPDATE attempts SET status = 'running', host_id = $2::uuid,
+                lease_token = nextval('lease_tokens'), claimed_at = clock_timestamp(),
+                started_at = clock_timestamp()
+         WHERE id = $1::uuid",
+    )
+    .bind(&third)
+    .bind(&host)
+    .execute(&stack.pg)
+    .await
+    .unwrap();
+    let (ended_after, status): (f64, String) = kit::wait_for(
+        "the unleased running attempt to be lost",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_as::<_, (f64, String)>(
+                "SELECT extract(epoch FROM finished_at - claimed_at)::float8, status
+                 FROM attempts WHERE id = $1::uuid AND finished_at IS NOT NULL",
+            )
+            .bind(&third)
+            .fetch_optional(&stack.pg)
+            .await
+            .unwrap()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, "lost");
+    assert!(
+        ended_after >= 3.0,
+        "running, lost {ended_after} s after its claim, before a lease TTL (3 s)"
+    );
+
     let (ended_after, status): (f64, String) = kit::wait_for(
         "the unleased claim to be lost",
         Duration::from_secs(30),
