@@ -185,8 +185,8 @@ async fn try_offer(
             requeue(s, None, &key, id, token).await;
         }
         // Taken without a lease: the host's first renewal finds none and stops the provider,
-        // and the attempt, claimed without a lease, goes the way of a lost claim (offered again
-        // on the host's next claim, or lost when the sweeper finds no lease).
+        // and the sweeper, finding no lease a TTL after the claim, ends the attempt lost (and
+        // retries it).
         return Err(e.into());
     }
     if !taken {

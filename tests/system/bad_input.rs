@@ -121,6 +121,7 @@ async fn bad_requests_get_stable_error_codes_and_workspaces_are_isolated() {
         .await
         .unwrap();
     let task_id = task["id"].as_str().unwrap();
+    let attempt_id = task["attempts"][0]["id"].as_str().unwrap();
     let admin = api.with_token(ADMIN_TOKEN);
     let other = admin
         .post("/v1/workspaces", json!({"name": "other"}))
@@ -131,6 +132,9 @@ async fn bad_requests_get_stable_error_codes_and_workspaces_are_isolated() {
         format!("/v1/tasks/{task_id}"),
         format!("/v1/agents/{agent}"),
         format!("/v1/tasks/{task_id}/events"),
+        // Live streams share one reader per task or attempt: it is not theirs to join.
+        format!("/v1/tasks/{task_id}/events?follow=true"),
+        format!("/v1/attempts/{attempt_id}/events?follow=true"),
     ] {
         let (st, v) = other.send(reqwest::Method::GET, &path, None).await.unwrap();
         assert_eq!((st, code(&v)), (404, "not_found"), "{path}");

@@ -475,6 +475,26 @@ async fn raw_claim(
     offer
 }
 
+/// How long after its claim attempt `id` ended, and how (waits for its end).
+async fn ended_after_claim(stack: &Stack, id: &str) -> (f64, String) {
+    kit::wait_for(
+        "the unleased attempt to be lost",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_as::<_, (f64, String)>(
+                "SELECT extract(epoch FROM finished_at - claimed_at)::float8, status
+                 FROM attempts WHERE id = $1::uuid AND finished_at IS NOT NULL",
+            )
+            .bind(id)
+            .fetch_optional(&stack.pg)
+            .await
+            .unwrap()
+        },
+    )
+    .await
+    .unwrap()
+}
+
 /// A claim commits its attempts first and creates their leases after. An attempt whose lease
 /// cannot be created goes back to the queue (nobody was offered it) and is claimed later; one
 /// left claimed without a lease (its scheduler died between the two) is retried, but only once a
@@ -590,44 +610,14 @@ async fn a_claim_without_its_lease_is_requeued_or_retried_after_a_lease_ttl() {
     .execute(&stack.pg)
     .await
     .unwrap();
-    let (ended_after, status): (f64, String) = kit::wait_for(
-        "the unleased running attempt to be lost",
-        Duration::from_secs(30),
-        || async {
-            sqlx::query_as::<_, (f64, String)>(
-                "SELECT extract(epoch FROM finished_at - claimed_at)::float8, status
-                 FROM attempts WHERE id = $1::uuid AND finished_at IS NOT NULL",
-            )
-            .bind(&third)
-            .fetch_optional(&stack.pg)
-            .await
-            .unwrap()
-        },
-    )
-    .await
-    .unwrap();
+    let (ended_after, status) = ended_after_claim(&stack, &third).await;
     assert_eq!(status, "lost");
     assert!(
         ended_after >= 3.0,
         "running, lost {ended_after} s after its claim, before a lease TTL (3 s)"
     );
 
-    let (ended_after, status): (f64, String) = kit::wait_for(
-        "the unleased claim to be lost",
-        Duration::from_secs(30),
-        || async {
-            sqlx::query_as::<_, (f64, String)>(
-                "SELECT extract(epoch FROM finished_at - claimed_at)::float8, status
-                 FROM attempts WHERE id = $1::uuid AND finished_at IS NOT NULL",
-            )
-            .bind(&second)
-            .fetch_optional(&stack.pg)
-            .await
-            .unwrap()
-        },
-    )
-    .await
-    .unwrap();
+    let (ended_after, status) = ended_after_claim(&stack, &second).await;
     assert_eq!(status, "lost");
     assert!(
         ended_after >= 3.0,

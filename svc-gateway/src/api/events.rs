@@ -38,6 +38,12 @@ struct Cursor {
 }
 
 impl Cursor {
+    /// After every event of any scope: a read from here returns no event.
+    const END: Cursor = Cursor {
+        number: i32::MAX,
+        seq: i64::MAX,
+    };
+
     fn parse(s: &str, scope: Scope) -> Option<Cursor> {
         let s = s.trim();
         match scope {
@@ -252,17 +258,7 @@ async fn read_feed(
     // Followers catch up from the database themselves; the feed starts at the scope's end
     // (nothing to read there yet: whatever commits later sends a notice), unless it is over.
     let mut newest = loop {
-        match fetch(
-            &s,
-            scope,
-            Cursor {
-                number: i32::MAX,
-                seq: i64::MAX,
-            },
-            1,
-        )
-        .await
-        {
+        match fetch(&s, scope, Cursor::END, 1).await {
             Ok((_, n)) => break n,
             Err(e) => {
                 tracing::warn!(error = ?e, "read the end of a live stream");
@@ -274,58 +270,10 @@ async fn read_feed(
         }
     };
     let mut head = newest.as_ref().map(Newest::head).unwrap_or_default();
-    let mut first = true;
     loop {
-        // Everything committed after `head`, page by page, then whether the scope is over (known
-        // from the last page's own read).
-        let mut ok = true;
-        if !first {
-            loop {
-                let (page, n) = match fetch(&s, scope, head, PAGE).await {
-                    Ok(p) => p,
-                    Err(e) => {
-                        tracing::warn!(error = ?e, "read events for live streams");
-                        ok = false;
-                        break;
-                    }
-                };
-                newest = n;
-                if page.is_empty() {
-                    break;
-                }
-                let full = page.len() as i64 == PAGE;
-                let prev = head;
-                let mut all = BytesMut::new();
-                let mut bounds = Vec::with_capacity(page.len());
-                for (c, v) in &page {
-                    event_frame(&mut all, scope, *c, v);
-                    bounds.push((*c, all.len()));
-                }
-                let all = all.freeze();
-                let mut start = 0;
-                let events: Vec<(Cursor, Bytes)> = bounds
-                    .into_iter()
-                    .map(|(c, end)| {
-                        let f = all.slice(start..end);
-                        start = end;
-                        (c, f)
-                    })
-                    .collect();
-                head = events.last().map(|(c, _)| *c).unwrap_or(head);
-                // Without receivers the feed is about to stop anyway.
-                let _ = tx.send(Arc::new(Batch {
-                    prev,
-                    events,
-                    all,
-                    end: None,
-                }));
-                if !full {
-                    break;
-                }
-            }
-        }
-        first = false;
-        if ok && let Some(status) = newest.as_ref().and_then(|n| n.finished(head)) {
+        // Over once the newest attempt ended and its last event is out: known from the read
+        // that brought `head` (pages read in one statement with the newest attempt).
+        if let Some(status) = newest.as_ref().and_then(|n| n.finished(head)) {
             ended.store(true, Ordering::SeqCst);
             let _ = tx.send(Arc::new(Batch {
                 prev: head,
@@ -352,6 +300,50 @@ async fn read_feed(
                     Err(broadcast::error::RecvError::Lagged(_)) => break,
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
+            }
+        }
+        // Everything committed after `head`, page by page. A read that fails leaves `newest` and
+        // `head` as the last page that came in left them (still a pair read together).
+        loop {
+            let (page, n) = match fetch(&s, scope, head, PAGE).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = ?e, "read events for live streams");
+                    break;
+                }
+            };
+            newest = n;
+            if page.is_empty() {
+                break;
+            }
+            let full = page.len() as i64 == PAGE;
+            let prev = head;
+            let mut all = BytesMut::new();
+            let mut bounds = Vec::with_capacity(page.len());
+            for (c, v) in &page {
+                event_frame(&mut all, scope, *c, v);
+                bounds.push((*c, all.len()));
+            }
+            let all = all.freeze();
+            let mut start = 0;
+            let events: Vec<(Cursor, Bytes)> = bounds
+                .into_iter()
+                .map(|(c, end)| {
+                    let f = all.slice(start..end);
+                    start = end;
+                    (c, f)
+                })
+                .collect();
+            head = events.last().map(|(c, _)| *c).unwrap_or(head);
+            // Without receivers the feed is about to stop anyway.
+            let _ = tx.send(Arc::new(Batch {
+                prev,
+                events,
+                all,
+                end: None,
+            }));
+            if !full {
+                break;
             }
         }
     }
