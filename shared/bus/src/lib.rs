@@ -276,9 +276,13 @@ pub async fn connect(
         url: url.to_string(),
         source,
     })?;
-    // retry_on_initial_connect returns before the handshake; wait for it with a deadline.
+    // retry_on_initial_connect returns before the handshake; wait for it with a deadline. The
+    // state may say connected a moment before the server's INFO is in (`server_info` is the
+    // default until then, without a version): the checks below need the server's.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while client.connection_state() != async_nats::connection::State::Connected {
+    while client.connection_state() != async_nats::connection::State::Connected
+        || client.server_info().version.is_empty()
+    {
         if tokio::time::Instant::now() > deadline {
             return Err(Error::Connect {
                 url: url.to_string(),
