@@ -372,7 +372,36 @@ impl Environment {
 
     /// [`Environment::shell`], saying how the command was started; `allow_direct: false`
     /// always starts `sh -c`.
+    ///
+    /// In the Sandbox, the processes of the session's previous command may still be on their
+    /// way out when this one starts: bubblewrap reports the command's end as soon as its own
+    /// process ends, while the kernel is still killing the rest of its pid namespace, and until
+    /// then those count against the session uid's process limit. bubblewrap then cannot fork,
+    /// before anything of the command has run: it is tried again, a few times within a second.
     async fn shell_routed(
+        &self,
+        command: &str,
+        env: &[(String, String)],
+        limits: &Limits,
+        allow_direct: bool,
+    ) -> Result<(ShellOutput, Route), ToolError> {
+        let mut pause = Duration::from_millis(10);
+        for _ in 0..6 {
+            match self.shell_once(command, env, limits, allow_direct).await {
+                Err(ToolError::Failed { code, message })
+                    if code == "sandbox_unavailable" && is_fork_refused(&message) =>
+                {
+                    tracing::debug!(%message, "bubblewrap could not fork; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                r => return r,
+            }
+        }
+        self.shell_once(command, env, limits, allow_direct).await
+    }
+
+    async fn shell_once(
         &self,
         command: &str,
         env: &[(String, String)],
@@ -553,6 +582,13 @@ impl Environment {
         }
         Ok((out, route))
     }
+}
+
+/// A sandbox that could not start for a moment (EAGAIN: bubblewrap's fork, or its own exec,
+/// refused by the uid's process limit or the machine's), as opposed to one that cannot be set up
+/// at all. Either way nothing of the command has run.
+fn is_fork_refused(report: &str) -> bool {
+    report.contains("Resource temporarily unavailable")
 }
 
 /// How [`Environment::shell`] started a command.
@@ -2447,6 +2483,39 @@ mod tests {
             .and_then(|l| l.trim().parse().ok())
             .unwrap_or_else(|| panic!("{out:?}"));
         assert!((18..=24).contains(&max), "{out:?}");
+    }
+
+    /// A command right after one whose processes filled the session's process limit runs:
+    /// whatever of the bomb the kernel is still tearing down when the next command starts does
+    /// not make it fail.
+    #[tokio::test]
+    async fn a_command_right_after_a_fork_bomb_runs() {
+        let dir = TempDir::new("after-bomb");
+        let l = Limits {
+            max_processes: Some(24),
+            ..limits()
+        };
+        let env = sandbox(&dir);
+        for round in 0..5 {
+            let bomb = env
+                .shell(
+                    "bash -c 'f() { while :; do f & done; }; f' >/dev/null 2>&1 & \
+                     while :; do c=0; for p in /proc/[0-9]*; do c=$((c+1)); done; \
+                     [ $c -ge 20 ] && break; done; echo full",
+                    &[],
+                    &l,
+                )
+                .await
+                .unwrap();
+            assert!(bomb.output.contains("full"), "round {round}: {bomb:?}");
+            let next = env.shell("echo next", &[], &l).await;
+            let next = next.unwrap_or_else(|e| panic!("round {round}: {e}"));
+            assert_eq!(
+                (next.exit_code, next.output.trim()),
+                (Some(0), "next"),
+                "round {round}"
+            );
+        }
     }
 
     // -----------------------------------------------------------------------------------------
