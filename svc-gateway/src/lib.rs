@@ -10,6 +10,7 @@ mod dispatch;
 mod error;
 mod extract;
 mod issue_writes;
+mod plans;
 
 pub use config::Config;
 
@@ -40,6 +41,8 @@ pub struct AppState {
     pub leases: Arc<tokio::sync::OnceCell<async_nats::jetstream::kv::Store>>,
     /// The pools a direct dispatch of this gateway is under way for (one at a time each).
     pub(crate) dispatching: dispatch::InFlight,
+    /// Attempt plans kept per agent for submissions (checked where they are stored).
+    pub(crate) plans: plans::Plans,
     pub config: Arc<Config>,
     pub metrics: Metrics,
     /// (attempt id, task id, whether the attempt ended) of every commit of the recorder (and of
@@ -89,6 +92,7 @@ impl App {
                 js,
                 leases: Default::default(),
                 dispatching: Default::default(),
+                plans: Default::default(),
                 config: Arc::new(config),
                 metrics: Metrics::default(),
                 recorded,

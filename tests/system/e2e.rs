@@ -355,3 +355,104 @@ async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
         "{spec}"
     );
 }
+
+/// A submission's attempt is made of its agent's newest version and its binding as they are
+/// when it is stored, though the gateway keeps each agent's plan from one submission to the next:
+/// a version saved, or a first binding made, after a submission is in the next one's attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_submission_gets_the_agents_newest_version_and_binding() {
+    let stack = Stack::start("newest-plan", StackOptions::default())
+        .await
+        .unwrap();
+    let api = &stack.api;
+    let (agent, _) = stack
+        .command_agent("v", "pool", &["sh", "-c", "echo ok"], None)
+        .await
+        .unwrap();
+    let attempt_of = |task: &serde_json::Value| {
+        let pg = stack.pg.clone();
+        let id = uuid::Uuid::parse_str(task["attempts"][0]["id"].as_str().unwrap()).unwrap();
+        async move {
+            sqlx::query_as::<_, (Option<uuid::Uuid>, Option<uuid::Uuid>, serde_json::Value)>(
+                "SELECT agent_version_id, binding_id, spec FROM attempts WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pg)
+            .await
+            .unwrap()
+        }
+    };
+    let submit = |agent: String, input: &'static str| async move {
+        api.post("/v1/tasks", json!({"agent_id": agent, "input": input}))
+            .await
+            .unwrap()
+    };
+    let first = submit(agent.clone(), "one").await;
+    let (v1, _, spec) = attempt_of(&first).await;
+    assert_eq!(spec["instructions"], "run the command", "{spec}");
+    let v2 = api
+        .post(
+            &format!("/v1/agents/{agent}/versions"),
+            json!({"instructions": "the second version", "provider": "command"}),
+        )
+        .await
+        .unwrap();
+    let second = submit(agent.clone(), "two").await;
+    let (version, _, spec) = attempt_of(&second).await;
+    assert_ne!(version, v1);
+    assert_eq!(
+        version.map(|v| v.to_string()).as_deref(),
+        v2["id"].as_str(),
+        "{v2}"
+    );
+    assert_eq!(spec["instructions"], "the second version", "{spec}");
+    assert_eq!(spec["input"], "two", "{spec}");
+    assert_eq!(second["attempts"][0]["agent_version_id"], v2["id"]);
+
+    // An agent without a binding, then bound.
+    let unbound = api
+        .post(
+            "/v1/agents",
+            json!({"name": "later", "provider": "command", "instructions": "x"}),
+        )
+        .await
+        .unwrap();
+    let unbound = unbound["id"].as_str().unwrap().to_string();
+    let early = submit(unbound.clone(), "early").await;
+    assert_eq!(attempt_of(&early).await.1, None);
+    let profile = api
+        .post(
+            "/v1/runtime-profiles",
+            json!({"name": "later-profile", "provider": "command",
+                   "params": {"command": ["sh", "-c", "echo bound"]}}),
+        )
+        .await
+        .unwrap();
+    let pools = api.get("/v1/pools").await.unwrap();
+    let pool = pools["items"][0]["id"].clone();
+    let binding = api
+        .post(
+            "/v1/bindings",
+            json!({"agent_id": unbound, "pool_id": pool, "runtime_profile_id": profile["id"]}),
+        )
+        .await
+        .unwrap();
+    let bound = submit(unbound.clone(), "bound").await;
+    let (_, binding_id, spec) = attempt_of(&bound).await;
+    assert_eq!(
+        binding_id.map(|b| b.to_string()).as_deref(),
+        binding["id"].as_str(),
+        "{binding}"
+    );
+    assert_eq!(spec["command"], json!(["sh", "-c", "echo bound"]), "{spec}");
+
+    // Both run where their binding says.
+    let _host = stack.host("h1", "pool", 2).await.unwrap();
+    for t in [&second, &bound] {
+        let id = t["id"].as_str().unwrap();
+        stack
+            .wait_task(id, "succeeded", Duration::from_secs(60))
+            .await
+            .unwrap();
+    }
+}

@@ -64,12 +64,36 @@ pub fn explicit_timeout(
         .map(|p| (p, "profile"))
 }
 
-/// Resolves a task's first attempt. `None` when the agent, or the issue the task names, is not
-/// in the task's workspace.
-pub async fn plan<'c>(
+/// What attempt 1 of an agent's tasks is made of, whatever the task: the agent's newest version,
+/// its binding, and the binding's runtime profile. Agents, versions, bindings and profiles are
+/// never changed, deleted nor moved, so this changes only when the agent gets a newer version or
+/// its first binding: a reader may keep it and check those two ids where it writes
+/// (`submit_task` does, migration 0008).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentPlan {
+    pub agent_version_id: Option<Uuid>,
+    pub instructions: Option<String>,
+    pub version_provider: Option<String>,
+    pub binding_id: Option<Uuid>,
+    pub pool_id: Option<Uuid>,
+    pub required_capabilities: Option<Vec<String>>,
+    pub profile_provider: Option<String>,
+    pub params: Option<Value>,
+}
+
+/// The title and body of the issue a task works on.
+#[derive(Debug, Clone, Default)]
+pub struct IssueText {
+    pub title: String,
+    pub body: String,
+}
+
+/// Reads what attempt 1 of `task` is made of: its agent's part, and the issue's text when the
+/// task names one. `None` when the agent, or the issue, is not in the task's workspace.
+pub async fn read<'c>(
     db: impl PgExecutor<'c>,
     task: &TaskFields<'_>,
-) -> Result<Option<Plan>, sqlx::Error> {
+) -> Result<Option<(AgentPlan, Option<IssueText>)>, sqlx::Error> {
     let row = sqlx::query!(
         r#"
         SELECT i.id AS "issue_id?", i.title AS "issue_title?", i.body AS "issue_body?",
@@ -94,56 +118,93 @@ pub async fn plan<'c>(
     .fetch_optional(db)
     .await?;
     let Some(row) = row else { return Ok(None) };
-    if task.issue_id.is_some() && row.issue_id.is_none() {
-        return Ok(None);
-    }
-    let params: Value = row.params.unwrap_or_else(|| json!({}));
-    let provider: Option<String> = row.profile_provider.or(row.version_provider);
-    // The command provider's argv is a JSON array in the profile; other params are strings.
-    let command = params.get("command").cloned().unwrap_or_else(|| json!([]));
-    let mut str_params = serde_json::Map::new();
-    if let Some(obj) = params.as_object() {
-        for (k, v) in obj {
-            if k == "command" {
-                continue;
-            }
-            let s = match v {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            str_params.insert(k.clone(), json!(s));
-        }
-    }
-    let version_id: Option<Uuid> = row.version_id;
-    let mut spec = json!({
-        "provider": provider.clone().unwrap_or_default(),
-        "repository": task.repository.unwrap_or_default(),
-        "branch": task.branch.unwrap_or_default(),
-        "input": task.input,
-        "instructions": row.instructions.unwrap_or_default(),
-        "params": str_params,
-        "command": command,
-        "issue_id": task.issue_id.map(|u| u.to_string()).unwrap_or_default(),
-        "issue_title": row.issue_title.unwrap_or_default(),
-        "issue_body": row.issue_body.unwrap_or_default(),
-        "agent_id": task.agent_id.to_string(),
-        "agent_version_id": version_id.map(|v| v.to_string()).unwrap_or_default(),
-        "timeout_source": DEFAULT_TIMEOUT_SOURCE,
-    });
-    if let Some((secs, source)) =
-        explicit_timeout(task.timeout_secs.map(i64::from), params.get("timeout_secs"))
-    {
-        spec["timeout_secs"] = json!(secs);
-        spec["timeout_source"] = json!(source);
-    }
-    Ok(Some(Plan {
-        agent_version_id: version_id,
+    let issue = match (task.issue_id, row.issue_id) {
+        (None, _) => None,
+        (Some(_), None) => return Ok(None),
+        (Some(_), Some(_)) => Some(IssueText {
+            title: row.issue_title.unwrap_or_default(),
+            body: row.issue_body.unwrap_or_default(),
+        }),
+    };
+    let agent = AgentPlan {
+        agent_version_id: row.version_id,
+        instructions: row.instructions,
+        version_provider: row.version_provider,
         binding_id: row.binding_id,
         pool_id: row.pool_id,
-        provider,
-        required_capabilities: row.required_capabilities.unwrap_or_default(),
-        spec,
-    }))
+        required_capabilities: row.required_capabilities,
+        profile_provider: row.profile_provider,
+        params: row.params,
+    };
+    Ok(Some((agent, issue)))
+}
+
+/// Resolves a task's first attempt. `None` when the agent, or the issue the task names, is not
+/// in the task's workspace.
+pub async fn plan<'c>(
+    db: impl PgExecutor<'c>,
+    task: &TaskFields<'_>,
+) -> Result<Option<Plan>, sqlx::Error> {
+    Ok(read(db, task)
+        .await?
+        .map(|(agent, issue)| agent.plan(task, issue.as_ref())))
+}
+
+impl AgentPlan {
+    /// Attempt 1 of `task` (which works on `issue`, if it names one).
+    pub fn plan(&self, task: &TaskFields<'_>, issue: Option<&IssueText>) -> Plan {
+        let empty = json!({});
+        let params: &Value = self.params.as_ref().unwrap_or(&empty);
+        let provider: Option<String> = self
+            .profile_provider
+            .clone()
+            .or_else(|| self.version_provider.clone());
+        // The command provider's argv is a JSON array in the profile; other params are strings.
+        let command = params.get("command").cloned().unwrap_or_else(|| json!([]));
+        let mut str_params = serde_json::Map::new();
+        if let Some(obj) = params.as_object() {
+            for (k, v) in obj {
+                if k == "command" {
+                    continue;
+                }
+                let s = match v {
+                    Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                str_params.insert(k.clone(), json!(s));
+            }
+        }
+        let version_id = self.agent_version_id;
+        let mut spec = json!({
+            "provider": provider.clone().unwrap_or_default(),
+            "repository": task.repository.unwrap_or_default(),
+            "branch": task.branch.unwrap_or_default(),
+            "input": task.input,
+            "instructions": self.instructions.clone().unwrap_or_default(),
+            "params": str_params,
+            "command": command,
+            "issue_id": task.issue_id.map(|u| u.to_string()).unwrap_or_default(),
+            "issue_title": issue.map(|i| i.title.as_str()).unwrap_or_default(),
+            "issue_body": issue.map(|i| i.body.as_str()).unwrap_or_default(),
+            "agent_id": task.agent_id.to_string(),
+            "agent_version_id": version_id.map(|v| v.to_string()).unwrap_or_default(),
+            "timeout_source": DEFAULT_TIMEOUT_SOURCE,
+        });
+        if let Some((secs, source)) =
+            explicit_timeout(task.timeout_secs.map(i64::from), params.get("timeout_secs"))
+        {
+            spec["timeout_secs"] = json!(secs);
+            spec["timeout_source"] = json!(source);
+        }
+        Plan {
+            agent_version_id: version_id,
+            binding_id: self.binding_id,
+            pool_id: self.pool_id,
+            provider,
+            required_capabilities: self.required_capabilities.clone().unwrap_or_default(),
+            spec,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -105,7 +105,7 @@ pub async fn create_issue(
                 idempotency_key: None,
                 request_hash: None,
             };
-            let stored = insert_task(&mut tx, &sub, dispatching(&s))
+            let stored = insert_task(&mut tx, &sub, dispatching(&s), &s.plans)
                 .await?
                 .ok_or_else(|| ApiError::Db(sqlx::Error::RowNotFound))?;
             Some(stored)
@@ -264,26 +264,68 @@ struct Stored {
     _turn: Option<crate::dispatch::Turn>,
 }
 
-/// Stores a task and its first attempt in one statement (`submit_task`, migration 0007; so in
-/// one transaction with whatever else `db` is in): the task is never without an attempt, and no
-/// bus message stands between the submission and the hosts. The attempt is queued, or, with
-/// direct dispatch on (`dispatching`) and no other dispatch of this gateway under way for the
-/// pool, claimed for an idle host if the pool has one and no older work waits for it. `None`
-/// when the agent, or the issue, is not in the workspace.
+/// Stores a task and its first attempt in one statement (`submit_task`, migrations 0007 and
+/// 0008; so in one transaction with whatever else `db` is in): the task is never without an
+/// attempt, and no bus message stands between the submission and the hosts. The attempt is
+/// queued, or, with direct dispatch on (`dispatching`) and no other dispatch of this gateway
+/// under way for the pool, claimed for an idle host if the pool has one and no older work waits
+/// for it. `None` when the agent, or the issue, is not in the workspace.
 ///
-/// The attempt is resolved first ([`agentscope_store::first_attempt::plan`]), by the same read
-/// the scheduler makes for a task found without an attempt; that read also checks that the agent
-/// and the issue are the workspace's. (Agents, issues, versions, bindings and pools are never
-/// deleted nor moved, so what it read still holds for the insert.)
+/// The attempt is resolved from its agent's plan ([`agentscope_store::first_attempt`], the read
+/// the scheduler also makes for a task found without an attempt), which also checks that the
+/// agent and the issue are the workspace's. A task without an issue is resolved from the plan
+/// this gateway kept from an earlier submission of the agent, if it has one, and the statement
+/// that stores it checks that this plan is still the agent's; a stale one stores nothing, and
+/// the plan is read again. (Agents, issues, versions, bindings and pools are never deleted nor
+/// moved, so what was read still holds for the insert.)
 async fn insert_task(
     db: &mut sqlx::PgConnection,
     sub: &Submission<'_>,
     dispatching: Option<(&crate::dispatch::InFlight, &Config)>,
+    plans: &crate::plans::Plans,
 ) -> Result<Option<Stored>, sqlx::Error> {
     let task = &sub.task;
-    let Some(p) = agentscope_store::first_attempt::plan(&mut *db, task).await? else {
-        return Ok(None);
+    let (ws, agent) = (task.workspace_id, task.agent_id);
+    let mut kept = match task.issue_id {
+        None => plans.get(ws, agent),
+        Some(_) => None,
     };
+    // A plan read here is stale only if the agent got a new version or its first binding in
+    // between; a few reads are enough unless it gets them without pause.
+    for _ in 0..4 {
+        let (plan, issue) = match kept.take() {
+            Some(plan) => (plan, None),
+            None => match agentscope_store::first_attempt::read(&mut *db, task).await? {
+                Some((plan, issue)) => {
+                    let plan = std::sync::Arc::new(plan);
+                    plans.keep(ws, agent, plan.clone());
+                    (plan, issue)
+                }
+                None => {
+                    plans.forget(ws, agent);
+                    return Ok(None);
+                }
+            },
+        };
+        let p = plan.plan(task, issue.as_ref());
+        match store_task(&mut *db, sub, p, dispatching).await? {
+            Some(stored) => return Ok(Some(stored)),
+            None => plans.forget(ws, agent),
+        }
+    }
+    Err(sqlx::Error::Protocol(
+        "the agent's plan changed on every read".into(),
+    ))
+}
+
+/// `submit_task` for `sub` resolved as `p`; `None` when `p` is not the agent's plan any more.
+async fn store_task(
+    db: &mut sqlx::PgConnection,
+    sub: &Submission<'_>,
+    p: agentscope_store::first_attempt::Plan,
+    dispatching: Option<(&crate::dispatch::InFlight, &Config)>,
+) -> Result<Option<Stored>, sqlx::Error> {
+    let task = &sub.task;
     let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
     let turn = match (dispatching, p.pool_id) {
         (Some((pools, _)), Some(pool)) => pools.enter(pool),
@@ -302,8 +344,8 @@ async fn insert_task(
         _ => (0, 0, None),
     };
     let row = sqlx::query!(
-        r#"SELECT r_created_at AS "created_at!", r_host AS host, r_token AS token,
-                  r_spec AS spec
+        r#"SELECT r_stale AS "stale!", r_created_at AS created_at, r_host AS host,
+                  r_token AS token, r_spec AS spec
            FROM submit_task($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
                             $17, $18, $19, $20, $21)"#,
         id,
@@ -328,9 +370,9 @@ async fn insert_task(
         run_timeout,
         DEFAULT_TIMEOUT_SOURCE,
     )
-    .fetch_optional(&mut *db)
-    .await;
-    let Some(row) = row? else {
+    .fetch_one(&mut *db)
+    .await?;
+    let (false, Some(created_at)) = (row.stale, row.created_at) else {
         return Ok(None);
     };
     let claim = match (row.host, row.token, row.spec, task_token) {
@@ -348,7 +390,7 @@ async fn insert_task(
     };
     Ok(Some(Stored {
         id,
-        created_at: row.created_at,
+        created_at,
         pool_id: p.pool_id,
         claim,
         _turn: turn,
@@ -361,8 +403,8 @@ async fn insert_task(
             host_id: None,
             lease_token: None,
             agent_version_id: p.agent_version_id,
-            created_at: row.created_at,
-            not_before: row.created_at,
+            created_at,
+            not_before: created_at,
             claimed_at: None,
             started_at: None,
             finished_at: None,
@@ -468,7 +510,7 @@ pub async fn create_task(
         idempotency_key: b.idempotency_key.as_deref(),
         request_hash: Some(&hash),
     };
-    let stored = insert_task(&mut conn, &sub, dispatching(&s)).await;
+    let stored = insert_task(&mut conn, &sub, dispatching(&s), &s.plans).await;
     drop(conn);
     let stored = match stored {
         Ok(Some(stored)) => stored,
