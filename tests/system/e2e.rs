@@ -325,6 +325,27 @@ async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
     .execute(&stack.pg)
     .await
     .unwrap();
+    // Its events: none yet, and a live stream that waits for its attempt and follows it to the
+    // end (a task of the workspace without an attempt is still the workspace's to follow).
+    let page = stack
+        .api
+        .get(&format!("/v1/tasks/{bare}/events"))
+        .await
+        .unwrap();
+    assert_eq!(page["items"], json!([]), "{page}");
+    let follower = {
+        let api = stack.api.clone();
+        tokio::spawn(async move {
+            sse_collect(
+                &api,
+                &format!("/v1/tasks/{bare}/events?follow=true"),
+                None,
+                None,
+                Duration::from_secs(60),
+            )
+            .await
+        })
+    };
 
     let (_scheduler, _) = stack.spawn_scheduler("again").await.unwrap();
     let _host = stack.host("h1", "pool", 2).await.unwrap();
@@ -335,6 +356,22 @@ async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
             .unwrap();
         assert_eq!(done["attempts"].as_array().unwrap().len(), 1, "{done}");
     }
+    let followed = follower.await.unwrap().unwrap();
+    let ids: Vec<&str> = followed.iter().map(|e| e.id.as_str()).collect();
+    let stored: Vec<String> = stack
+        .events(&format!("/v1/tasks/{bare}/events"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!stored.is_empty());
+    assert_eq!(ids[..ids.len() - 1], stored, "{followed:?}");
+    let end = followed.last().unwrap();
+    assert_eq!(
+        (end.event.as_str(), end.data.as_str()),
+        ("end", r#"{"status":"succeeded"}"#)
+    );
     let spec = spec_of(task).await;
     assert_eq!(
         (

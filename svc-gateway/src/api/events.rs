@@ -72,15 +72,7 @@ pub async fn attempt_events(
     headers: HeaderMap,
     q: Result<Query<EventQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
-    let owned = sqlx::query_scalar!(
-        "SELECT id FROM attempts WHERE id = $1 AND workspace_id = $2",
-        id,
-        auth.workspace_id,
-    )
-    .fetch_optional(&s.db)
-    .await?;
-    owned.ok_or_else(|| ApiError::not_found("attempt"))?;
-    events(s, Scope::Attempt(id), headers, q?.0).await
+    events(s, auth, Scope::Attempt(id), headers, q?.0).await
 }
 
 pub async fn task_events(
@@ -90,19 +82,41 @@ pub async fn task_events(
     headers: HeaderMap,
     q: Result<Query<EventQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
-    let owned = sqlx::query_scalar!(
-        "SELECT id FROM tasks WHERE id = $1 AND workspace_id = $2",
-        id,
-        auth.workspace_id,
-    )
-    .fetch_optional(&s.db)
-    .await?;
-    owned.ok_or_else(|| ApiError::not_found("task"))?;
-    events(s, Scope::Task(id), headers, q?.0).await
+    events(s, auth, Scope::Task(id), headers, q?.0).await
+}
+
+/// Whether the scope is the workspace's, where a read of it did not already say so (it found
+/// no attempt: a task of the workspace may have none yet), or before refusing a cursor (an
+/// unknown scope is not found, whatever the cursor).
+async fn owned(s: &AppState, auth: Auth, scope: Scope) -> ApiResult<()> {
+    let (found, what) = match scope {
+        Scope::Attempt(id) => (
+            sqlx::query_scalar!(
+                "SELECT id FROM attempts WHERE id = $1 AND workspace_id = $2",
+                id,
+                auth.workspace_id,
+            )
+            .fetch_optional(&s.db)
+            .await?,
+            "attempt",
+        ),
+        Scope::Task(id) => (
+            sqlx::query_scalar!(
+                "SELECT id FROM tasks WHERE id = $1 AND workspace_id = $2",
+                id,
+                auth.workspace_id,
+            )
+            .fetch_optional(&s.db)
+            .await?,
+            "task",
+        ),
+    };
+    found.map(|_| ()).ok_or_else(|| ApiError::not_found(what))
 }
 
 async fn events(
     s: AppState,
+    auth: Auth,
     scope: Scope,
     headers: HeaderMap,
     q: EventQuery,
@@ -119,19 +133,36 @@ async fn events(
         .or(q.after);
     let cursor = match raw_cursor {
         None => Cursor::default(),
-        Some(c) => Cursor::parse(&c, scope).ok_or_else(|| {
-            ApiError::bad_request(
-                "invalid_cursor",
-                format!("`{c}` is not an event id of this stream"),
-            )
-        })?,
+        Some(c) => match Cursor::parse(&c, scope) {
+            Some(c) => c,
+            None => {
+                owned(&s, auth, scope).await?;
+                return Err(ApiError::bad_request(
+                    "invalid_cursor",
+                    format!("`{c}` is not an event id of this stream"),
+                ));
+            }
+        },
     };
+    let ws = auth.workspace_id;
     if !wants_sse {
         let limit = q.limit.unwrap_or(500).clamp(1, 5000);
-        let (page, _) = fetch(&s, scope, cursor, limit).await?;
+        // The page's read is also the check that the scope is the workspace's.
+        let (page, newest) = fetch(&s, scope, ws, cursor, limit).await?;
+        if newest.is_none() {
+            owned(&s, auth, scope).await?;
+        }
         let next = page.last().map(|(c, _)| *c).unwrap_or(cursor);
         let items: Vec<Value> = page.into_iter().map(|(_, v)| v).collect();
         return Ok(Json(json!({"items": items, "next": next.render(scope)})).into_response());
+    }
+    // The stream's first page, read before anything is sent: it is also the check that the
+    // scope is the workspace's, and it may start the scope's shared reader. Commit notices are
+    // heard from before the read on, so the reader misses none committed after it.
+    let wake = s.recorded.subscribe();
+    let (page, newest) = fetch(&s, scope, ws, cursor, PAGE).await?;
+    if newest.is_none() {
+        owned(&s, auth, scope).await?;
     }
     s.metrics.inc("agentscope_sse_streams_total", &[]);
     // Frames go out pre-rendered, as many as are ready in one chunk (one write per batch, not
@@ -139,7 +170,8 @@ async fn events(
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     // Supervised work: at shutdown the stream says so and ends, and the gateway waits for it.
     let work = s.work.clone();
-    work.spawn(follow(s, scope, cursor, tx));
+    let first = First { page, newest, wake };
+    work.spawn(follow(s, scope, ws, cursor, first, tx));
     let stream = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
@@ -151,6 +183,13 @@ async fn events(
         axum::body::Body::from_stream(stream),
     )
         .into_response())
+}
+
+/// A live stream's first read, and the commit notices heard since just before it.
+struct First {
+    page: Vec<(Cursor, Value)>,
+    newest: Option<Newest>,
+    wake: broadcast::Receiver<(Uuid, Uuid, bool)>,
 }
 
 /// Live readers, one per followed attempt or task, shared by all of its SSE clients.
@@ -213,10 +252,15 @@ const FEED_BUFFER: usize = 256;
 const PAGE: i64 = 500;
 
 impl Feeds {
+    /// Joins the scope's live reader, or starts one. A reader started here begins where
+    /// `seed` (a read of the scope, and the notices heard since just before it) left the
+    /// scope, or, without one, reads where it ends.
     fn subscribe(
         &self,
         s: &AppState,
         scope: Scope,
+        workspace: Uuid,
+        seed: Option<Seed>,
     ) -> (Arc<Feed>, broadcast::Receiver<Arc<Batch>>) {
         let mut map = self.0.lock().expect("feeds");
         if let Some(feed) = map
@@ -238,35 +282,66 @@ impl Feeds {
             _stop: stop.clone().drop_guard(),
         });
         map.insert(scope, Arc::downgrade(&feed));
-        s.work.spawn(read_feed(s.clone(), scope, tx, ended, stop));
+        let reader = Reader {
+            scope,
+            workspace,
+            tx,
+            ended,
+            stop,
+        };
+        s.work.spawn(read_feed(s.clone(), reader, seed));
         (feed, rx)
     }
 }
 
-/// The shared reader of one scope.
-async fn read_feed(
-    s: AppState,
+/// Where a new reader starts: the scope's newest attempt as a read found it, and the commit
+/// notices heard since just before that read.
+struct Seed {
+    newest: Option<Newest>,
+    wake: broadcast::Receiver<(Uuid, Uuid, bool)>,
+}
+
+/// A shared reader's scope (of `workspace`) and its ends.
+struct Reader {
     scope: Scope,
+    workspace: Uuid,
     tx: broadcast::Sender<Arc<Batch>>,
     ended: Arc<AtomicBool>,
     stop: CancellationToken,
-) {
+}
+
+/// The shared reader of one scope.
+async fn read_feed(s: AppState, r: Reader, seed: Option<Seed>) {
+    let Reader {
+        scope,
+        workspace,
+        tx,
+        ended,
+        stop,
+    } = r;
     if stop.is_cancelled() {
         return;
     }
-    let mut wake = s.recorded.subscribe();
-    // Followers catch up from the database themselves; the feed starts at the scope's end
-    // (nothing to read there yet: whatever commits later sends a notice), unless it is over.
-    let mut newest = loop {
-        match fetch(&s, scope, Cursor::END, 1).await {
-            Ok((_, n)) => break n,
-            Err(e) => {
-                tracing::warn!(error = ?e, "read the end of a live stream");
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+    // Followers catch up from the database themselves; the feed starts at the scope's end as
+    // of its seed's read or its own (nothing to read there yet: whatever commits later sends a
+    // notice), unless it is over.
+    let (mut wake, mut newest) = match seed {
+        Some(seed) => (seed.wake, seed.newest),
+        None => {
+            let wake = s.recorded.subscribe();
+            let newest = loop {
+                match fetch(&s, scope, workspace, Cursor::END, 1).await {
+                    Ok((_, n)) => break n,
+                    Err(e) => {
+                        tracing::warn!(error = ?e, "read the end of a live stream");
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        }
+                    }
                 }
-            }
+            };
+            (wake, newest)
         }
     };
     let mut head = newest.as_ref().map(Newest::head).unwrap_or_default();
@@ -305,7 +380,7 @@ async fn read_feed(
         // Everything committed after `head`, page by page. A read that fails leaves `newest` and
         // `head` as the last page that came in left them (still a pair read together).
         loop {
-            let (page, n) = match fetch(&s, scope, head, PAGE).await {
+            let (page, n) = match fetch(&s, scope, workspace, head, PAGE).await {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(error = ?e, "read events for live streams");
@@ -349,18 +424,29 @@ async fn read_feed(
     }
 }
 
-/// Feeds one SSE client until the stream's work is over or the client goes away: first from the
-/// database after its cursor, then from the scope's shared feed. A follower whose cursor is not
-/// where a batch starts (it fell behind, or the feed is ahead of its catch-up) reads from the
-/// database again by its own cursor, so it never skips or repeats an event.
+/// Feeds one SSE client until the stream's work is over or the client goes away: first with
+/// its first page (`first`) and from the database after it, then from the scope's shared feed.
+/// A follower whose cursor is not where a batch starts (it fell behind, or the feed is ahead of
+/// its catch-up) reads from the database again by its own cursor, so it never skips or repeats
+/// an event.
 async fn follow(
     s: AppState,
     scope: Scope,
+    workspace: Uuid,
     mut cursor: Cursor,
+    first: First,
     tx: tokio::sync::mpsc::Sender<Bytes>,
 ) {
-    // Subscribed before reading, so nothing committed after the read is missed.
-    let (mut _feed, mut feed) = s.feeds.subscribe(&s, scope);
+    let First { page, newest, wake } = first;
+    // A feed joined after the first read may have sent batches since: the next one it sends
+    // then starts after this follower's cursor, which reads the gap from the database. One
+    // started here begins where the first read left the scope.
+    let seed = Seed {
+        newest: newest.clone(),
+        wake,
+    };
+    let (mut _feed, mut feed) = s.feeds.subscribe(&s, scope, workspace, Some(seed));
+    let mut first = Some((page, newest));
     let mut catch_up = true;
     loop {
         if s.shutdown.is_cancelled() {
@@ -369,7 +455,11 @@ async fn follow(
             return;
         }
         if catch_up {
-            let (page, newest) = match fetch(&s, scope, cursor, PAGE).await {
+            let read = match first.take() {
+                Some(read) => Ok(read),
+                None => fetch(&s, scope, workspace, cursor, PAGE).await,
+            };
+            let (page, newest) = match read {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(error = ?e, "read events for a live stream");
@@ -418,7 +508,7 @@ async fn follow(
                 }
                 Err(broadcast::error::RecvError::Closed) => {
                     // The feed ended (its scope finished) or stopped: read for ourselves.
-                    (_feed, feed) = s.feeds.subscribe(&s, scope);
+                    (_feed, feed) = s.feeds.subscribe(&s, scope, workspace, None);
                     catch_up = true;
                     continue;
                 }
@@ -510,10 +600,11 @@ struct EventRow {
 
 /// A page of events after `c` and, read in the same statement (so from the same snapshot), the
 /// scope's newest attempt: whether the page ends the scope needs no second query. None: the
-/// scope has no attempt.
+/// scope has no attempt of `workspace` (then the page is empty).
 async fn fetch(
     s: &AppState,
     scope: Scope,
+    workspace: Uuid,
     c: Cursor,
     limit: i64,
 ) -> ApiResult<(Vec<(Cursor, Value)>, Option<Newest>)> {
@@ -527,10 +618,11 @@ async fn fetch(
                    FROM attempts a LEFT JOIN LATERAL (
                        SELECT seq, kind, payload, at FROM execution_events
                        WHERE attempt_id = a.id AND seq > $2 ORDER BY seq LIMIT $3) e ON true
-                   WHERE a.id = $1 ORDER BY e.seq"#,
+                   WHERE a.id = $1 AND a.workspace_id = $4 ORDER BY e.seq"#,
                 id,
                 c.seq,
                 limit,
+                workspace,
             )
             .fetch_all(&s.db)
             .await?;
@@ -560,7 +652,7 @@ async fn fetch(
             let found = sqlx::query!(
                 r#"WITH newest AS (
                        SELECT number, status, last_seq FROM attempts
-                       WHERE task_id = $1 ORDER BY number DESC LIMIT 1)
+                       WHERE task_id = $1 AND workspace_id = $5 ORDER BY number DESC LIMIT 1)
                    SELECT n.number AS "newest_number!", n.status AS "newest_status!",
                           n.last_seq AS "newest_seq!", p.attempt_id AS "attempt_id?",
                           p.number AS "number?", p.seq AS "seq?", p.kind AS "kind?",
@@ -580,6 +672,7 @@ async fn fetch(
                 c.number,
                 c.seq,
                 limit,
+                workspace,
             )
             .fetch_all(&s.db)
             .await?;
