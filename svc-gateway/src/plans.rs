@@ -17,8 +17,17 @@ pub(crate) struct Plans(Arc<Mutex<Kept>>);
 
 #[derive(Default)]
 struct Kept {
-    by_agent: HashMap<(Uuid, Uuid), Arc<AgentPlan>>,
+    /// Each plan with its size as counted in `bytes`.
+    by_agent: HashMap<(Uuid, Uuid), (Arc<AgentPlan>, usize)>,
     bytes: usize,
+}
+
+impl Kept {
+    fn remove(&mut self, workspace: Uuid, agent: Uuid) {
+        if let Some((_, n)) = self.by_agent.remove(&(workspace, agent)) {
+            self.bytes -= n;
+        }
+    }
 }
 
 fn size(p: &AgentPlan) -> usize {
@@ -30,32 +39,29 @@ impl Plans {
     /// The plan kept for `agent` of `workspace`, if any.
     pub(crate) fn get(&self, workspace: Uuid, agent: Uuid) -> Option<Arc<AgentPlan>> {
         let kept = self.0.lock().expect("plans");
-        kept.by_agent.get(&(workspace, agent)).cloned()
+        kept.by_agent
+            .get(&(workspace, agent))
+            .map(|(p, _)| p.clone())
     }
 
     /// Keeps `plan`, just read, for `agent` of `workspace`.
     pub(crate) fn keep(&self, workspace: Uuid, agent: Uuid, plan: Arc<AgentPlan>) {
         let n = size(&plan);
         let mut kept = self.0.lock().expect("plans");
-        if let Some(old) = kept.by_agent.remove(&(workspace, agent)) {
-            kept.bytes -= size(&old);
-        }
+        kept.remove(workspace, agent);
         if kept.bytes + n > BUDGET_BYTES {
             kept.by_agent.clear();
             kept.bytes = 0;
         }
         if n <= BUDGET_BYTES / 16 {
-            kept.by_agent.insert((workspace, agent), plan);
+            kept.by_agent.insert((workspace, agent), (plan, n));
             kept.bytes += n;
         }
     }
 
     /// Forgets the plan of `agent` of `workspace` (found stale, or the agent not found).
     pub(crate) fn forget(&self, workspace: Uuid, agent: Uuid) {
-        let mut kept = self.0.lock().expect("plans");
-        if let Some(old) = kept.by_agent.remove(&(workspace, agent)) {
-            kept.bytes -= size(&old);
-        }
+        self.0.lock().expect("plans").remove(workspace, agent);
     }
 }
 

@@ -170,7 +170,10 @@ async fn events(
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     // Supervised work: at shutdown the stream says so and ends, and the gateway waits for it.
     let work = s.work.clone();
-    let first = First { page, newest, wake };
+    let first = First {
+        page,
+        seed: Seed { newest, wake },
+    };
     work.spawn(follow(s, scope, ws, cursor, first, tx));
     let stream = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
@@ -185,11 +188,10 @@ async fn events(
         .into_response())
 }
 
-/// A live stream's first read, and the commit notices heard since just before it.
+/// A live stream's first read: its page, and where the scope's reader would start from it.
 struct First {
     page: Vec<(Cursor, Value)>,
-    newest: Option<Newest>,
-    wake: broadcast::Receiver<(Uuid, Uuid, bool)>,
+    seed: Seed,
 }
 
 /// Live readers, one per followed attempt or task, shared by all of its SSE clients.
@@ -437,14 +439,11 @@ async fn follow(
     first: First,
     tx: tokio::sync::mpsc::Sender<Bytes>,
 ) {
-    let First { page, newest, wake } = first;
+    let First { page, seed } = first;
+    let newest = seed.newest.clone();
     // A feed joined after the first read may have sent batches since: the next one it sends
     // then starts after this follower's cursor, which reads the gap from the database. One
     // started here begins where the first read left the scope.
-    let seed = Seed {
-        newest: newest.clone(),
-        wake,
-    };
     let (mut _feed, mut feed) = s.feeds.subscribe(&s, scope, workspace, Some(seed));
     let mut first = Some((page, newest));
     let mut catch_up = true;
