@@ -135,6 +135,9 @@ async fn bad_requests_get_stable_error_codes_and_workspaces_are_isolated() {
         // Live streams share one reader per task or attempt: it is not theirs to join.
         format!("/v1/tasks/{task_id}/events?follow=true"),
         format!("/v1/attempts/{attempt_id}/events?follow=true"),
+        // A cursor it refuses does not tell it the stream exists.
+        format!("/v1/tasks/{task_id}/events?after=x"),
+        format!("/v1/attempts/{attempt_id}/events?follow=true&after=x"),
     ] {
         let (st, v) = other.send(reqwest::Method::GET, &path, None).await.unwrap();
         assert_eq!((st, code(&v)), (404, "not_found"), "{path}");
