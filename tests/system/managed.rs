@@ -502,6 +502,106 @@ async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_whose_end_was_not_written_is_read_again_on_takeover() {
+    let simdir = kit::TempDir::new("managed-reread-gate");
+    let release = simdir.path.join("release");
+    let script = json!({
+        "turns": [
+            {"tool": "write_file", "args": {"path": "note.txt", "content": "the note"}},
+            {"tool": "read_file", "args": {"path": "note.txt"}, "expect": "the note"},
+            // Asked for with the read's output: the model thinks until the test releases it.
+            {"tool": "list_files", "args": {"path": "."}, "expect": "note.txt",
+             "hold_until": release.display().to_string()}
+        ],
+        "final": "Read it."
+    });
+    let (mut stack, _sim, log, _simdir, mut other) = managed_stack("managed-reread", &script).await;
+    let agent = managed_agent(&stack, "reader", json!({})).await;
+    let id = start_session(&stack, &agent, "remote", "Read the note.").await;
+    let pg = stack.pg.clone();
+    let sid = id.clone();
+    // The read ran and the model has its output, but its end is not written: it goes with the
+    // next turn's write, which waits for the model.
+    let (holder, call): (String, String) = kit::wait_for(
+        "the read's output to reach the model",
+        Duration::from_secs(60),
+        || {
+            let pg = pg.clone();
+            let sid = sid.clone();
+            let log = log.clone();
+            async move {
+                let asked = std::fs::read_to_string(&log).ok()?.contains("\"turn\":2");
+                let row: Option<(String, String, String)> = sqlx::query_as(
+                    "SELECT st.replica, c.call_id, c.status FROM session_state st
+                     JOIN session_tool_calls c ON c.session_id = st.session_id
+                     WHERE st.session_id = $1::uuid AND c.tool = 'read_file'",
+                )
+                .bind(&sid)
+                .fetch_optional(&pg)
+                .await
+                .ok()?;
+                let (replica, call, status) = row?;
+                assert_eq!(status, "started", "a read's end waits for the next write");
+                asked.then_some((replica, call))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    if holder == "dp-0" {
+        stack.dataplane.kill9();
+    } else {
+        other.kill9();
+    }
+    std::fs::write(&release, "go").unwrap();
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let events = session_events(&stack, &id).await;
+    assert!(
+        !events.iter().any(|e| e["kind"] == "tool_interrupted"),
+        "a read is read again, not reported interrupted: {events:#?}"
+    );
+    let results: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "tool_result" && e["payload"]["call_id"] == call.as_str())
+        .collect();
+    assert_eq!(results.len(), 1, "{events:#?}");
+    assert!(
+        results[0]["payload"]["output"]
+            .as_str()
+            .is_some_and(|o| o.contains("the note")),
+        "{results:#?}"
+    );
+    // The model got the read's output again (its `expect`), then the list (the final answer).
+    assert!(
+        events
+            .iter()
+            .any(|e| e["kind"] == "assistant_message" && e["payload"]["text"] == "Read it."),
+        "{events:#?}"
+    );
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    let statuses: Vec<(String, String)> = sqlx::query_as(
+        "SELECT tool, status FROM session_tool_calls WHERE session_id = $1::uuid ORDER BY started_at",
+    )
+    .bind(&id)
+    .fetch_all(&stack.pg)
+    .await
+    .unwrap();
+    assert!(
+        statuses.iter().all(|(_, st)| st == "completed"),
+        "{statuses:?}"
+    );
+    let state: (String,) =
+        sqlx::query_as("SELECT replica FROM session_state WHERE session_id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+    assert_ne!(state.0, holder, "the other replica finished the session");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sandbox_tool_cannot_write_outside_its_directory_nor_reach_the_network() {
     let outside = kit::TempDir::new("managed-outside");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

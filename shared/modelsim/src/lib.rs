@@ -10,7 +10,8 @@
 //! - `GET /v1/models`; anything else answers 404 with a JSON error. Any API key is accepted.
 //!
 //! A [`Script`] is `{"turns": [TURN, ...], "final": "text"}` where a TURN is
-//! `{"say": "optional text", "tool": "ABSTRACT_TOOL", "args": {...}, "expect": "substring"}`.
+//! `{"say": "optional text", "tool": "ABSTRACT_TOOL", "args": {...}, "expect": "substring",
+//! "hold_until": "/path"}` (the last two optional; see [`Turn`]).
 //! The server keeps no conversation state: the turn answered is the number of tool results
 //! already in the request's history (see [`decide`]); past the last turn it answers `final`
 //! (end of turn). Before turn i ≥ 1 (and before `final`), the most recent tool result must
@@ -94,6 +95,10 @@ pub struct Turn {
     /// final answer) is sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expect: Option<String>,
+    /// A path: this turn is answered only once it exists (the model thinks until then, at most
+    /// ten minutes), so a test can act while a request is in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_until: Option<String>,
 }
 
 fn empty_object() -> Value {
@@ -771,6 +776,16 @@ async fn handle(st: Arc<AppState>, api: Api, uri: String, body: Bytes) -> Respon
         "body": req,
     }))
     .await;
+    if let Some(path) = decision
+        .turn
+        .and_then(|i| st.script.turns.get(i))
+        .and_then(|t| t.hold_until.as_deref())
+    {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(600);
+        while !std::path::Path::new(path).exists() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
     let id = st.next_id();
     let model = if view.model.is_empty() {
         "modelsim".to_string()

@@ -1,6 +1,7 @@
 //! One tool call, journaled: the policy's decision (allow, ask, deny), the `started` row before
 //! it runs and its end with the result message after; a call found `started` on takeover is
-//! reported interrupted (or its Worker's result recovered), never run again.
+//! reported interrupted (or its Worker's result recovered), never run again, unless it only
+//! reads.
 
 use super::journal::{Batch, CallStatus, Ended};
 use super::pinned::Pinned;
@@ -88,9 +89,16 @@ impl Session<'_> {
             return self.await_decision(p, input_id, call).await;
         }
         if let Some((status, output, is_error)) = existing {
-            // Seen before this replica: a `started` call may have run; it is never run again.
-            // A Worker that ran it (or still runs it) is asked for its result.
+            // Seen before this replica: a `started` call may have run; it is never run again,
+            // unless it only reads (reading again changes nothing; its end may not have been
+            // written yet, see `Session::work`). A Worker that ran it (or still runs it) is asked
+            // for its result.
             let started = status == Some(CallStatus::Started);
+            if started && super::turn::reads_only(p, call) {
+                let (out, ended) = self.run_started(p, input_id, call).await?;
+                self.commit(ended).await?;
+                return Ok((out, false));
+            }
             let recovered = if started {
                 self.recover(p, call).await?
             } else {

@@ -34,7 +34,7 @@ pub(super) struct Batch {
 pub(super) enum CallStatus {
     /// Waits for an Approval; not run yet.
     AwaitingApproval,
-    /// About to run or running: once committed, never run again.
+    /// About to run or running: once committed, never run again (a read is read again).
     Started,
     /// Ran; its output is the result.
     Completed,

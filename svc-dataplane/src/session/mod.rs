@@ -3,11 +3,13 @@
 //! answers without tools, `max_iters` is reached, or the model cannot be reached.
 //!
 //! Durability: every message, tool call and event is written in a transaction that first checks
-//! the replica's fencing token. A tool call is journaled `started` before it runs (a file read,
-//! which changes nothing, may run while that row is written; its output is used only once the
-//! row is committed) and `completed` with its result message in one transaction after. A
-//! replica that takes a session over rebuilds it from the journal: a completed call is never run
-//! again; a call left `started` is reported to the model as interrupted, never silently repeated.
+//! the replica's fencing token. A tool call is journaled `started` before it runs and
+//! `completed` with its result message in one transaction after. A file read, which changes
+//! nothing, is the exception: it runs while its `started` row is written, its output goes to the
+//! model while that write commits, and its end is written with the next turn. A replica that
+//! takes a session over rebuilds it from the journal: a completed call is never run again; a
+//! read left `started` is read again; any other call left `started` is reported to the model as
+//! interrupted, never silently repeated.
 //!
 //! The parts: `lease` (who works on a session), `pinned` (what it runs with), `journal` (every
 //! durable step as one fenced write), `turn` (one input's model turns), `calls` (one tool call

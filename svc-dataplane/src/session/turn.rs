@@ -8,6 +8,7 @@ use crate::model::{self, Message, ModelError, ToolCallReq};
 use crate::policy::Decision;
 use crate::tools::{self, ToolOutput};
 use agentscope_domain::{InputOutcome, SessionStatus};
+use futures::future::{BoxFuture, FutureExt};
 use serde_json::json;
 use std::collections::HashSet;
 use uuid::Uuid;
@@ -18,8 +19,14 @@ impl Session<'_> {
     /// The conversation is loaded once and then kept in the model API's wire format, each new
     /// message appended ([`model::Conversation`]). A model turn is one write: its message and
     /// events, and, when the turn's first call can run at once, that call's `started` journal row
-    /// (or, for the last turn, the input's outcome); a call that only reads runs during that
-    /// write. A tool's result is another write.
+    /// (or, for the last turn, the input's outcome). A tool's result is another write.
+    ///
+    /// A call that only reads runs while its turn is written, the next model request goes out
+    /// before that write is awaited (it commits while the model thinks), and the call's end is
+    /// written with the next write: one write per iteration. Nothing durable depends on a
+    /// request the model has not answered yet: if the write fails (or this replica is fenced)
+    /// the request is dropped, and a replica that takes the session over asks again from what
+    /// was committed; a read found `started` there is read again (see [`Self::call`]).
     pub(super) async fn work(&self, p: &Pinned, input_id: Uuid, text: &str) -> Result<(), Stop> {
         let history = self.history().await?;
         let model = self.r.model_config(&p.model);
@@ -63,25 +70,37 @@ impl Session<'_> {
         let mut denied = false;
         // The call journaled `started` together with the turn that asked for it.
         let mut started_with_turn: Option<String> = None;
-        // That call's end, written while the next model request is in flight (before anything
-        // else is written, so the journal's order is the conversation's).
-        let mut unwritten: Option<Ended> = None;
+        // Writes sent and not yet awaited, in order: a turn whose first call only reads, or the
+        // end of a call started with its turn. They commit while the next model request is in
+        // flight, and before anything else is written, so the journal's order is the
+        // conversation's.
+        let mut unwritten: Option<BoxFuture<'_, Result<(), Stop>>> = None;
+        // The end of a call that only reads: the first rows of the next write.
+        let mut carried: Option<Batch> = None;
         // That call's output and end when it only reads and so ran while its turn was written.
         let mut ran_with_turn: Option<(ToolOutput, Ended)> = None;
         loop {
             for call in std::mem::take(&mut pending) {
-                if let Some(ended) = unwritten.take() {
-                    self.commit(ended).await?;
-                }
                 let (out, was_denied) = if started_with_turn.as_deref() == Some(call.id.as_str()) {
                     started_with_turn = None;
                     let (out, ended) = match ran_with_turn.take() {
                         Some(ran) => ran,
                         None => self.run_started(p, input_id, &call).await?,
                     };
-                    unwritten = Some(ended);
+                    match ended {
+                        Ended { batch, note: None } if reads_only(p, &call) => {
+                            carried = Some(batch)
+                        }
+                        ended => unwritten = Some(self.then_commit(unwritten.take(), ended)),
+                    }
                     (out, false)
                 } else {
+                    if let Some(w) = unwritten.take() {
+                        w.await?;
+                    }
+                    if let Some(c) = carried.take() {
+                        self.write(c).await?;
+                    }
                     self.call(p, input_id, &call).await?
                 };
                 denied |= was_denied;
@@ -92,11 +111,11 @@ impl Session<'_> {
                 });
             }
             if iterations >= p.max_iters {
-                if let Some(ended) = unwritten.take() {
-                    self.commit(ended).await?;
+                if let Some(w) = unwritten.take() {
+                    w.await?;
                 }
                 let detail = format!("stopped after {iterations} model turns (max_iters)");
-                let mut b = Batch::of(input_id);
+                let mut b = carried.take().unwrap_or_else(|| Batch::of(input_id));
                 b.finish(InputOutcome::MaxIterations, &detail, iterations);
                 return self.write(b).await;
             }
@@ -104,7 +123,7 @@ impl Session<'_> {
             let ((), turn) = tokio::try_join!(
                 async {
                     match unwritten.take() {
-                        Some(ended) => self.commit(ended).await,
+                        Some(w) => w.await,
                         None => Ok(()),
                     }
                 },
@@ -118,7 +137,7 @@ impl Session<'_> {
                     let detail = match &e {
                         ModelError::Connection(m) | ModelError::Rejected(m) => m.clone(),
                     };
-                    let mut b = Batch::of(input_id);
+                    let mut b = carried.take().unwrap_or_else(|| Batch::of(input_id));
                     b.event(
                         "diagnostic",
                         json!({"code": "model_connection", "message": detail}),
@@ -127,7 +146,7 @@ impl Session<'_> {
                     return self.write(b).await;
                 }
             };
-            let mut b = Batch::of(input_id);
+            let mut b = carried.take().unwrap_or_else(|| Batch::of(input_id));
             if !turn.text.is_empty() {
                 b.event("assistant_message", json!({"text": turn.text}));
             }
@@ -172,18 +191,50 @@ impl Session<'_> {
             }
             match reading {
                 // Nothing to repeat or undo: a call that only reads runs while the turn that
-                // starts it is written, and its output is used only once that write committed.
+                // starts it is written, and the write is awaited only before the next one.
                 Some(first) => {
-                    let (written, ran) =
-                        tokio::join!(self.write(b), self.run_started(p, input_id, first));
-                    written?;
-                    ran_with_turn = Some(ran?);
+                    let mut write = self.write(b).boxed();
+                    let ran = {
+                        let run = self.run_started(p, input_id, first);
+                        tokio::pin!(run);
+                        tokio::select! {
+                            biased;
+                            ran = &mut run => ran,
+                            written = &mut write => {
+                                write = futures::future::ready(written).boxed();
+                                run.await
+                            }
+                        }
+                    };
+                    match ran {
+                        Ok(ran) => ran_with_turn = Some(ran),
+                        Err(e) => {
+                            let _ = write.await;
+                            return Err(e);
+                        }
+                    }
+                    unwritten = Some(write);
                 }
                 None => self.write(b).await?,
             }
             known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
             pending = tool_calls;
         }
+    }
+
+    /// `before` (when there is one), then the call's end, in that order.
+    fn then_commit<'a>(
+        &'a self,
+        before: Option<BoxFuture<'a, Result<(), Stop>>>,
+        ended: Ended,
+    ) -> BoxFuture<'a, Result<(), Stop>> {
+        async move {
+            if let Some(w) = before {
+                w.await?;
+            }
+            self.commit(ended).await
+        }
+        .boxed()
     }
 
     /// Whether `call` (the first of a fresh turn) may be journaled `started` with the turn: the
@@ -204,7 +255,7 @@ impl Session<'_> {
 }
 
 /// A file tool that only reads, in the session's own Environment (an E2B sandbox is created on
-/// first use, a Worker's calls wait for the Worker).
-fn reads_only(p: &Pinned, call: &ToolCallReq) -> bool {
+/// first use, a Worker's calls wait for the Worker): running it again changes nothing.
+pub(super) fn reads_only(p: &Pinned, call: &ToolCallReq) -> bool {
     !p.e2b && p.worker.is_none() && matches!(call.name.as_str(), "read_file" | "list_files")
 }
