@@ -191,14 +191,14 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
     .await?;
     timings.lock().unwrap().clear();
     let rel0 = relation_bytes(&pg).await?;
-    let commits0 = setup::commits(&pg, &stack.db.name).await?;
+    let xid0 = setup::next_xid(&pg).await?;
     let probe = Probe::start(&pg, &stack.db.name).await;
     let t0 = now_ms();
     let id = start_session(&stack, &agent, "Loop.").await?;
     let session = uuid::Uuid::parse_str(&id)?;
     wait_outcome(&pg, session, Duration::from_secs(1800)).await?;
     let cpu = probe.stop().await;
-    let commits = setup::commits(&pg, &stack.db.name).await? - commits0;
+    let writes = setup::next_xid(&pg).await? - xid0;
     let rel1 = relation_bytes(&pg).await?;
     let r = sqlx::query(
         "SELECT o.status, o.iterations,
@@ -250,7 +250,7 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
         "model_server_last20_ms": num(mean(&model[n.saturating_sub(20)..])),
         "iteration_first20_ms": num(mean(first) + mean(&model[..20.min(n)])),
         "iteration_last20_ms": num(mean(last) + mean(&model[n.saturating_sub(20)..])),
-        "transactions_per_iteration": num(commits as f64 / n as f64),
+        "write_transactions_per_iteration": num(writes as f64 / n as f64),
         "stored_row_bytes": rows,
         "stored_mb_per_200_iterations": num(rows["total"].as_f64().unwrap_or(0.0) / 1e6 * 200.0 / n as f64),
         "relation_growth_bytes": rel1 - rel0,

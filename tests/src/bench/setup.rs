@@ -94,6 +94,17 @@ pub async fn commits(pg: &sqlx::PgPool, db: &str) -> Result<i64> {
     )
 }
 
+/// The cluster's next transaction id: the difference of two readings counts the write
+/// transactions in between (of every database; read-only ones take no id). Unlike
+/// `pg_stat_database`, which a backend reports at most once a second, it is exact at once.
+pub async fn next_xid(pg: &sqlx::PgPool) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::int8")
+            .fetch_one(pg)
+            .await?,
+    )
+}
+
 /// Submits one task; returns its id.
 pub async fn submit(stack: &Stack, agent: &str, input: &str) -> Result<String> {
     let t = stack
