@@ -197,6 +197,9 @@ impl Session<'_> {
                     let ran = {
                         let run = self.run_started(p, input_id, first);
                         tokio::pin!(run);
+                        // The read first: it is on the way to the next model request, the write
+                        // is not (polling the write first measured slower, 1.03 against 0.93 ms
+                        // per iteration over 7 interleaved W3 runs).
                         tokio::select! {
                             biased;
                             ran = &mut run => ran,
