@@ -4,7 +4,8 @@
 //! the Worker's stored result without running twice.
 
 use crate::managed::{
-    managed_agent, managed_stack_with, session_events, spawn_worker, start_on_worker, wait_outcomes,
+    kill_replica, managed_agent, managed_stack_with, session_events, spawn_worker, start_on_worker,
+    wait_outcomes,
 };
 use agentscope_schemas::Message as _;
 use agentscope_schemas::v1::{ToolOperation, ToolOperationResult};
@@ -244,11 +245,7 @@ async fn a_replica_that_takes_over_gets_the_workers_result_instead_of_interrupte
     })
     .await
     .unwrap();
-    if holder == "dp-0" {
-        stack.dataplane.kill9();
-    } else {
-        other.kill9();
-    }
+    kill_replica(&mut stack, &mut other, &holder);
     let s = wait_outcomes(&stack, &id, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
     let events = session_events(&stack, &id).await;

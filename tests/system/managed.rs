@@ -56,6 +56,33 @@ pub(crate) async fn managed_stack_with(
     (stack, sim, log, simdir, second)
 }
 
+/// Kills (SIGKILL) the dataplane replica named `holder`: the stack's own (`dp-0`) or `other`.
+pub(crate) fn kill_replica(stack: &mut Stack, other: &mut kit::Proc, holder: &str) {
+    if holder == "dp-0" {
+        stack.dataplane.kill9();
+    } else {
+        other.kill9();
+    }
+}
+
+/// After a takeover: the session's `events` are numbered without a gap or a repeat, and a
+/// replica other than `holder` holds the session.
+async fn finished_elsewhere(stack: &Stack, id: &str, holder: &str, events: &[Value]) {
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "no duplicated or missing events"
+    );
+    let state: (String,) =
+        sqlx::query_as("SELECT replica FROM session_state WHERE session_id = $1::uuid")
+            .bind(id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+    assert_ne!(state.0, holder, "the other replica finished the session");
+}
+
 pub(crate) async fn managed_agent(stack: &Stack, name: &str, extra: Value) -> String {
     let mut body =
         json!({"name": name, "provider": "managed", "instructions": format!("You are {name}.")});
@@ -448,11 +475,7 @@ async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_
     })
     .await
     .unwrap();
-    if holder == "dp-0" {
-        stack.dataplane.kill9();
-    } else {
-        other.kill9();
-    }
+    kill_replica(&mut stack, &mut other, &holder);
     let s = wait_outcomes(&stack, &id, 1).await;
     // The orphaned command of the dead replica may now end.
     std::fs::write(&release, "go").unwrap();
@@ -486,19 +509,7 @@ async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_
         1,
         "the in-flight call is reported, not repeated: {events:#?}"
     );
-    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-    assert_eq!(
-        seqs,
-        (1..=seqs.len() as i64).collect::<Vec<_>>(),
-        "no duplicated or missing events"
-    );
-    let state: (String,) =
-        sqlx::query_as("SELECT replica FROM session_state WHERE session_id = $1::uuid")
-            .bind(&id)
-            .fetch_one(&stack.pg)
-            .await
-            .unwrap();
-    assert_ne!(state.0, holder, "the other replica finished the session");
+    finished_elsewhere(&stack, &id, &holder, &events).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -548,11 +559,7 @@ async fn a_read_whose_end_was_not_written_is_read_again_on_takeover() {
     )
     .await
     .unwrap();
-    if holder == "dp-0" {
-        stack.dataplane.kill9();
-    } else {
-        other.kill9();
-    }
+    kill_replica(&mut stack, &mut other, &holder);
     std::fs::write(&release, "go").unwrap();
     let s = wait_outcomes(&stack, &id, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
@@ -579,8 +586,6 @@ async fn a_read_whose_end_was_not_written_is_read_again_on_takeover() {
             .any(|e| e["kind"] == "assistant_message" && e["payload"]["text"] == "Read it."),
         "{events:#?}"
     );
-    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
-    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
     let statuses: Vec<(String, String)> = sqlx::query_as(
         "SELECT tool, status FROM session_tool_calls WHERE session_id = $1::uuid ORDER BY started_at",
     )
@@ -592,13 +597,7 @@ async fn a_read_whose_end_was_not_written_is_read_again_on_takeover() {
         statuses.iter().all(|(_, st)| st == "completed"),
         "{statuses:?}"
     );
-    let state: (String,) =
-        sqlx::query_as("SELECT replica FROM session_state WHERE session_id = $1::uuid")
-            .bind(&id)
-            .fetch_one(&stack.pg)
-            .await
-            .unwrap();
-    assert_ne!(state.0, holder, "the other replica finished the session");
+    finished_elsewhere(&stack, &id, &holder, &events).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
