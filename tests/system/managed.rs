@@ -513,6 +513,92 @@ async fn a_replica_killed_mid_session_is_taken_over_without_rerunning_completed_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_with_parallel_calls_runs_them_in_order_and_the_model_gets_every_result() {
+    let script = json!({
+        "turns": [
+            // A write and a read of what it wrote: in the order the model gave them.
+            {"say": "Two at once.", "tool": "write_file", "args": {"path": "note.txt", "content": "the note"},
+             "also": [{"tool": "read_file", "args": {"path": "note.txt"}}], "expect": "the note"},
+            // Three reads: the first runs with its turn's write, the others after it.
+            {"tool": "read_file", "args": {"path": "note.txt"},
+             "also": [{"tool": "list_files", "args": {"path": "."}},
+                      {"tool": "read_file", "args": {"path": "missing.txt"}}], "expect": "missing.txt"}
+        ],
+        "final": "Read in parallel."
+    });
+    let (stack, _sim, log, _simdir, _second) = managed_stack("managed-parallel", &script).await;
+    let agent = managed_agent(&stack, "parallel", json!({})).await;
+    for environment in ["local", "sandbox"] {
+        let id = start_session(&stack, &agent, environment, "Use tools in parallel.").await;
+        let s = wait_outcomes(&stack, &id, 1).await;
+        assert_eq!(
+            s["inputs"][0]["outcome"]["status"], "completed",
+            "{environment}: {s:#}"
+        );
+        let events = session_events(&stack, &id).await;
+        assert_eq!(
+            kinds(&events)
+                .into_iter()
+                .filter(|k| k.starts_with("tool_"))
+                .collect::<Vec<_>>(),
+            [
+                "tool_call:write_file",
+                "tool_result:write_file",
+                "tool_call:read_file",
+                "tool_result:read_file",
+                "tool_call:read_file",
+                "tool_result:read_file",
+                "tool_call:list_files",
+                "tool_result:list_files",
+                "tool_call:read_file",
+                "tool_result:read_file",
+            ],
+            "{environment}: {events:#?}"
+        );
+        let results: Vec<(&str, bool)> = events
+            .iter()
+            .filter(|e| e["kind"] == "tool_result")
+            .map(|e| {
+                (
+                    e["payload"]["output"].as_str().unwrap_or(""),
+                    e["payload"]["is_error"].as_bool().unwrap_or(false),
+                )
+            })
+            .collect();
+        assert!(results[1].0.contains("the note"), "{results:?}");
+        assert!(results[3].0.contains("note.txt"), "{results:?}");
+        assert!(
+            results[4].1,
+            "a missing file is an error result: {results:?}"
+        );
+        assert!(
+            events
+                .iter()
+                .any(|e| e["kind"] == "assistant_message"
+                    && e["payload"]["text"] == "Read in parallel."),
+            "the model got every result (each turn's `expect`): {events:#?}"
+        );
+        let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+        let calls: Vec<(String, String)> = sqlx::query_as(
+            "SELECT tool, status FROM session_tool_calls WHERE session_id = $1::uuid ORDER BY started_at, call_id",
+        )
+        .bind(&id)
+        .fetch_all(&stack.pg)
+        .await
+        .unwrap();
+        assert_eq!(calls.len(), 5, "{calls:?}");
+        assert!(calls.iter().all(|(_, st)| st == "completed"), "{calls:?}");
+    }
+    // Each request answered a whole turn: none saw a turn's results in part.
+    let requests = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !requests.contains("only 1 have results") && !requests.contains("only 2 have results"),
+        "{requests}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_whose_end_was_not_written_is_read_again_on_takeover() {
     let simdir = kit::TempDir::new("managed-reread-gate");
     let release = simdir.path.join("release");

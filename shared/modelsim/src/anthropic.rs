@@ -99,17 +99,25 @@ fn stop_reason(reply: &Reply) -> &'static str {
 fn blocks(id: u64, reply: &Reply) -> Vec<Value> {
     match reply {
         Reply::Text(t) => vec![json!({"type": "text", "text": t})],
-        Reply::Tool { say, name, args } => {
+        Reply::Tool {
+            say,
+            name,
+            args,
+            more,
+        } => {
             let mut out = Vec::new();
             if let Some(s) = say {
                 out.push(json!({"type": "text", "text": s}));
             }
-            out.push(json!({
-                "type": "tool_use",
-                "id": format!("toolu_modelsim_{id:06}"),
-                "name": name,
-                "input": args,
-            }));
+            let calls = std::iter::once((name, args)).chain(more.iter().map(|(n, a)| (n, a)));
+            for (k, (name, args)) in calls.enumerate() {
+                out.push(json!({
+                    "type": "tool_use",
+                    "id": crate::call_id("toolu_modelsim", id, k),
+                    "name": name,
+                    "input": args,
+                }));
+            }
             out
         }
     }

@@ -104,22 +104,38 @@ fn finish_reason(reply: &Reply) -> &'static str {
     }
 }
 
-fn call_id(id: u64) -> String {
-    format!("call_modelsim_{id:06}")
+/// The answer's tool calls, in order: (id, name, arguments).
+fn calls(id: u64, reply: &Reply) -> Vec<(String, &str, String)> {
+    match reply {
+        Reply::Text(_) => vec![],
+        Reply::Tool {
+            name, args, more, ..
+        } => std::iter::once((name, args))
+            .chain(more.iter().map(|(n, a)| (n, a)))
+            .enumerate()
+            .map(|(k, (n, a))| {
+                (
+                    crate::call_id("call_modelsim", id, k),
+                    n.as_str(),
+                    a.to_string(),
+                )
+            })
+            .collect(),
+    }
 }
 
 /// Non-streaming answer.
 pub(crate) fn completion(model: &str, id: u64, reply: &Reply) -> Value {
     let message = match reply {
         Reply::Text(t) => json!({"role": "assistant", "content": t}),
-        Reply::Tool { say, name, args } => json!({
+        Reply::Tool { say, .. } => json!({
             "role": "assistant",
             "content": say,
-            "tool_calls": [{
-                "id": call_id(id),
+            "tool_calls": calls(id, reply).into_iter().map(|(call, name, args)| json!({
+                "id": call,
                 "type": "function",
-                "function": {"name": name, "arguments": args.to_string()},
-            }],
+                "function": {"name": name, "arguments": args},
+            })).collect::<Vec<_>>(),
         }),
     };
     json!({
@@ -150,25 +166,25 @@ pub(crate) fn stream(model: &str, id: u64, reply: &Reply, include_usage: bool) -
         None,
         &delta(json!({"role": "assistant", "content": ""})),
     )];
-    let (text, call) = match reply {
-        Reply::Text(t) => (Some(t.as_str()), None),
-        Reply::Tool { say, name, args } => (say.as_deref(), Some((name, args.to_string()))),
+    let text = match reply {
+        Reply::Text(t) => Some(t.as_str()),
+        Reply::Tool { say, .. } => say.as_deref(),
     };
     for p in pieces(text.unwrap_or_default()) {
         ev.push(sse_event(None, &delta(json!({"content": p}))));
     }
-    if let Some((name, args)) = call {
+    for (index, (call, name, args)) in calls(id, reply).into_iter().enumerate() {
         ev.push(sse_event(
             None,
             &delta(
-                json!({"tool_calls": [{"index": 0, "id": call_id(id), "type": "function",
+                json!({"tool_calls": [{"index": index, "id": call, "type": "function",
                 "function": {"name": name, "arguments": ""}}]}),
             ),
         ));
         for p in pieces(&args) {
             ev.push(sse_event(
                 None,
-                &delta(json!({"tool_calls": [{"index": 0, "function": {"arguments": p}}]})),
+                &delta(json!({"tool_calls": [{"index": index, "function": {"arguments": p}}]})),
             ));
         }
     }

@@ -12,8 +12,9 @@
 //! A [`Script`] is `{"turns": [TURN, ...], "final": "text"}` where a TURN is
 //! `{"say": "optional text", "tool": "ABSTRACT_TOOL", "args": {...}, "expect": "substring",
 //! "hold_until": "/path"}` (the last two optional; see [`Turn`]).
-//! The server keeps no conversation state: the turn answered is the number of tool results
-//! already in the request's history (see [`decide`]); past the last turn it answers `final`
+//! The server keeps no conversation state: the turn answered is the first whose calls have no
+//! results in the request's history yet (one call per turn unless it has `also`; see
+//! [`decide`]); past the last turn it answers `final`
 //! (end of turn). Before turn i ≥ 1 (and before `final`), the most recent tool result must
 //! contain turn i-1's `expect`, else the answer is text starting with [`EXPECTATION_FAILED`].
 //! Requests that declare no tools (titles, side queries) get [`TOOLLESS_ANSWER`] and are not
@@ -99,6 +100,27 @@ pub struct Turn {
     /// ten minutes), so a test can act while a request is in flight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_until: Option<String>,
+    /// More tool calls in the same answer, after the turn's own (parallel tool use): the turn
+    /// is answered once all its calls have results. Each is resolved as `tool` is, but never
+    /// through a tool search.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub also: Vec<Call>,
+}
+
+/// One more tool call of a turn (see [`Turn::also`]).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Call {
+    pub tool: String,
+    #[serde(default = "empty_object")]
+    pub args: Value,
+}
+
+impl Turn {
+    /// Tool calls the turn's answer makes: its own and [`Turn::also`].
+    fn calls(&self) -> usize {
+        1 + self.also.len()
+    }
 }
 
 fn empty_object() -> Value {
@@ -109,14 +131,18 @@ impl Script {
     pub fn from_json(text: &str) -> anyhow::Result<Script> {
         let script: Script = serde_json::from_str(text)?;
         for (i, t) in script.turns.iter().enumerate() {
-            if !t.args.is_object() {
-                anyhow::bail!("turn {i}: args must be a JSON object");
-            }
-            if t.tool == "shell" && !t.args.get("command").is_some_and(Value::is_string) {
-                anyhow::bail!("turn {i}: the shell tool needs args {{\"command\": \"...\"}}");
-            }
-            if t.tool.is_empty() || t.tool == "mcp:" {
-                anyhow::bail!("turn {i}: empty tool name");
+            let calls = std::iter::once((&t.tool, &t.args))
+                .chain(t.also.iter().map(|c| (&c.tool, &c.args)));
+            for (tool, args) in calls {
+                if !args.is_object() {
+                    anyhow::bail!("turn {i}: args must be a JSON object");
+                }
+                if tool == "shell" && !args.get("command").is_some_and(Value::is_string) {
+                    anyhow::bail!("turn {i}: the shell tool needs args {{\"command\": \"...\"}}");
+                }
+                if tool.is_empty() || tool == "mcp:" {
+                    anyhow::bail!("turn {i}: empty tool name");
+                }
             }
         }
         Ok(script)
@@ -167,11 +193,12 @@ pub struct RequestView {
 pub enum Reply {
     /// Plain text, end of turn.
     Text(String),
-    /// Optional text followed by one tool call.
+    /// Optional text followed by one tool call, and `more` after it (parallel tool use).
     Tool {
         say: Option<String>,
         name: String,
         args: Value,
+        more: Vec<(String, Value)>,
     },
 }
 
@@ -198,6 +225,15 @@ pub struct Decision {
     pub reply: Reply,
 }
 
+/// The id of an answer's `k`th tool call: `{prefix}_{id}`, then `{prefix}_{id}_{k}`.
+pub(crate) fn call_id(prefix: &str, id: u64, k: usize) -> String {
+    if k == 0 {
+        format!("{prefix}_{id:06}")
+    } else {
+        format!("{prefix}_{id:06}_{k}")
+    }
+}
+
 /// Chooses the answer for a request: turn index = number of tool results in the history.
 pub fn decide(script: &Script, req: &RequestView) -> Decision {
     if req.tools.is_empty() {
@@ -207,7 +243,27 @@ pub fn decide(script: &Script, req: &RequestView) -> Decision {
             reply: Reply::Text(TOOLLESS_ANSWER.to_string()),
         };
     }
-    let i = req.tool_results;
+    // The turn whose calls come next: each turn before it has all its calls answered.
+    let (mut i, mut answered) = (0, 0);
+    while let Some(t) = script.turns.get(i)
+        && answered + t.calls() <= req.tool_results
+    {
+        answered += t.calls();
+        i += 1;
+    }
+    if answered < req.tool_results && i < script.turns.len() {
+        return Decision {
+            turn: Some(i),
+            outcome: Outcome::ExpectationFailed,
+            reply: Reply::Text(format!(
+                "{EXPECTATION_FAILED}: turn {i} made {} tool calls and only {} have results",
+                script.turns[i].calls(),
+                req.tool_results - answered
+            )),
+        };
+    }
+    // Past the last turn, each further result counts as a turn (as with one call per turn).
+    i += req.tool_results - answered;
     if i >= 1
         && let Some(prev) = script.turns.get(i - 1)
         && let Some(expect) = &prev.expect
@@ -244,6 +300,7 @@ pub fn decide(script: &Script, req: &RequestView) -> Decision {
                     say: None,
                     name,
                     args,
+                    more: vec![],
                 },
             };
         }
@@ -255,6 +312,7 @@ pub fn decide(script: &Script, req: &RequestView) -> Decision {
                     say: turn.say.clone().filter(|s| !s.is_empty()),
                     name,
                     args,
+                    more: vec![],
                 },
             };
         }
@@ -270,14 +328,20 @@ pub fn decide(script: &Script, req: &RequestView) -> Decision {
         }
         None => {}
     }
-    match resolve_tool(&turn.tool, &turn.args, &req.tools) {
-        Ok((name, args)) => Decision {
+    let more: Result<Vec<(String, Value)>, String> = turn
+        .also
+        .iter()
+        .map(|c| resolve_tool(&c.tool, &c.args, &req.tools))
+        .collect();
+    match resolve_tool(&turn.tool, &turn.args, &req.tools).and_then(|first| Ok((first, more?))) {
+        Ok(((name, args), more)) => Decision {
             turn: Some(i),
             outcome: Outcome::Tool,
             reply: Reply::Tool {
                 say: turn.say.clone().filter(|s| !s.is_empty()),
                 name,
                 args,
+                more,
             },
         },
         Err(msg) => Decision {
@@ -769,7 +833,12 @@ async fn handle(st: Arc<AppState>, api: Api, uri: String, body: Bytes) -> Respon
         "outcome": decision.outcome,
         "reply": match &decision.reply {
             Reply::Text(t) => json!({"text": t}),
-            Reply::Tool { say, name, args } => json!({"say": say, "tool": name, "args": args}),
+            Reply::Tool {
+                say,
+                name,
+                args,
+                more,
+            } => json!({"say": say, "tool": name, "args": args, "more": more}),
         },
         "tools": view.tools.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
         "tool_results": view.tool_results,

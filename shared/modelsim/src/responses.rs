@@ -114,9 +114,10 @@ fn message_item(id: u64, n: usize, text: &str) -> Value {
     })
 }
 
-fn call_item(id: u64, n: usize, name: &str, args: &Value, tools: &[ToolDecl]) -> Value {
+/// The answer's `k`th tool call, output item `n`.
+fn call_item(id: u64, n: usize, k: usize, name: &str, args: &Value, tools: &[ToolDecl]) -> Value {
     let decl = tools.iter().find(|t| t.name == name);
-    let call_id = format!("call_modelsim_{id:06}");
+    let call_id = crate::call_id("call_modelsim", id, k);
     match decl.map(|d| d.kind.as_str()) {
         // Client-executed tool search (Codex): arguments are an object.
         Some("tool_search") => {
@@ -165,12 +166,20 @@ fn call_item(id: u64, n: usize, name: &str, args: &Value, tools: &[ToolDecl]) ->
 fn output(id: u64, reply: &Reply, tools: &[ToolDecl]) -> Vec<Value> {
     match reply {
         Reply::Text(t) => vec![message_item(id, 0, t)],
-        Reply::Tool { say, name, args } => {
+        Reply::Tool {
+            say,
+            name,
+            args,
+            more,
+        } => {
             let mut out = Vec::new();
             if let Some(s) = say {
                 out.push(message_item(id, out.len(), s));
             }
-            out.push(call_item(id, out.len(), name, args, tools));
+            let calls = std::iter::once((name, args)).chain(more.iter().map(|(n, a)| (n, a)));
+            for (k, (name, args)) in calls.enumerate() {
+                out.push(call_item(id, out.len(), k, name, args, tools));
+            }
             out
         }
     }

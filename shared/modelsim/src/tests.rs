@@ -56,7 +56,8 @@ fn turns_follow_tool_results() {
         Reply::Tool {
             say: Some("Reading the issue.".into()),
             name: "mcp__agentscope__read_issue".into(),
-            args: json!({"id": 7})
+            args: json!({"id": 7}),
+            more: vec![],
         }
     );
     let d = decide(&s, &view(claude_tools(), 1, Some("text ISSUE-7 text")));
@@ -65,7 +66,8 @@ fn turns_follow_tool_results() {
         Reply::Tool {
             say: None,
             name: "Bash".into(),
-            args: json!({"command": "echo hi > out.txt", "description": "Run a scripted shell command"})
+            args: json!({"command": "echo hi > out.txt", "description": "Run a scripted shell command"}),
+            more: vec![],
         }
     );
     let d = decide(&s, &view(claude_tools(), 2, Some("")));
@@ -212,6 +214,7 @@ fn anthropic_stream_reassembles() {
         say: Some("Looking at the issue now, please wait.".into()),
         name: "Bash".into(),
         args: json!({"command": "echo 'hello world' > out.txt"}),
+        more: vec![],
     };
     let events = anthropic::stream("m", 1, &reply);
     assert!(events[0].starts_with("event: message_start\n"));
@@ -249,6 +252,7 @@ fn responses_stream_has_function_call_item() {
         say: Some("ok".into()),
         name: "exec_command".into(),
         args: json!({"cmd": "ls"}),
+        more: vec![],
     };
     let data = data_lines(&responses::stream("m", 3, &reply, &[]));
     assert_eq!(data[0]["type"], "response.created");
@@ -277,6 +281,7 @@ fn chat_stream_tool_calls_and_usage() {
         say: None,
         name: "bash".into(),
         args: json!({"command": "ls -la /tmp"}),
+        more: vec![],
     };
     let events = chat::stream("m", 4, &reply, true);
     assert_eq!(events.last().unwrap(), "data: [DONE]\n\n");
@@ -365,7 +370,8 @@ fn deferred_mcp_tool_is_loaded_through_tool_search() {
         Reply::Tool {
             say: None,
             name: "ToolSearch".into(),
-            args: json!({"query": "select:mcp__agentscope__read_issue", "max_results": 5})
+            args: json!({"query": "select:mcp__agentscope__read_issue", "max_results": 5}),
+            more: vec![],
         }
     );
     // A search that did not load it is not repeated.
@@ -454,7 +460,8 @@ fn openclaw_tool_search_then_tool_call() {
         Reply::Tool {
             say: None,
             name: "tool_search".into(),
-            args: json!({"query": "agentscope read_issue", "limit": 8})
+            args: json!({"query": "agentscope read_issue", "limit": 8}),
+            more: vec![],
         }
     );
     let msgs = req["messages"].as_array_mut().unwrap();
@@ -474,7 +481,8 @@ fn openclaw_tool_search_then_tool_call() {
         Reply::Tool {
             say: Some("Reading the issue.".into()),
             name: "tool_call".into(),
-            args: json!({"id": "mcp:agentscope:agentscope__read_issue", "args": {"id": 7}})
+            args: json!({"id": "mcp:agentscope:agentscope__read_issue", "args": {"id": 7}}),
+            more: vec![],
         }
     );
     let msgs = req["messages"].as_array_mut().unwrap();
@@ -491,6 +499,103 @@ fn openclaw_tool_search_then_tool_call() {
             say: None,
             name: "exec".into(),
             args: json!({"command": "echo hi > out.txt"}),
+            more: vec![],
         }
     );
+}
+
+#[test]
+fn a_turn_with_parallel_calls_is_answered_once_all_have_results() {
+    let s = Script::from_json(
+        r#"{"turns": [
+            {"tool": "Read", "args": {"file_path": "a"}, "also": [{"tool": "shell", "args": {"command": "ls"}}]},
+            {"tool": "Read", "args": {"file_path": "b"}, "expect": "B"}
+        ], "final": "Both."}"#,
+    )
+    .unwrap();
+    let d = decide(&s, &view(claude_tools(), 0, None));
+    assert_eq!((d.turn, d.outcome), (Some(0), Outcome::Tool));
+    assert_eq!(
+        d.reply,
+        Reply::Tool {
+            say: None,
+            name: "Read".into(),
+            args: json!({"file_path": "a"}),
+            more: vec![(
+                "Bash".into(),
+                json!({"command": "ls", "description": "Run a scripted shell command"})
+            )],
+        }
+    );
+    // One of the two results only: the turn is not answered.
+    let d = decide(&s, &view(claude_tools(), 1, Some("a")));
+    assert_eq!((d.turn, d.outcome), (Some(0), Outcome::ExpectationFailed));
+    let d = decide(&s, &view(claude_tools(), 2, Some("ls output")));
+    assert_eq!((d.turn, d.outcome), (Some(1), Outcome::Tool));
+    let d = decide(&s, &view(claude_tools(), 3, Some("B")));
+    assert_eq!((d.turn, d.outcome), (Some(2), Outcome::Final));
+    let d = decide(&s, &view(claude_tools(), 5, Some("B")));
+    assert_eq!((d.turn, d.outcome), (Some(4), Outcome::Final));
+    let bad = r#"{"turns": [{"tool": "Read", "also": [{"tool": "shell", "args": {}}]}]}"#;
+    assert!(
+        Script::from_json(bad).is_err(),
+        "an `also` call is checked as a turn's is"
+    );
+}
+
+#[test]
+fn parallel_calls_render_in_every_wire_format() {
+    let reply = Reply::Tool {
+        say: Some("Two at once.".into()),
+        name: "read_file".into(),
+        args: json!({"path": "a"}),
+        more: vec![("list_files".into(), json!({"path": "."}))],
+    };
+    // Anthropic: two tool_use blocks with their own ids, streamed and not.
+    let m = anthropic::message("m", 5, &reply);
+    let uses: Vec<&Value> = m["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "tool_use")
+        .collect();
+    assert_eq!(uses.len(), 2);
+    assert_eq!(uses[1]["name"], "list_files");
+    assert_ne!(uses[0]["id"], uses[1]["id"]);
+    let data = data_lines(&anthropic::stream("m", 5, &reply));
+    let starts: Vec<&Value> = data
+        .iter()
+        .filter(|d| d["type"] == "content_block_start" && d["content_block"]["type"] == "tool_use")
+        .collect();
+    assert_eq!(starts.len(), 2);
+    assert_eq!(starts[1]["index"], 2);
+    // Chat Completions: tool_calls at indexes 0 and 1.
+    let c = chat::completion("m", 6, &reply);
+    let calls = c["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2);
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+    let data = data_lines(&chat::stream("m", 6, &reply, false));
+    let mut args = [String::new(), String::new()];
+    for d in &data {
+        for call in d["choices"][0]["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let i = call["index"].as_u64().unwrap() as usize;
+            args[i].push_str(call["function"]["arguments"].as_str().unwrap());
+        }
+    }
+    assert_eq!(args[1], r#"{"path":"."}"#);
+    // Responses: two function_call items with their own call ids.
+    let r = responses::response("m", 7, &reply, &[]);
+    let items: Vec<&Value> = r["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "function_call")
+        .collect();
+    assert_eq!(items.len(), 2);
+    assert_eq!(items[1]["name"], "list_files");
+    assert_ne!(items[0]["call_id"], items[1]["call_id"]);
 }

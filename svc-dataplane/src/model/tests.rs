@@ -199,6 +199,42 @@ async fn responses_two_steps_streaming() {
 }
 
 #[tokio::test]
+async fn parallel_tool_calls_come_back_in_order_in_every_api() {
+    for api in APIS {
+        for stream in [false, true] {
+            let log = log_path("parallel");
+            let addr = modelsim(
+                r#"{"turns":[{"say":"Both.","tool":"read_file","args":{"path":"a.txt"},
+                    "also":[{"tool":"read_file","args":{"path":"b.txt"}}]}],"final":"Done."}"#,
+                &log,
+            )
+            .await;
+            let history = vec![Message::User {
+                text: "Read both at once".into(),
+            }];
+            let turn = complete(
+                &test_http(),
+                &cfg(api, format!("http://{addr}"), stream),
+                "",
+                &history,
+                &read_file_tool(),
+            )
+            .await
+            .expect("turn");
+            let inputs: Vec<&Value> = turn.tool_calls.iter().map(|c| &c.input).collect();
+            assert_eq!(
+                inputs,
+                [&json!({"path": "a.txt"}), &json!({"path": "b.txt"})],
+                "{api:?} stream={stream}: {turn:?}"
+            );
+            assert!(turn.tool_calls.iter().all(|c| c.name == "read_file"));
+            assert_ne!(turn.tool_calls[0].id, turn.tool_calls[1].id);
+            assert_eq!(turn.text, "Both.", "{api:?} stream={stream}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn consecutive_tool_results() {
     for api in APIS {
         for stream in [false, true] {
