@@ -519,7 +519,7 @@ async fn a_turn_with_parallel_calls_runs_them_in_order_and_the_model_gets_every_
             // A write and a read of what it wrote: in the order the model gave them.
             {"say": "Two at once.", "tool": "write_file", "args": {"path": "note.txt", "content": "the note"},
              "also": [{"tool": "read_file", "args": {"path": "note.txt"}}], "expect": "the note"},
-            // Three reads: the first runs with its turn's write, the others after it.
+            // Three reads: all start with their turn's write and run together meanwhile.
             {"tool": "read_file", "args": {"path": "note.txt"},
              "also": [{"tool": "list_files", "args": {"path": "."}},
                       {"tool": "read_file", "args": {"path": "missing.txt"}}], "expect": "missing.txt"}
@@ -542,15 +542,17 @@ async fn a_turn_with_parallel_calls_runs_them_in_order_and_the_model_gets_every_
                 .filter(|k| k.starts_with("tool_"))
                 .collect::<Vec<_>>(),
             [
+                // A write first: the read after it waits for it.
                 "tool_call:write_file",
                 "tool_result:write_file",
                 "tool_call:read_file",
                 "tool_result:read_file",
+                // Reads only: started together with their turn, ended together after.
+                "tool_call:read_file",
+                "tool_call:list_files",
                 "tool_call:read_file",
                 "tool_result:read_file",
-                "tool_call:list_files",
                 "tool_result:list_files",
-                "tool_call:read_file",
                 "tool_result:read_file",
             ],
             "{environment}: {events:#?}"
@@ -566,6 +568,7 @@ async fn a_turn_with_parallel_calls_runs_them_in_order_and_the_model_gets_every_
             })
             .collect();
         assert!(results[1].0.contains("the note"), "{results:?}");
+        assert!(results[2].0.contains("the note"), "{results:?}");
         assert!(results[3].0.contains("note.txt"), "{results:?}");
         assert!(
             results[4].1,

@@ -164,7 +164,7 @@ FROM ap"#,
                 .unwrap_or_default()
         ));
         let mut b = Batch::of(input_id);
-        b.ended = Some((
+        b.ended.push((
             call.id.clone(),
             CallStatus::Denied,
             out.output.clone(),

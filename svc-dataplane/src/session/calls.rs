@@ -127,7 +127,8 @@ impl Session<'_> {
                 } else {
                     CallStatus::Interrupted
                 };
-                b.ended = Some((call.id.clone(), done, out.output.clone(), out.is_error));
+                b.ended
+                    .push((call.id.clone(), done, out.output.clone(), out.is_error));
             }
             b.result(call, &out);
             b.event(
@@ -270,7 +271,7 @@ impl Session<'_> {
             out.output = agentscope_domain::vault::Redactor::new(values).redact(&out.output);
         }
         let mut b = Batch::of(input_id);
-        b.ended = Some((
+        b.ended.push((
             call.id.clone(),
             CallStatus::Completed,
             out.output.clone(),

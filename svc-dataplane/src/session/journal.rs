@@ -21,8 +21,8 @@ pub(super) struct Batch {
     pub(super) journal: Vec<(String, String, Value, CallStatus, String, bool)>,
     /// A call moved from `awaiting_approval` to `started`: nothing is written unless it waited.
     pub(super) started: Option<String>,
-    /// The end of a journaled call: call id, status, output, is_error.
-    pub(super) ended: Option<(String, CallStatus, String, bool)>,
+    /// The ends of journaled calls: call id, status, output, is_error.
+    pub(super) ended: Vec<(String, CallStatus, String, bool)>,
     /// The session's status and detail.
     pub(super) status: Option<(SessionStatus, String)>,
     /// The input's outcome: status, detail, iterations.
@@ -105,6 +105,19 @@ impl Batch {
         self.status = Some((status, detail.to_string()));
     }
 
+    /// `later`'s rows after these, in one write (its status and outcome win).
+    pub(super) fn append(&mut self, later: Batch) {
+        debug_assert!(self.started.is_none() || later.started.is_none());
+        self.input_id = later.input_id.or(self.input_id);
+        self.events.extend(later.events);
+        self.messages.extend(later.messages);
+        self.journal.extend(later.journal);
+        self.started = later.started.or(self.started.take());
+        self.ended.extend(later.ended);
+        self.status = later.status.or(self.status.take());
+        self.outcome = later.outcome.or(self.outcome.take());
+    }
+
     /// The result message of `call`.
     pub(super) fn result(&mut self, call: &ToolCallReq, out: &ToolOutput) {
         self.message(&Message::ToolResult {
@@ -156,15 +169,20 @@ impl Session<'_> {
             j.5.push(is_error);
         }
         let (status, detail) = b.status.map(|(s, d)| (s.as_str(), d)).unzip();
-        let (ended_id, ended_status, ended_output, ended_error) = match b.ended {
-            Some((id, s, o, e)) => (Some(id), Some(s.as_str()), Some(o), Some(e)),
-            None => (None, None, None, None),
-        };
+        let mut e = (vec![], vec![], vec![], vec![]);
+        for (call_id, status, output, is_error) in b.ended {
+            e.0.push(call_id);
+            e.1.push(status.as_str());
+            e.2.push(output);
+            e.3.push(is_error);
+        }
         let (outcome, outcome_detail, iterations) = match b.outcome {
             Some((s, d, n)) => (Some(s.as_str()), Some(d), Some(n)),
             None => (None, None, None),
         };
-        // The batch in one statement. `fence` takes the session's row (`FOR UPDATE` by its
+        // The batch in one statement. The ends are found by the primary key (`call_id = ANY`),
+        // not by a join with their arrays, which the planner may make a scan of the session's
+        // every call. `fence` takes the session's row (`FOR UPDATE` by its
         // update) only if this replica's token still holds it (and, for an approved call, only
         // if the call still waits), and reserves the events' sequence numbers; every other part
         // reads `fence`, so a fenced replica writes nothing. Data-modifying CTEs run once, in
@@ -196,8 +214,10 @@ impl Session<'_> {
     UPDATE session_tool_calls c SET status = 'started' FROM fence
     WHERE c.session_id = $1 AND c.call_id = $15::text AND c.status = 'awaiting_approval'
 ), ended AS (
-    UPDATE session_tool_calls c SET status = $16::text, output = $17::text, is_error = $18::bool, finished_at = now()
-    FROM fence WHERE c.session_id = $1 AND c.call_id = $19::text
+    UPDATE session_tool_calls c SET status = ($16::text[])[array_position($19::text[], c.call_id)],
+        output = ($17::text[])[array_position($19::text[], c.call_id)],
+        is_error = ($18::bool[])[array_position($19::text[], c.call_id)], finished_at = now()
+    FROM fence WHERE c.session_id = $1 AND c.call_id = ANY($19::text[])
 ), outcome AS (
     INSERT INTO session_outcomes (input_id, session_id, status, detail, iterations)
     SELECT $5::uuid, $1, $20::text, $21::text, $22::int4 FROM fence WHERE $20::text IS NOT NULL
@@ -219,10 +239,10 @@ SELECT base FROM fence"#,
             status,
             detail,
             b.started,
-            ended_status,
-            ended_output,
-            ended_error,
-            ended_id,
+            &e.1 as &[&str],
+            &e.2 as &[String],
+            &e.3 as &[bool],
+            &e.0 as &[String],
             outcome,
             outcome_detail,
             iterations,

@@ -4,9 +4,10 @@
 //!
 //! Durability: every message, tool call and event is written in a transaction that first checks
 //! the replica's fencing token. A tool call is journaled `started` before it runs and
-//! `completed` with its result message in one transaction after. A file read, which changes
-//! nothing, is the exception: it runs while its `started` row is written, its output goes to the
-//! model while that write commits, and its end is written with the next turn. A replica that
+//! `completed` with its result message in one transaction after. File reads at the head of a
+//! turn, which change nothing, are the exception: they run while their `started` rows are
+//! written, their output goes to the model while that write commits, and their ends are written
+//! with the next turn. A replica that
 //! takes a session over rebuilds it from the journal: a completed call is never run again; a
 //! read left `started` is read again; any other call left `started` is reported to the model as
 //! interrupted, never silently repeated.

@@ -10,7 +10,7 @@ use crate::tools::{self, ToolOutput};
 use agentscope_domain::{InputOutcome, SessionStatus};
 use futures::future::{BoxFuture, FutureExt};
 use serde_json::json;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use uuid::Uuid;
 
 impl Session<'_> {
@@ -21,12 +21,13 @@ impl Session<'_> {
     /// events, and, when the turn's first call can run at once, that call's `started` journal row
     /// (or, for the last turn, the input's outcome). A tool's result is another write.
     ///
-    /// A call that only reads runs while its turn is written, the next model request goes out
-    /// before that write is awaited (it commits while the model thinks), and the call's end is
-    /// written with the next write: one write per iteration. Nothing durable depends on a
-    /// request the model has not answered yet: if the write fails (or this replica is fenced)
-    /// the request is dropped, and a replica that takes the session over asks again from what
-    /// was committed; a read found `started` there is read again (see [`Self::call`]).
+    /// The calls that only read at the head of a turn (one, or several asked for at once) run
+    /// while their turn is written, the next model request goes out before that write is
+    /// awaited (it commits while the model thinks), and their ends are written with the next
+    /// write: one write per iteration. Nothing durable depends on a request the model has not
+    /// answered yet: if the write fails (or this replica is fenced) the request is dropped, and
+    /// a replica that takes the session over asks again from what was committed; a read found
+    /// `started` there is read again (see [`Self::call`]).
     pub(super) async fn work(&self, p: &Pinned, input_id: Uuid, text: &str) -> Result<(), Stop> {
         let history = self.history().await?;
         let model = self.r.model_config(&p.model);
@@ -68,29 +69,30 @@ impl Session<'_> {
         }
         self.write(b).await?;
         let mut denied = false;
-        // The call journaled `started` together with the turn that asked for it.
-        let mut started_with_turn: Option<String> = None;
+        // The calls journaled `started` together with the turn that asked for them, in order.
+        let mut started_with_turn: VecDeque<String> = VecDeque::new();
         // Writes sent and not yet awaited, in order: a turn whose first call only reads, or the
         // end of a call started with its turn. They commit while the next model request is in
         // flight, and before anything else is written, so the journal's order is the
         // conversation's.
         let mut unwritten: Option<BoxFuture<'_, Result<(), Stop>>> = None;
-        // The end of a call that only reads: the first rows of the next write.
+        // The ends of calls that only read: the first rows of the next write.
         let mut carried: Option<Batch> = None;
-        // That call's output and end when it only reads and so ran while its turn was written.
-        let mut ran_with_turn: Option<(ToolOutput, Ended)> = None;
+        // Those calls' outputs and ends: they ran while their turn was written.
+        let mut ran_with_turn: VecDeque<(ToolOutput, Ended)> = VecDeque::new();
         loop {
             for call in std::mem::take(&mut pending) {
-                let (out, was_denied) = if started_with_turn.as_deref() == Some(call.id.as_str()) {
-                    started_with_turn = None;
-                    let (out, ended) = match ran_with_turn.take() {
+                let (out, was_denied) = if started_with_turn.front() == Some(&call.id) {
+                    started_with_turn.pop_front();
+                    let (out, ended) = match ran_with_turn.pop_front() {
                         Some(ran) => ran,
                         None => self.run_started(p, input_id, &call).await?,
                     };
                     match ended {
-                        Ended { batch, note: None } if reads_only(p, &call) => {
-                            carried = Some(batch)
-                        }
+                        Ended { batch, note: None } if reads_only(p, &call) => match &mut carried {
+                            Some(c) => c.append(batch),
+                            None => carried = Some(batch),
+                        },
                         ended => unwritten = Some(self.then_commit(unwritten.take(), ended)),
                     }
                     (out, false)
@@ -177,25 +179,41 @@ impl Session<'_> {
                 b.finish(status, detail, iterations);
                 return self.write(b).await;
             }
-            let mut reading = None;
-            if let Some(first) = tool_calls.first()
-                && self.starts_at_once(p, first, &known_calls)
-            {
-                b.journal(first, CallStatus::Started, None);
+            // Started with the turn: its leading reads, or else its first call.
+            let mut with_turn: Vec<&ToolCallReq> = vec![];
+            for call in &tool_calls {
+                if !self.starts_at_once(p, call, &known_calls)
+                    || with_turn.iter().any(|c| c.id == call.id)
+                {
+                    break;
+                }
+                if !reads_only(p, call) {
+                    if with_turn.is_empty() {
+                        with_turn.push(call);
+                    }
+                    break;
+                }
+                with_turn.push(call);
+            }
+            for call in &with_turn {
+                b.journal(call, CallStatus::Started, None);
                 b.event(
                     "tool_call",
-                    json!({"call_id": first.id, "tool": first.name, "input": first.input}),
+                    json!({"call_id": call.id, "tool": call.name, "input": call.input}),
                 );
-                started_with_turn = Some(first.id.clone());
-                reading = reads_only(p, first).then_some(first);
+                started_with_turn.push_back(call.id.clone());
             }
-            match reading {
-                // Nothing to repeat or undo: a call that only reads runs while the turn that
-                // starts it is written, and the write is awaited only before the next one.
-                Some(first) => {
+            match with_turn.first() {
+                // Nothing to repeat or undo: calls that only read run (together) while the turn
+                // that starts them is written, and the write is awaited only before the next one.
+                Some(first) if reads_only(p, first) => {
                     let mut write = self.write(b).boxed();
                     let ran = {
-                        let run = self.run_started(p, input_id, first);
+                        let run = futures::future::try_join_all(
+                            with_turn
+                                .iter()
+                                .map(|call| self.run_started(p, input_id, call)),
+                        );
                         tokio::pin!(run);
                         // The read first: it is on the way to the next model request, the write
                         // is not (polling the write first measured slower, 1.03 against 0.93 ms
@@ -210,7 +228,7 @@ impl Session<'_> {
                         }
                     };
                     match ran {
-                        Ok(ran) => ran_with_turn = Some(ran),
+                        Ok(ran) => ran_with_turn = ran.into(),
                         Err(e) => {
                             let _ = write.await;
                             return Err(e);
@@ -218,7 +236,7 @@ impl Session<'_> {
                     }
                     unwritten = Some(write);
                 }
-                None => self.write(b).await?,
+                _ => self.write(b).await?,
             }
             known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
             pending = tool_calls;
