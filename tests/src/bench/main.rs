@@ -252,6 +252,7 @@ async fn main() -> Result<()> {
             }),
             One::Loop(managed::LoopArgs {
                 iterations: a.iterations,
+                reads_per_turn: 1,
             }),
             One::Approvals(managed::ApprovalArgs {
                 approvals: a.approvals,

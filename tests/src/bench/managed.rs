@@ -16,6 +16,10 @@ pub struct LoopArgs {
     /// Model/tool iterations of the one input.
     #[arg(long, default_value_t = 200)]
     pub iterations: usize,
+    /// Tool calls per model turn after the first: `read_file` of the small file, then
+    /// `list_files` and `read_file` alternately, all asked for at once (parallel tool use).
+    #[arg(long, default_value_t = 1)]
+    pub reads_per_turn: usize,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -170,10 +174,17 @@ fn mean(v: &[f64]) -> f64 {
 /// requests' arrivals; its platform overhead is that minus the model server's own time.
 pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
     let n = args.iterations.max(2);
+    let per_turn = args.reads_per_turn.max(1);
     let mut turns =
         vec![json!({"tool": "write_file", "args": {"path": "note.txt", "content": "x"}})];
     for _ in 1..n {
-        turns.push(json!({"tool": "read_file", "args": {"path": "note.txt"}}));
+        let also: Vec<Value> = (1..per_turn)
+            .map(|k| match k % 2 {
+                1 => json!({"tool": "list_files", "args": {"path": "."}}),
+                _ => json!({"tool": "read_file", "args": {"path": "note.txt"}}),
+            })
+            .collect();
+        turns.push(json!({"tool": "read_file", "args": {"path": "note.txt"}, "also": also}));
     }
     let timings: Timings = Arc::default();
     let url = model_server(json!({"turns": turns, "final": "Done."}), timings.clone()).await?;
@@ -219,6 +230,7 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
             .fetch_all(&pg)
             .await?;
     let completed = calls.iter().filter(|c| c.0 == "completed").count();
+    let expected_calls = 1 + (n - 1) * per_turn;
     let t = timings.lock().unwrap().clone();
     if t.len() < n + 1 {
         bail!("{} model requests for {n} iterations", t.len());
@@ -238,7 +250,8 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
     Ok(json!({
         "iterations": n,
         "outcome": status,
-        "complete": status == "completed" && completed == n && iterations as usize >= n,
+        "reads_per_turn": per_turn,
+        "complete": status == "completed" && completed == expected_calls && iterations as usize >= n,
         "session_ms": num(total_ms),
         "submit_to_first_model_request_ms": num(t[0].0 - t0),
         "last_model_answer_to_outcome_ms": num(finished - (t[n].0 + t[n].1)),
