@@ -67,21 +67,28 @@ impl Runner {
 }
 
 impl Session<'_> {
-    /// One tool call, journaled; returns its output and whether it was denied.
+    /// One tool call, journaled; returns its output and whether it was denied. `fresh`: the
+    /// call's id is new to the session (first seen in the model turn just written), so it has
+    /// no journal row to look for.
     pub(super) async fn call(
         &self,
         p: &Pinned,
         input_id: Uuid,
         call: &ToolCallReq,
+        fresh: bool,
     ) -> Result<(ToolOutput, bool), Stop> {
-        let existing = sqlx::query!(
-            "SELECT status, output, is_error FROM session_tool_calls WHERE session_id = $1 AND call_id = $2",
-            self.id,
-            &call.id,
-        )
-        .fetch_optional(&self.r.db)
-        .await?
-        .map(|r| (CallStatus::parse(&r.status), r.output, r.is_error));
+        let existing = if fresh {
+            None
+        } else {
+            sqlx::query!(
+                "SELECT status, output, is_error FROM session_tool_calls WHERE session_id = $1 AND call_id = $2",
+                self.id,
+                &call.id,
+            )
+            .fetch_optional(&self.r.db)
+            .await?
+            .map(|r| (CallStatus::parse(&r.status), r.output, r.is_error))
+        };
         if existing
             .as_ref()
             .is_some_and(|e| e.0 == Some(CallStatus::AwaitingApproval))

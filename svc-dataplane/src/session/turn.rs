@@ -36,6 +36,8 @@ impl Session<'_> {
         let mut conversation = model::Conversation::new(model.api);
         // Every call id the session has seen: a model that repeats one goes through the journal.
         let mut known_calls: HashSet<String> = HashSet::new();
+        // Ids of the pending calls first seen in the turn just written, until each is called.
+        let mut fresh: HashSet<String> = HashSet::new();
         let mut iterations: u32 = 0;
         let mut has_input = false;
         // Tool calls of the last assistant message that have no result yet (a takeover): run
@@ -103,7 +105,8 @@ impl Session<'_> {
                     if let Some(c) = carried.take() {
                         self.write(c).await?;
                     }
-                    self.call(p, input_id, &call).await?
+                    let fresh = fresh.remove(&call.id);
+                    self.call(p, input_id, &call, fresh).await?
                 };
                 denied |= was_denied;
                 conversation.push(&Message::ToolResult {
@@ -238,6 +241,13 @@ impl Session<'_> {
                 }
                 _ => self.write(b).await?,
             }
+            // Ids new to the session and not started with the turn: no journal row to look for
+            // (a repeated one has the row its first occurrence writes).
+            fresh = tool_calls
+                .iter()
+                .filter(|c| !known_calls.contains(&c.id) && !started_with_turn.contains(&c.id))
+                .map(|c| c.id.clone())
+                .collect();
             known_calls.extend(tool_calls.iter().map(|c| c.id.clone()));
             pending = tool_calls;
         }
