@@ -602,6 +602,55 @@ async fn a_turn_with_parallel_calls_runs_them_in_order_and_the_model_gets_every_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_repeating_a_call_id_in_one_turn_never_runs_a_tool_twice() {
+    let script = json!({
+        "turns": [
+            {"tool": "shell", "args": {"command": "echo once >> ledger.txt"},
+             "also": [{"tool": "shell", "args": {"command": "echo twice >> ledger.txt"}, "repeat_id": true}]},
+            {"tool": "read_file", "args": {"path": "ledger.txt"},
+             "also": [{"tool": "read_file", "args": {"path": "ledger.txt"}, "repeat_id": true},
+                      {"tool": "list_files", "args": {"path": "."}}], "expect": "ledger.txt"},
+            {"tool": "write_file", "args": {"path": "w.txt", "content": "w"},
+             "also": [{"tool": "shell", "args": {"command": "echo third >> ledger.txt"}},
+                      {"tool": "shell", "args": {"command": "echo fourth >> ledger.txt"}, "repeat_id": true}]}
+        ],
+        "final": "Repeated ids survived."
+    });
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-repeat-ids", &script).await;
+    let agent = managed_agent(&stack, "repeater", json!({})).await;
+    let id = start_session(&stack, &agent, "local", "Repeat yourself.").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let root = stack.dir.path.join("sessions").join(&id);
+    assert_eq!(
+        std::fs::read_to_string(root.join("ledger.txt")).unwrap(),
+        "once\nthird\n",
+        "a call id seen before is answered from the journal, never run again"
+    );
+    let events = session_events(&stack, &id).await;
+    assert_eq!(
+        events.iter().filter(|e| e["kind"] == "tool_result").count(),
+        8,
+        "every call the model made has its result: {events:#?}"
+    );
+    assert!(
+        events.iter().any(|e| e["kind"] == "assistant_message"
+            && e["payload"]["text"] == "Repeated ids survived."),
+        "{events:#?}"
+    );
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    let calls: Vec<(String, String)> =
+        sqlx::query_as("SELECT tool, status FROM session_tool_calls WHERE session_id = $1::uuid")
+            .bind(&id)
+            .fetch_all(&stack.pg)
+            .await
+            .unwrap();
+    assert_eq!(calls.len(), 5, "one journal row per distinct id: {calls:?}");
+    assert!(calls.iter().all(|(_, st)| st == "completed"), "{calls:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_whose_end_was_not_written_is_read_again_on_takeover() {
     let simdir = kit::TempDir::new("managed-reread-gate");
     let release = simdir.path.join("release");

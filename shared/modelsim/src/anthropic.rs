@@ -99,21 +99,15 @@ fn stop_reason(reply: &Reply) -> &'static str {
 fn blocks(id: u64, reply: &Reply) -> Vec<Value> {
     match reply {
         Reply::Text(t) => vec![json!({"type": "text", "text": t})],
-        Reply::Tool {
-            say,
-            name,
-            args,
-            more,
-        } => {
+        Reply::Tool { say, .. } => {
             let mut out = Vec::new();
             if let Some(s) = say {
                 out.push(json!({"type": "text", "text": s}));
             }
-            let calls = std::iter::once((name, args)).chain(more.iter().map(|(n, a)| (n, a)));
-            for (k, (name, args)) in calls.enumerate() {
+            for (call, name, args) in reply.calls("toolu_modelsim", id) {
                 out.push(json!({
                     "type": "tool_use",
-                    "id": crate::call_id("toolu_modelsim", id, k),
+                    "id": call,
                     "name": name,
                     "input": args,
                 }));

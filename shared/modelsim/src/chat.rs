@@ -106,22 +106,11 @@ fn finish_reason(reply: &Reply) -> &'static str {
 
 /// The answer's tool calls, in order: (id, name, arguments).
 fn calls(id: u64, reply: &Reply) -> Vec<(String, &str, String)> {
-    match reply {
-        Reply::Text(_) => vec![],
-        Reply::Tool {
-            name, args, more, ..
-        } => std::iter::once((name, args))
-            .chain(more.iter().map(|(n, a)| (n, a)))
-            .enumerate()
-            .map(|(k, (n, a))| {
-                (
-                    crate::call_id("call_modelsim", id, k),
-                    n.as_str(),
-                    a.to_string(),
-                )
-            })
-            .collect(),
-    }
+    reply
+        .calls("call_modelsim", id)
+        .into_iter()
+        .map(|(call, name, args)| (call, name, args.to_string()))
+        .collect()
 }
 
 /// Non-streaming answer.

@@ -114,6 +114,9 @@ pub struct Call {
     pub tool: String,
     #[serde(default = "empty_object")]
     pub args: Value,
+    /// The call gets the id of the turn's first call, as a broken or hostile model might send.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub repeat_id: bool,
 }
 
 impl Turn {
@@ -198,8 +201,35 @@ pub enum Reply {
         say: Option<String>,
         name: String,
         args: Value,
-        more: Vec<(String, Value)>,
+        more: Vec<More>,
     },
+}
+
+/// One more tool call of a [`Reply::Tool`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct More {
+    pub name: String,
+    pub args: Value,
+    /// Sent with the id of the answer's first call.
+    pub repeat_id: bool,
+}
+
+impl Reply {
+    /// The answer's tool calls in order: id (`{prefix}_{id}`, then `_{k}` for the `k`th, or
+    /// the first's when repeated), name, arguments.
+    pub(crate) fn calls(&self, prefix: &str, id: u64) -> Vec<(String, &str, &Value)> {
+        match self {
+            Reply::Text(_) => vec![],
+            Reply::Tool {
+                name, args, more, ..
+            } => std::iter::once((call_id(prefix, id, 0), name.as_str(), args))
+                .chain(more.iter().enumerate().map(|(k, m)| {
+                    let k = if m.repeat_id { 0 } else { k + 1 };
+                    (call_id(prefix, id, k), m.name.as_str(), &m.args)
+                }))
+                .collect(),
+        }
+    }
 }
 
 /// Why a request got its answer; goes to the log.
@@ -226,7 +256,7 @@ pub struct Decision {
 }
 
 /// The id of an answer's `k`th tool call: `{prefix}_{id}`, then `{prefix}_{id}_{k}`.
-pub(crate) fn call_id(prefix: &str, id: u64, k: usize) -> String {
+fn call_id(prefix: &str, id: u64, k: usize) -> String {
     if k == 0 {
         format!("{prefix}_{id:06}")
     } else {
@@ -328,10 +358,16 @@ pub fn decide(script: &Script, req: &RequestView) -> Decision {
         }
         None => {}
     }
-    let more: Result<Vec<(String, Value)>, String> = turn
+    let more: Result<Vec<More>, String> = turn
         .also
         .iter()
-        .map(|c| resolve_tool(&c.tool, &c.args, &req.tools))
+        .map(|c| {
+            resolve_tool(&c.tool, &c.args, &req.tools).map(|(name, args)| More {
+                name,
+                args,
+                repeat_id: c.repeat_id,
+            })
+        })
         .collect();
     match resolve_tool(&turn.tool, &turn.args, &req.tools).and_then(|first| Ok((first, more?))) {
         Ok(((name, args), more)) => Decision {

@@ -115,9 +115,15 @@ fn message_item(id: u64, n: usize, text: &str) -> Value {
 }
 
 /// The answer's `k`th tool call, output item `n`.
-fn call_item(id: u64, n: usize, k: usize, name: &str, args: &Value, tools: &[ToolDecl]) -> Value {
+fn call_item(
+    id: u64,
+    n: usize,
+    call_id: String,
+    name: &str,
+    args: &Value,
+    tools: &[ToolDecl],
+) -> Value {
     let decl = tools.iter().find(|t| t.name == name);
-    let call_id = crate::call_id("call_modelsim", id, k);
     match decl.map(|d| d.kind.as_str()) {
         // Client-executed tool search (Codex): arguments are an object.
         Some("tool_search") => {
@@ -166,19 +172,13 @@ fn call_item(id: u64, n: usize, k: usize, name: &str, args: &Value, tools: &[Too
 fn output(id: u64, reply: &Reply, tools: &[ToolDecl]) -> Vec<Value> {
     match reply {
         Reply::Text(t) => vec![message_item(id, 0, t)],
-        Reply::Tool {
-            say,
-            name,
-            args,
-            more,
-        } => {
+        Reply::Tool { say, .. } => {
             let mut out = Vec::new();
             if let Some(s) = say {
                 out.push(message_item(id, out.len(), s));
             }
-            let calls = std::iter::once((name, args)).chain(more.iter().map(|(n, a)| (n, a)));
-            for (k, (name, args)) in calls.enumerate() {
-                out.push(call_item(id, out.len(), k, name, args, tools));
+            for (call, name, args) in reply.calls("call_modelsim", id) {
+                out.push(call_item(id, out.len(), call, name, args, tools));
             }
             out
         }

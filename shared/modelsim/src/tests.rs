@@ -521,10 +521,11 @@ fn a_turn_with_parallel_calls_is_answered_once_all_have_results() {
             say: None,
             name: "Read".into(),
             args: json!({"file_path": "a"}),
-            more: vec![(
-                "Bash".into(),
-                json!({"command": "ls", "description": "Run a scripted shell command"})
-            )],
+            more: vec![More {
+                name: "Bash".into(),
+                args: json!({"command": "ls", "description": "Run a scripted shell command"}),
+                repeat_id: false,
+            }],
         }
     );
     // One of the two results only: the turn is not answered.
@@ -549,7 +550,11 @@ fn parallel_calls_render_in_every_wire_format() {
         say: Some("Two at once.".into()),
         name: "read_file".into(),
         args: json!({"path": "a"}),
-        more: vec![("list_files".into(), json!({"path": "."}))],
+        more: vec![More {
+            name: "list_files".into(),
+            args: json!({"path": "."}),
+            repeat_id: false,
+        }],
     };
     // Anthropic: two tool_use blocks with their own ids, streamed and not.
     let m = anthropic::message("m", 5, &reply);
@@ -598,4 +603,56 @@ fn parallel_calls_render_in_every_wire_format() {
     assert_eq!(items.len(), 2);
     assert_eq!(items[1]["name"], "list_files");
     assert_ne!(items[0]["call_id"], items[1]["call_id"]);
+}
+
+#[test]
+fn a_repeated_call_id_is_sent_as_scripted() {
+    let reply = Reply::Tool {
+        say: None,
+        name: "read_file".into(),
+        args: json!({"path": "a"}),
+        more: vec![
+            More {
+                name: "read_file".into(),
+                args: json!({"path": "b"}),
+                repeat_id: true,
+            },
+            More {
+                name: "list_files".into(),
+                args: json!({"path": "."}),
+                repeat_id: false,
+            },
+        ],
+    };
+    let ids = |v: Vec<&Value>| {
+        v.into_iter()
+            .map(|x| x.as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    let m = anthropic::message("m", 8, &reply);
+    let a = ids(m["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| &b["id"])
+        .collect());
+    let c = chat::completion("m", 8, &reply);
+    let c = ids(c["choices"][0]["message"]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| &t["id"])
+        .collect());
+    let r = responses::response("m", 8, &reply, &[]);
+    let r = ids(r["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| &i["call_id"])
+        .collect());
+    for got in [a, c, r] {
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0], got[1], "{got:?}");
+        assert_ne!(got[0], got[2], "{got:?}");
+    }
 }
