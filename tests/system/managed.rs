@@ -592,6 +592,29 @@ async fn a_turn_with_parallel_calls_runs_them_in_order_and_the_model_gets_every_
         .unwrap();
         assert_eq!(calls.len(), 5, "{calls:?}");
         assert!(calls.iter().all(|(_, st)| st == "completed"), "{calls:?}");
+        // The read after the write needed no `started` row: its row went in whole, with its
+        // result, in the next write; the write's was started before it ran.
+        // (Every other row was started in one write and ended in a later one.)
+        let whole: Vec<(String, String)> = sqlx::query_as(
+            "SELECT tool, input->>'path' FROM session_tool_calls
+             WHERE session_id = $1::uuid AND started_at = finished_at",
+        )
+        .bind(&id)
+        .fetch_all(&stack.pg)
+        .await
+        .unwrap();
+        let all: Vec<(String, String, Option<String>, String)> = sqlx::query_as(
+            "SELECT tool, started_at::text, finished_at::text, call_id FROM session_tool_calls WHERE session_id = $1::uuid ORDER BY started_at",
+        )
+        .bind(&id)
+        .fetch_all(&stack.pg)
+        .await
+        .unwrap();
+        assert_eq!(
+            whole,
+            [("read_file".to_string(), "note.txt".to_string())],
+            "{environment}: {all:#?}"
+        );
     }
     // Each request answered a whole turn: none saw a turn's results in part.
     let requests = std::fs::read_to_string(&log).unwrap();

@@ -4,10 +4,11 @@
 //!
 //! Durability: every message, tool call and event is written in a transaction that first checks
 //! the replica's fencing token. A tool call is journaled `started` before it runs and
-//! `completed` with its result message in one transaction after. File reads at the head of a
-//! turn, which change nothing, are the exception: they run while their `started` rows are
-//! written, their output goes to the model while that write commits, and their ends are written
-//! with the next turn. A replica that
+//! `completed` with its result message in one transaction after. File reads, which change
+//! nothing, are the exception: those at the head of a turn run while their `started` rows are
+//! written, later ones once the calls before them have run, without a `started` row; their
+//! output goes to the model before any of that commits, and their ends (or whole rows) are
+//! written with the next turn. A replica that
 //! takes a session over rebuilds it from the journal: a completed call is never run again; a
 //! read left `started` is read again; any other call left `started` is reported to the model as
 //! interrupted, never silently repeated.

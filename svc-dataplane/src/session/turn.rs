@@ -98,6 +98,30 @@ impl Session<'_> {
                         ended => unwritten = Some(self.then_commit(unwritten.take(), ended)),
                     }
                     (out, false)
+                } else if fresh.contains(&call.id)
+                    && reads_only(p, &call)
+                    && self.allowed_at_once(p, &call)
+                {
+                    // A read later in the turn runs once the calls before it have run; it needs
+                    // no `started` row first (running it again changes nothing), so its row goes
+                    // in as `completed`, with its result, in the next write.
+                    fresh.remove(&call.id);
+                    let (out, ended) = self.run_started(p, input_id, &call).await?;
+                    let mut b = Batch::of(input_id);
+                    b.journal(&call, CallStatus::Completed, Some(&out));
+                    b.event(
+                        "tool_call",
+                        json!({"call_id": call.id, "tool": call.name, "input": call.input}),
+                    );
+                    let mut end = ended.batch;
+                    // The row is inserted whole, not updated.
+                    end.ended.clear();
+                    b.append(end);
+                    match &mut carried {
+                        Some(c) => c.append(b),
+                        None => carried = Some(b),
+                    }
+                    (out, false)
                 } else {
                     if let Some(w) = unwritten.take() {
                         w.await?;
@@ -277,8 +301,13 @@ impl Session<'_> {
         call: &ToolCallReq,
         known_calls: &HashSet<String>,
     ) -> bool {
+        !known_calls.contains(&call.id) && self.allowed_at_once(p, call)
+    }
+
+    /// Whether `call` may run without asking or waiting: the policy allows it, it is one of the
+    /// agent's tools, and no Worker runs it.
+    fn allowed_at_once(&self, p: &Pinned, call: &ToolCallReq) -> bool {
         p.worker.is_none()
-            && !known_calls.contains(&call.id)
             && tools::ALL.contains(&call.name.as_str())
             && (p.enabled.is_empty() || p.enabled.contains(&call.name))
             && p.policy.decide(&call.name, &call.input).0 == Decision::Allow
