@@ -625,6 +625,50 @@ async fn a_turn_with_parallel_calls_runs_them_in_order_and_the_model_gets_every_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_asking_for_many_reads_gets_them_all_in_bounded_writes() {
+    let reads = 40;
+    let also: Vec<Value> = (1..reads)
+        .map(|_| json!({"tool": "read_file", "args": {"path": "note.txt"}}))
+        .collect();
+    let script = json!({
+        "turns": [
+            {"tool": "write_file", "args": {"path": "note.txt", "content": "the note"}},
+            {"tool": "read_file", "args": {"path": "note.txt"}, "also": also, "expect": "the note"}
+        ],
+        "final": "Read them all."
+    });
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-many-reads", &script).await;
+    let agent = managed_agent(&stack, "greedy", json!({})).await;
+    let id = start_session(&stack, &agent, "local", "Read it forty times.").await;
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let events = session_events(&stack, &id).await;
+    let outputs: Vec<&str> = events
+        .iter()
+        .filter(|e| e["kind"] == "tool_result" && e["payload"]["tool"] == "read_file")
+        .map(|e| e["payload"]["output"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(outputs.len(), reads, "{events:#?}");
+    assert!(
+        outputs.iter().all(|o| o.contains("the note")),
+        "{outputs:?}"
+    );
+    let seqs: Vec<i64> = events.iter().map(|e| e["seq"].as_i64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    // Each write carries the results of 16 reads at most: 40 end in at least three writes.
+    let (rows, writes): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT finished_at) FROM session_tool_calls
+         WHERE session_id = $1::uuid AND tool = 'read_file' AND status = 'completed'",
+    )
+    .bind(&id)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(rows, reads as i64);
+    assert!(writes >= 3, "{writes} writes ended {reads} reads");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_repeating_a_call_id_in_one_turn_never_runs_a_tool_twice() {
     let script = json!({
         "turns": [

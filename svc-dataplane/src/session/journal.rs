@@ -105,6 +105,11 @@ impl Batch {
         self.status = Some((status, detail.to_string()));
     }
 
+    /// Tool-call rows the batch inserts or ends.
+    pub(super) fn rows(&self) -> usize {
+        self.journal.len() + self.ended.len()
+    }
+
     /// `later`'s rows after these, in one write (its status and outcome win).
     pub(super) fn append(&mut self, later: Batch) {
         debug_assert!(self.started.is_none() || later.started.is_none());

@@ -106,6 +106,15 @@ impl Session<'_> {
                     // no `started` row first (running it again changes nothing), so its row goes
                     // in as `completed`, with its result, in the next write.
                     fresh.remove(&call.id);
+                    if carried.as_ref().is_some_and(|c| c.rows() >= READS_TOGETHER) {
+                        // A write holds the results of a few reads at most.
+                        if let Some(w) = unwritten.take() {
+                            w.await?;
+                        }
+                        if let Some(c) = carried.take() {
+                            self.write(c).await?;
+                        }
+                    }
                     let (out, ended) = self.run_started(p, input_id, &call).await?;
                     let mut b = Batch::of(input_id);
                     b.journal(&call, CallStatus::Completed, Some(&out));
@@ -221,6 +230,9 @@ impl Session<'_> {
                     break;
                 }
                 with_turn.push(call);
+                if with_turn.len() == READS_TOGETHER {
+                    break;
+                }
             }
             for call in &with_turn {
                 b.journal(call, CallStatus::Started, None);
@@ -313,6 +325,11 @@ impl Session<'_> {
             && p.policy.decide(&call.name, &call.input).0 == Decision::Allow
     }
 }
+
+/// Reads that run together with their turn's write, or whose results one write carries, at most:
+/// a model asking for thousands at once gets them in bounded steps (each result is capped at the
+/// Environment's `max_output`).
+const READS_TOGETHER: usize = 16;
 
 /// A file tool that only reads, in the session's own Environment (an E2B sandbox is created on
 /// first use, a Worker's calls wait for the Worker): running it again changes nothing.
