@@ -91,10 +91,9 @@ impl Session<'_> {
                         None => self.run_started(p, input_id, &call).await?,
                     };
                     match ended {
-                        Ended { batch, note: None } if reads_only(p, &call) => match &mut carried {
-                            Some(c) => c.append(batch),
-                            None => carried = Some(batch),
-                        },
+                        Ended { batch, note: None } if reads_only(p, &call) => {
+                            carry(&mut carried, batch)
+                        }
                         ended => unwritten = Some(self.then_commit(unwritten.take(), ended)),
                     }
                     (out, false)
@@ -108,12 +107,7 @@ impl Session<'_> {
                     fresh.remove(&call.id);
                     if carried.as_ref().is_some_and(|c| c.rows() >= READS_TOGETHER) {
                         // A write holds the results of a few reads at most.
-                        if let Some(w) = unwritten.take() {
-                            w.await?;
-                        }
-                        if let Some(c) = carried.take() {
-                            self.write(c).await?;
-                        }
+                        self.flush(&mut unwritten, &mut carried).await?;
                     }
                     let (out, ended) = self.run_started(p, input_id, &call).await?;
                     let mut b = Batch::of(input_id);
@@ -126,18 +120,10 @@ impl Session<'_> {
                     // The row is inserted whole, not updated.
                     end.ended.clear();
                     b.append(end);
-                    match &mut carried {
-                        Some(c) => c.append(b),
-                        None => carried = Some(b),
-                    }
+                    carry(&mut carried, b);
                     (out, false)
                 } else {
-                    if let Some(w) = unwritten.take() {
-                        w.await?;
-                    }
-                    if let Some(c) = carried.take() {
-                        self.write(c).await?;
-                    }
+                    self.flush(&mut unwritten, &mut carried).await?;
                     let fresh = fresh.remove(&call.id);
                     self.call(p, input_id, &call, fresh).await?
                 };
@@ -289,6 +275,21 @@ impl Session<'_> {
         }
     }
 
+    /// Everything not written yet, in order: the writes in flight, then the carried rows.
+    async fn flush<'a>(
+        &'a self,
+        unwritten: &mut Option<BoxFuture<'a, Result<(), Stop>>>,
+        carried: &mut Option<Batch>,
+    ) -> Result<(), Stop> {
+        if let Some(w) = unwritten.take() {
+            w.await?;
+        }
+        match carried.take() {
+            Some(c) => self.write(c).await,
+            None => Ok(()),
+        }
+    }
+
     /// `before` (when there is one), then the call's end, in that order.
     fn then_commit<'a>(
         &'a self,
@@ -323,6 +324,14 @@ impl Session<'_> {
             && tools::ALL.contains(&call.name.as_str())
             && (p.enabled.is_empty() || p.enabled.contains(&call.name))
             && p.policy.decide(&call.name, &call.input).0 == Decision::Allow
+    }
+}
+
+/// Adds `b`'s rows after those `carried` holds for the next write.
+fn carry(carried: &mut Option<Batch>, b: Batch) {
+    match carried {
+        Some(c) => c.append(b),
+        None => *carried = Some(b),
     }
 }
 
