@@ -82,10 +82,19 @@ async fn unrecorded_events(
 }
 
 async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
-    // 2. Tasks whose submission never produced an attempt (lost message, scheduler crash).
+    // 2. Tasks stored without their attempt (by a gateway of an earlier version or a tool, whose
+    // submission message may be lost). Only tasks not yet known to have one are read (a partial
+    // index, migration 0009): those that have one by now are marked, the rest get one.
     let orphans = sqlx::query_scalar!(
-        "SELECT t.id FROM tasks t WHERE NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = t.id)
-         AND t.created_at < now() - interval '2 seconds' ORDER BY t.created_at LIMIT 200",
+        r#"WITH unknown AS (
+               SELECT id FROM tasks WHERE NOT has_attempt
+                  AND created_at < now() - interval '2 seconds' ORDER BY created_at LIMIT 200
+           ), marked AS (
+               UPDATE tasks t SET has_attempt = true FROM unknown u
+                WHERE t.id = u.id AND EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = u.id)
+               RETURNING t.id
+           )
+           SELECT u.id AS "id!" FROM unknown u WHERE u.id NOT IN (SELECT id FROM marked)"#,
     )
     .fetch_all(&ctx.db)
     .await?;
@@ -95,6 +104,7 @@ async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
     }
 
     // 3. Queued attempts of tasks whose cancellation message was lost.
+    // (`tasks_cancel_requested`, migration 0009: the tasks read are those with a request.)
     let stale = sqlx::query_scalar!(
         "SELECT a.task_id FROM attempts a JOIN tasks t ON t.id = a.task_id
          WHERE a.status = 'queued' AND t.cancel_requested_at IS NOT NULL LIMIT 200",

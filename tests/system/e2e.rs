@@ -391,6 +391,26 @@ async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
         (Some(42), Some("task"), Some("bare")),
         "{spec}"
     );
+    // The submitted task was stored knowing it has its attempt; the bare one was found by the
+    // sweep (which reads only tasks not known to have one) and is marked once it has one.
+    let known = |task: uuid::Uuid| {
+        let pg = stack.pg.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT has_attempt FROM tasks WHERE id = $1")
+                .bind(task)
+                .fetch_one(&pg)
+                .await
+                .unwrap()
+        }
+    };
+    assert!(known(task).await);
+    kit::wait_for(
+        "the sweep to mark the bare task",
+        Duration::from_secs(30),
+        || async { known(bare).await.then_some(()) },
+    )
+    .await
+    .unwrap();
 }
 
 /// A submission's attempt is made of its agent's newest version and its binding as they are

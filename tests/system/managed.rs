@@ -255,6 +255,16 @@ async fn a_multi_step_session_completes_alike_in_local_sandbox_and_self_hosted()
             s["status"], "completed_awaiting_acceptance",
             "finishing a turn is not accepting the Issue"
         );
+        // The outcome's statement marked its input answered: the sweep for sessions with work
+        // reads unanswered inputs only.
+        let unanswered: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM session_inputs WHERE session_id = $1::uuid AND NOT answered",
+        )
+        .bind(&id)
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+        assert_eq!(unanswered, 0, "{environment}");
         let root = if environment == "self_hosted" {
             worker_dir.join(&id)
         } else {

@@ -227,6 +227,9 @@ impl Session<'_> {
     INSERT INTO session_outcomes (input_id, session_id, status, detail, iterations)
     SELECT $5::uuid, $1, $20::text, $21::text, $22::int4 FROM fence WHERE $20::text IS NOT NULL
     ON CONFLICT (input_id) DO NOTHING
+), answered AS (
+    UPDATE session_inputs i SET answered = true FROM fence
+    WHERE i.id = $5::uuid AND $20::text IS NOT NULL AND NOT i.answered
 )
 SELECT base FROM fence"#,
             self.id,

@@ -141,9 +141,17 @@ impl Runner {
 
     /// Sessions with an input that has no outcome yet.
     pub async fn sessions_with_work(&self) -> Result<Vec<Uuid>, sqlx::Error> {
+        // Only inputs not known to be answered are read (a partial index, migration 0009); one
+        // found with an outcome after all (written before its flag was) is marked here.
         sqlx::query_scalar!(
-            "SELECT DISTINCT i.session_id FROM session_inputs i
-             WHERE NOT EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id) LIMIT 500",
+            r#"WITH marked AS (
+                   UPDATE session_inputs i SET answered = true
+                    WHERE NOT i.answered
+                      AND EXISTS (SELECT 1 FROM session_outcomes o WHERE o.input_id = i.id)
+                   RETURNING i.id
+               )
+               SELECT DISTINCT i.session_id FROM session_inputs i
+                WHERE NOT i.answered AND i.id NOT IN (SELECT id FROM marked) LIMIT 500"#,
         )
         .fetch_all(&self.db)
         .await
