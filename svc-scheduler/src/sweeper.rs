@@ -10,6 +10,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+static REJECTED_WARNING: agentscope_telemetry::Throttle =
+    agentscope_telemetry::Throttle::new(Duration::from_secs(60));
+
 pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(ctx.config.sweep_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -100,7 +103,17 @@ async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
     .await?;
     for task_id in orphans {
         tracing::info!(%task_id, "scheduling task found without attempt");
-        attempts::ensure_first_attempt(ctx, task_id).await?;
+        match attempts::ensure_first_attempt(ctx, task_id).await {
+            Ok(_) => {}
+            // A task that can never have an attempt (its row names what is not its
+            // workspace's) must not stop the rest of the sweep on every tick.
+            Err(crate::Error::Rejected(why)) => {
+                if let Some(more) = REJECTED_WARNING.check() {
+                    tracing::warn!(%task_id, %why, "task found without attempt cannot have one{more}");
+                }
+            }
+            Err(e) => return Err(e),
+        }
     }
 
     // 3. Queued attempts of tasks whose cancellation message was lost.

@@ -314,6 +314,24 @@ async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
     assert_eq!(spec["timeout_source"], "default", "{spec}");
     assert!(spec.get("timeout_secs").is_none(), "{spec}");
 
+    // A task that can never have an attempt (stored by a tool under another workspace, naming
+    // this one's agent), older than the next: the sweep must not stop at it on every tick.
+    let other = stack
+        .api
+        .with_token(ADMIN_TOKEN)
+        .post("/v1/workspaces", json!({"name": "other"}))
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO tasks (id, workspace_id, agent_id, input, created_at)
+         VALUES ($1, $2, $3, 'stray', now() - interval '1 minute')",
+    )
+    .bind(uuid::Uuid::now_v7())
+    .bind(uuid::Uuid::parse_str(other["workspace"]["id"].as_str().unwrap()).unwrap())
+    .bind(uuid::Uuid::parse_str(&agent).unwrap())
+    .execute(&stack.pg)
+    .await
+    .unwrap();
     // A task without an attempt, with a timeout of its own.
     let bare = uuid::Uuid::now_v7();
     sqlx::query(
