@@ -9,6 +9,12 @@ use std::time::Duration;
 
 pub use agentscope_testkit as kit;
 
+/// The benchmark's stamp without libc (tests/stamp_bare, compiled by tests/build.rs): prints
+/// `stamp <unix nanoseconds>` read first thing after its `execve`. Empty where it is not built
+/// (other than x86_64 Linux).
+pub const BENCH_STAMP_BARE: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/agentscope-bench-stamp-bare"));
+
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
 
 #[derive(Clone)]

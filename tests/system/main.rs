@@ -5,6 +5,7 @@ mod agents;
 mod api_contract;
 mod approvals;
 mod bad_input;
+mod bench_stamp;
 mod cancel;
 mod compose;
 mod crate_graph;

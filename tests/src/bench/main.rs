@@ -234,6 +234,7 @@ async fn main() -> Result<()> {
                 warmup: 10,
                 hosts: 1,
                 capacity: 4,
+                stamp: setup::Stamp::Glibc,
             }),
             One::Bulk(w1::BulkArgs {
                 tasks: a.bulk_tasks,
@@ -256,6 +257,7 @@ async fn main() -> Result<()> {
             }),
             One::Approvals(managed::ApprovalArgs {
                 approvals: a.approvals,
+                stamp: setup::Stamp::Glibc,
             }),
         ]
         .into_iter()

@@ -27,6 +27,10 @@ pub struct ApprovalArgs {
     /// Tool calls, each asking for an approval.
     #[arg(long, default_value_t = 50)]
     pub approvals: usize,
+    /// The tool: `glibc` (an ordinary program, its own loading included) or `bare` (no libc:
+    /// started at its `execve`).
+    #[arg(long, value_enum, default_value_t)]
+    pub stamp: crate::setup::Stamp,
 }
 
 /// (arrival in ms since the epoch, time to answer in ms) of each model request, in order.
@@ -277,18 +281,16 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
 pub async fn approvals(args: &ApprovalArgs) -> Result<Value> {
     let timings: Timings = Arc::default();
     // The script names the tool's command before the stack exists: a copy any uid may run.
-    let link = std::env::temp_dir().join(format!(
+    let dir = std::env::temp_dir().join(format!(
         "agentscope-bench-stamp-{}",
         uuid::Uuid::new_v4().simple()
     ));
-    std::fs::copy(
-        agentscope_system_tests::kit::bin("agentscope-bench-stamp")?,
-        &link,
-    )?;
+    std::fs::create_dir(&dir)?;
     {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&link, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
     }
+    let link = crate::setup::stamp_in(&dir, args.stamp)?;
     let cmd = link.to_string_lossy().to_string();
     let turns: Vec<Value> = (0..args.approvals)
         .map(|_| json!({"tool": "shell", "args": {"command": cmd}}))
@@ -336,7 +338,7 @@ pub async fn approvals(args: &ApprovalArgs) -> Result<Value> {
         seen.insert(ap_id);
     }
     wait_outcome(&pg, session, Duration::from_secs(600)).await?;
-    let _ = std::fs::remove_file(&link);
+    let _ = std::fs::remove_dir_all(&dir);
     let calls: Vec<(String, String, Option<String>)> = sqlx::query_as(
         "SELECT call_id, status, output FROM session_tool_calls WHERE session_id = $1",
     )

@@ -43,10 +43,43 @@ pub async fn bench_pool(stack: &Stack) -> Result<sqlx::PgPool> {
 
 /// `agentscope-bench-stamp`, copied where any attempt's or session's uid may run it.
 pub fn stamp_bin(stack: &Stack) -> Result<PathBuf> {
+    stamp_in(&stack.shared, Stamp::Glibc)
+}
+
+/// Which program stands for the provider or tool whose start is measured.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Stamp {
+    /// `agentscope-bench-stamp`: an ordinary program (glibc, dynamically linked), so "started"
+    /// includes its own loading, as a real provider's would.
+    #[default]
+    Glibc,
+    /// The same without libc (tests/stamp_bare): "started" is its first instruction after
+    /// `execve`, which leaves the program's own loading out.
+    Bare,
+}
+
+/// The `kind` stamp written into `dir` (mode 0755, where any attempt's or session's uid may run
+/// it); its path.
+pub fn stamp_in(dir: &std::path::Path, kind: Stamp) -> Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    let src = kit::bin("agentscope-bench-stamp")?;
-    let dst = stack.shared.join("agentscope-bench-stamp");
-    std::fs::copy(&src, &dst).with_context(|| format!("copy {}", src.display()))?;
+    let dst = match kind {
+        Stamp::Glibc => {
+            let src = kit::bin("agentscope-bench-stamp")?;
+            let dst = dir.join("agentscope-bench-stamp");
+            std::fs::copy(&src, &dst).with_context(|| format!("copy {}", src.display()))?;
+            dst
+        }
+        Stamp::Bare => {
+            anyhow::ensure!(
+                !agentscope_system_tests::BENCH_STAMP_BARE.is_empty(),
+                "the bare stamp is built for x86_64 Linux only"
+            );
+            let dst = dir.join("agentscope-bench-stamp-bare");
+            std::fs::write(&dst, agentscope_system_tests::BENCH_STAMP_BARE)
+                .with_context(|| format!("write {}", dst.display()))?;
+            dst
+        }
+    };
     std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))?;
     Ok(dst)
 }

@@ -23,6 +23,10 @@ pub struct LowArgs {
     pub hosts: usize,
     #[arg(long, default_value_t = 4)]
     pub capacity: u32,
+    /// The provider: `glibc` (an ordinary program, its own loading included) or `bare` (no
+    /// libc: started at its `execve`).
+    #[arg(long, value_enum, default_value_t)]
+    pub stamp: setup::Stamp,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -66,7 +70,7 @@ pub fn stack_cpu(cpu: &HashMap<String, f64>) -> f64 {
 pub async fn low(args: &LowArgs) -> Result<Value> {
     let stack = setup::stack("bench-w1-low", setup::bench_options()).await?;
     let pg = setup::bench_pool(&stack).await?;
-    let stamp = setup::stamp_bin(&stack)?;
+    let stamp = setup::stamp_in(&stack.shared, args.stamp)?;
     let (agent, _) = stack
         .command_agent("stamp", "bench", &[stamp.to_str().context("path")?], None)
         .await?;
