@@ -5,8 +5,7 @@
 //! workspace's profiles cannot set for one binary, and because it must not link anything: it is
 //! static, has its own entry point and makes its system calls itself.
 
-use std::path::PathBuf;
-use std::process::Command;
+include!("../shared/build/nolibc.rs");
 
 fn main() {
     let src = ["sentinel/main.rs", "sentinel/args.rs"];
@@ -14,6 +13,7 @@ fn main() {
         println!("cargo:rerun-if-changed={s}");
     }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=../shared/build/nolibc.rs");
     let var = |k: &str| std::env::var(k).unwrap_or_default();
     if var("CARGO_CFG_TARGET_OS") != "linux" || var("CARGO_CFG_TARGET_ARCH") != "x86_64" {
         panic!(
@@ -21,42 +21,6 @@ fn main() {
             var("TARGET")
         );
     }
-    let out = PathBuf::from(var("OUT_DIR")).join("agentscope-sentinel");
-    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let mut cmd = Command::new(rustc);
-    cmd.args(["--edition", "2024", "--crate-type", "bin"])
-        .args(["--crate-name", "agentscope_sentinel"])
-        .args(["--target", &var("TARGET")])
-        .args([
-            "-C",
-            "panic=abort",
-            "-C",
-            "opt-level=2",
-            "-C",
-            "debuginfo=0",
-        ])
-        .args(["-C", "strip=symbols", "-C", "relocation-model=static"])
-        .args(["-C", "link-arg=-nostartfiles", "-C", "link-arg=-nostdlib"])
-        .args([
-            "-C",
-            "link-arg=-static",
-            "-C",
-            "link-arg=-Wl,--build-id=none",
-        ])
-        .args(["-D", "warnings"]);
-    if let Some(linker) = std::env::var_os("RUSTC_LINKER") {
-        let mut arg = std::ffi::OsString::from("linker=");
-        arg.push(linker);
-        cmd.arg("-C").arg(arg);
-    }
-    cmd.arg(src[0]).arg("-o").arg(&out);
-    let result = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("run rustc for agentscope-sentinel: {e}"));
-    if !result.status.success() {
-        panic!(
-            "agentscope-sentinel does not build:\n{}",
-            String::from_utf8_lossy(&result.stderr)
-        );
-    }
+    let out = std::path::PathBuf::from(var("OUT_DIR")).join("agentscope-sentinel");
+    build_nolibc(src[0], "agentscope_sentinel", &out);
 }
