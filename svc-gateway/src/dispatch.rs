@@ -1,8 +1,10 @@
 //! Direct dispatch: when the gateway stores a task with its attempt 1, the same statement
 //! (`submit_task`, migration 0007) stores the attempt claimed for an idle host of its pool, within
 //! every limit, unless older work of the pool waits for that host; the gateway then creates the
-//! lease and, at the same time, offers it to that host (`agentscope.host.<id>.offer`), all before
-//! it answers. The usual path (a nudge, the host's
+//! lease and, at the same time, offers it to that host (`agentscope.host.<id>.offer`). It answers
+//! once the host has answered (a host that took the attempt does not wait for its lease: the
+//! lease exists before the host's first renewal reads it, a fifth of a TTL later; one that
+//! declined waits for the lease, to remove it). The usual path (a nudge, the host's
 //! claim to the scheduler, the scheduler's claim and lease, the reply) costs two more hops
 //! through the broker, two more wake-ups and a second transaction. Only an idle host (nothing
 //! active) gets work this way, and one pool's dispatches of a gateway go one at a time: once
@@ -159,11 +161,14 @@ async fn try_offer(
     let request = async_nats::Request::new()
         .payload(offer.encode_to_vec().into())
         .timeout(Some(OFFER_WAIT));
-    let (created, answer) = tokio::join!(
-        leases.create(&key, record.encode_to_vec().into()),
-        s.nats
-            .send_request(subjects::host_offer(&host.to_string()), request)
-    );
+    let creating = {
+        let (leases, key) = (leases.clone(), key.clone());
+        tokio::spawn(async move { leases.create(&key, record.encode_to_vec().into()).await })
+    };
+    let answer = s
+        .nats
+        .send_request(subjects::host_offer(&host.to_string()), request)
+        .await;
     let taken = match answer {
         Ok(msg) => match OfferReply::decode(msg.payload.as_ref()) {
             Ok(r) => r.accepted.iter().any(|a| *a == id.to_string()),
@@ -179,29 +184,53 @@ async fn try_offer(
             true
         }
     };
-    if let Err(e) = created {
-        if !taken {
+    if taken {
+        // The host has it: the answer does not wait for the lease, which exists before the
+        // host's first renewal needs it (a fifth of a TTL later). Taken without a lease: that
+        // renewal finds none and stops the provider, and the sweeper, finding no lease a TTL
+        // after the claim, ends the attempt lost (and retries it).
+        s.metrics
+            .inc("agentscope_dispatch_total", &[("result", "offered")]);
+        let (metrics, task_id) = (s.metrics.clone(), c.task_id);
+        tokio::spawn(async move {
+            match creating.await {
+                Ok(Ok(_)) => {
+                    tracing::info!(attempt_id = %id, %task_id, host_id = %host, lease_token = token, "attempt claimed and offered by the gateway");
+                }
+                failed => {
+                    let e = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        Err(e) => e.to_string(),
+                        Ok(Ok(_)) => unreachable!(),
+                    };
+                    metrics.inc("agentscope_dispatch_total", &[("result", "error")]);
+                    if let Some(more) = WARNING.check() {
+                        tracing::warn!(error = %e, attempt_id = %id, host_id = %host, "the host took an offer whose lease could not be created; the attempt is lost once a lease TTL has passed, and retried{more}");
+                    }
+                }
+            }
+        });
+        return Ok(Dispatched::Claimed {
+            host_id: host,
+            lease_token: token,
+        });
+    }
+    match creating.await {
+        Ok(Ok(_)) => {}
+        failed => {
             // Nobody has it and no lease was made.
             requeue(s, None, &key, id, token).await;
+            return Err(match failed {
+                Ok(Err(e)) => e.into(),
+                Err(e) => e.into(),
+                Ok(Ok(_)) => unreachable!(),
+            });
         }
-        // Taken without a lease: the host's first renewal finds none and stops the provider,
-        // and the sweeper, finding no lease a TTL after the claim, ends the attempt lost (and
-        // retries it).
-        return Err(e.into());
     }
-    if !taken {
-        requeue(s, Some(leases), &key, id, token).await;
-        s.metrics
-            .inc("agentscope_dispatch_total", &[("result", "declined")]);
-        return Ok(Dispatched::Queued);
-    }
+    requeue(s, Some(leases), &key, id, token).await;
     s.metrics
-        .inc("agentscope_dispatch_total", &[("result", "offered")]);
-    tracing::info!(attempt_id = %id, task_id = %c.task_id, host_id = %host, lease_token = token, "attempt claimed and offered by the gateway");
-    Ok(Dispatched::Claimed {
-        host_id: host,
-        lease_token: token,
-    })
+        .inc("agentscope_dispatch_total", &[("result", "declined")]);
+    Ok(Dispatched::Queued)
 }
 
 /// Puts an attempt the gateway claimed and nobody got back in the queue: first its lease key

@@ -953,12 +953,14 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
     );
     let leases = lease_bucket(&stack).await;
     let key = agentscope_bus::lease_key(&host, attempt);
-    let created = leases
-        .entry(&key)
-        .await
-        .unwrap()
-        .expect("the lease exists when the POST answers")
-        .revision;
+    // The POST answers once the host took the offer; the lease it created meanwhile is there
+    // before the host's first renewal (a fifth of the TTL later).
+    let created = kit::wait_for("the lease created", Duration::from_secs(3), || {
+        let (leases, key) = (&leases, &key);
+        async move { leases.entry(key).await.unwrap().map(|e| e.revision) }
+    })
+    .await
+    .unwrap();
     kit::wait_for("the lease renewed", Duration::from_secs(10), || {
         let (leases, key) = (&leases, &key);
         async move {
