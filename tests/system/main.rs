@@ -21,6 +21,7 @@ mod faults_nats;
 mod faults_outage;
 mod faults_timeouts;
 mod faults_worker;
+mod harness;
 mod isolation_host;
 mod isolation_nats;
 mod isolation_policy;

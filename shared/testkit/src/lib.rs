@@ -110,7 +110,9 @@ fn kill_group(child: &mut Child, signal: i32) {
     }
 }
 
-/// A child process in its own process group, killed (group-wide) on drop.
+/// A child process in its own process group, killed (group-wide) on drop, and killed by the
+/// kernel if the thread that started it ends first (`PR_SET_PDEATHSIG`): a test or benchmark that
+/// is itself killed (a timeout, a signal) leaves no stack running behind it.
 pub struct Proc {
     pub name: String,
     pub child: Option<Child>,
@@ -136,6 +138,18 @@ impl Proc {
             .envs(envs.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .process_group(0);
+        // SAFETY: getpid before the fork; prctl, getppid and raise are async-signal-safe.
+        let parent = unsafe { libc::getpid() };
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // The parent may have ended before the death signal was armed.
+                if libc::getppid() != parent {
+                    libc::raise(libc::SIGKILL);
+                }
+                Ok(())
+            });
+        }
         if verbose() {
             cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
         } else {
