@@ -102,9 +102,8 @@ async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
     .fetch_all(&ctx.db)
     .await?;
     for task_id in orphans {
-        tracing::info!(%task_id, "scheduling task found without attempt");
         match attempts::ensure_first_attempt(ctx, task_id).await {
-            Ok(_) => {}
+            Ok(_) => tracing::info!(%task_id, "scheduled a task found without attempt"),
             // A task that can never have an attempt (its row names what is not its
             // workspace's) must not stop the rest of the sweep on every tick.
             Err(crate::Error::Rejected(why)) => {
