@@ -1,6 +1,7 @@
 //! `agentscope-bench-stamp` without libc (`agentscope-bench --stamp bare`): it reads the wall
 //! clock (CLOCK_REALTIME) as its first instruction after `execve`, prints `stamp <unix
-//! nanoseconds>` and exits 0. The default stamp is an ordinary program (glibc, dynamically
+//! nanoseconds>` and exits 0. With any argument it only exits 0: a no-op provider without libc
+//! (`bulk --provider bare`). The default stamp is an ordinary program (glibc, dynamically
 //! linked), so its "started" includes its own loading: on virtual machines where glibc's CPU
 //! feature probing traps to the hypervisor, that is 0.5–0.9 ms of the provider's own, which this
 //! one leaves out. A run with each tells the platform's time from the program's.
@@ -43,13 +44,19 @@ global_asm!(
     ".type _start,@function",
     "_start:",
     "xor ebp, ebp",
+    "mov rdi, rsp",
     "and rsp, -16",
     "call {entry}",
     "ud2",
     entry = sym entry,
 );
 
-extern "C" fn entry() -> ! {
+/// `sp`: the stack the kernel started the process with (argc first).
+extern "C" fn entry(sp: *const usize) -> ! {
+    // SAFETY: the kernel puts argc at the top of the initial stack.
+    if unsafe { *sp } > 1 {
+        exit(0);
+    }
     let mut ts = [0i64; 2];
     // SAFETY: `ts` is a live timespec.
     unsafe { syscall(CLOCK_GETTIME, 0, ts.as_mut_ptr() as usize, 0) };
@@ -80,20 +87,20 @@ extern "C" fn entry() -> ! {
         }
         off += w as usize;
     }
+    exit(0)
+}
+
+fn exit(code: usize) -> ! {
     // SAFETY: exit_group does not return.
     unsafe {
-        syscall(EXIT_GROUP, 0, 0, 0);
+        syscall(EXIT_GROUP, code, 0, 0);
         core::hint::unreachable_unchecked()
     }
 }
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {
-    // SAFETY: exit_group does not return.
-    unsafe {
-        syscall(EXIT_GROUP, 134, 0, 0);
-        core::hint::unreachable_unchecked()
-    }
+    exit(134)
 }
 
 /// Named by the unwind tables of the precompiled `core`; never called (a panic exits).

@@ -54,5 +54,14 @@ fn both_stamps_print_the_wall_clock_of_their_start_and_exit_0() {
     );
     let first = stamp_of(&bare);
     assert!(stamp_of(&bare) >= first);
+    // With an argument: a no-op that prints nothing.
+    let quiet = std::process::Command::new(&bare)
+        .arg("quiet")
+        .output()
+        .unwrap();
+    assert!(
+        quiet.status.success() && quiet.stdout.is_empty(),
+        "{quiet:?}"
+    );
     stamp_of(&kit::bin("agentscope-bench-stamp").unwrap());
 }

@@ -241,6 +241,7 @@ async fn main() -> Result<()> {
                 hosts: 4,
                 capacity: 32,
                 submitters: 32,
+                provider: w1::NoOp::True,
             }),
             One::Ingest(w2::IngestArgs {
                 lines: a.ingest_lines,

@@ -41,6 +41,18 @@ pub struct BulkArgs {
     /// Concurrent submitters.
     #[arg(long, default_value_t = 32)]
     pub submitters: usize,
+    /// The no-op provider: `true` (glibc's, as the figure; its own start-up included) or
+    /// `bare` (the bare stamp's no-op mode: no libc, nothing loaded after its `execve`).
+    #[arg(long, value_enum, default_value_t)]
+    pub provider: NoOp,
+}
+
+/// W1 bulk's no-op provider.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NoOp {
+    #[default]
+    True,
+    Bare,
 }
 
 /// Per-kind CPU in ms per unit of work, and the stack's total (the client apart).
@@ -244,9 +256,15 @@ async fn end_of(stack: &Stack, id: &str) -> Result<()> {
 pub async fn bulk(args: &BulkArgs) -> Result<Value> {
     let stack = setup::stack("bench-w1-bulk", setup::bench_options()).await?;
     let pg = setup::bench_pool(&stack).await?;
-    let (agent, _) = stack
-        .command_agent("noop", "bench", &["true"], None)
-        .await?;
+    let bare;
+    let command: Vec<&str> = match args.provider {
+        NoOp::True => vec!["true"],
+        NoOp::Bare => {
+            bare = setup::stamp_in(&stack.shared, setup::Stamp::Bare)?;
+            vec![bare.to_str().context("path")?, "quiet"]
+        }
+    };
+    let (agent, _) = stack.command_agent("noop", "bench", &command, None).await?;
     let mut hosts = Vec::new();
     for i in 0..args.hosts {
         hosts.push(
