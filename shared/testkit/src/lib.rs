@@ -457,6 +457,20 @@ pub fn bin(name: &str) -> Result<PathBuf> {
 /// Spawns a service on a fresh port (`env_for(port)` builds its environment) until it answers
 /// 200 at `http://127.0.0.1:PORT{ready_path}` while our own process is alive: a port taken by a
 /// parallel test between picking and binding it is retried elsewhere.
+/// Whether a service's log says it listens on `addr`: a line naming the address with
+/// "listening" (a failure to bind names the address too, and must not count).
+fn says_listening(log: &str, addr: &str) -> bool {
+    let names = |l: &str| {
+        l.match_indices(addr).any(|(i, _)| {
+            !l[i + addr.len()..]
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_digit())
+        })
+    };
+    log.lines().any(|l| l.contains(" listening") && names(l))
+}
+
 pub async fn spawn_on_free_port(
     name: &str,
     program: &Path,
@@ -471,13 +485,16 @@ pub async fn spawn_on_free_port(
         let mut proc = Proc::spawn(name, program, &[], &env_for(port), dir)?;
         let url = format!("http://127.0.0.1:{port}{ready_path}");
         // Ours only if our own process says it listens there (a process that failed to bind
-        // exits instead, and the port may answer for a parallel test's service).
+        // exits instead, and the port may answer for a parallel test's service). Its failure
+        // names the address too ("bind health listener 127.0.0.1:<port>"), and is printed
+        // before it exits: only a line saying it listens counts.
+        let addr = format!("127.0.0.1:{port}");
         let ready = wait_for(
             &format!("{name} to be ready"),
             Duration::from_secs(60),
             || {
                 let exited = proc.exited().is_some();
-                let listening = proc.log_text().contains(&format!("127.0.0.1:{port}"));
+                let listening = says_listening(&proc.log_text(), &addr);
                 let (client, url) = (client.clone(), url.clone());
                 async move {
                     if exited {
@@ -523,4 +540,22 @@ pub async fn wait_http_ok(url: &str, within: Duration) -> Result<()> {
         }
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::says_listening;
+
+    #[test]
+    fn only_a_listening_line_counts_not_a_failure_to_bind_the_same_address() {
+        let addr = "127.0.0.1:43025";
+        let failed = "INFO async_nats: event: closed\nError: bind health listener 127.0.0.1:43025\n\nCaused by:\n    Address already in use (os error 98)\n";
+        assert!(!says_listening(failed, addr));
+        let up = "INFO svc_scheduler: svc-scheduler listening for health checks health_addr=127.0.0.1:43025\n";
+        assert!(says_listening(up, addr));
+        assert!(
+            !says_listening(up, "127.0.0.1:4302"),
+            "another port is not this one"
+        );
+    }
 }
