@@ -163,8 +163,12 @@ async fn try_offer(
         .timeout(Some(OFFER_WAIT));
     let creating = {
         let (leases, key) = (leases.clone(), key.clone());
-        tokio::spawn(async move { leases.create(&key, record.encode_to_vec().into()).await })
+        tokio::spawn(async move {
+            leases.create(&key, record.encode_to_vec().into()).await?;
+            anyhow::Ok(())
+        })
     };
+    let created = |h: tokio::task::JoinHandle<anyhow::Result<()>>| async move { h.await? };
     let answer = s
         .nats
         .send_request(subjects::host_offer(&host.to_string()), request)
@@ -193,16 +197,11 @@ async fn try_offer(
             .inc("agentscope_dispatch_total", &[("result", "offered")]);
         let (metrics, task_id) = (s.metrics.clone(), c.task_id);
         tokio::spawn(async move {
-            match creating.await {
-                Ok(Ok(_)) => {
+            match created(creating).await {
+                Ok(()) => {
                     tracing::info!(attempt_id = %id, %task_id, host_id = %host, lease_token = token, "attempt claimed and offered by the gateway");
                 }
-                failed => {
-                    let e = match failed {
-                        Ok(Err(e)) => e.to_string(),
-                        Err(e) => e.to_string(),
-                        Ok(Ok(_)) => unreachable!(),
-                    };
+                Err(e) => {
                     metrics.inc("agentscope_dispatch_total", &[("result", "error")]);
                     if let Some(more) = WARNING.check() {
                         tracing::warn!(error = %e, attempt_id = %id, host_id = %host, "the host took an offer whose lease could not be created; the attempt is lost once a lease TTL has passed, and retried{more}");
@@ -215,17 +214,10 @@ async fn try_offer(
             lease_token: token,
         });
     }
-    match creating.await {
-        Ok(Ok(_)) => {}
-        failed => {
-            // Nobody has it and no lease was made.
-            requeue(s, None, &key, id, token).await;
-            return Err(match failed {
-                Ok(Err(e)) => e.into(),
-                Err(e) => e.into(),
-                Ok(Ok(_)) => unreachable!(),
-            });
-        }
+    if let Err(e) = created(creating).await {
+        // Nobody has it and no lease was made.
+        requeue(s, None, &key, id, token).await;
+        return Err(e);
     }
     requeue(s, Some(leases), &key, id, token).await;
     s.metrics
