@@ -14,6 +14,7 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=../shared/build/nolibc.rs");
+    println!("cargo:rerun-if-changed=../shared/build/nolibc_rt.rs");
     let var = |k: &str| std::env::var(k).unwrap_or_default();
     if var("CARGO_CFG_TARGET_OS") != "linux" || var("CARGO_CFG_TARGET_ARCH") != "x86_64" {
         panic!(

@@ -8,6 +8,7 @@ fn main() {
     let src = "stamp_bare/main.rs";
     println!("cargo:rerun-if-changed={src}");
     println!("cargo:rerun-if-changed=../shared/build/nolibc.rs");
+    println!("cargo:rerun-if-changed=../shared/build/nolibc_rt.rs");
     println!("cargo:rerun-if-changed=build.rs");
     let var = |k: &str| std::env::var(k).unwrap_or_default();
     let out = std::path::PathBuf::from(var("OUT_DIR")).join("agentscope-bench-stamp-bare");

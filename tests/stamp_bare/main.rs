@@ -98,34 +98,4 @@ fn exit(code: usize) -> ! {
     }
 }
 
-#[panic_handler]
-fn panic(_: &core::panic::PanicInfo) -> ! {
-    exit(134)
-}
-
-/// Named by the unwind tables of the precompiled `core`; never called (a panic exits).
-#[unsafe(no_mangle)]
-extern "C" fn rust_eh_personality() {}
-
-// The routines the compiler may emit calls to without libc.
-global_asm!(
-    ".section .text.memcpy,\"ax\",@progbits",
-    ".globl memcpy",
-    ".type memcpy,@function",
-    "memcpy:",
-    "mov rax, rdi",
-    "mov rcx, rdx",
-    "rep movsb",
-    "ret",
-    ".section .text.memset,\"ax\",@progbits",
-    ".globl memset",
-    ".type memset,@function",
-    "memset:",
-    "mov r8, rdi",
-    "mov eax, esi",
-    "mov rcx, rdx",
-    "rep stosb",
-    "mov rax, r8",
-    "ret",
-    ".text",
-);
+include!("../../shared/build/nolibc_rt.rs");
