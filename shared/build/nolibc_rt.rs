@@ -1,5 +1,20 @@
 // Included (`include!`) by the programs without libc: svc-host's sentinel and the benchmark's
-// bare stamp (tests/stamp_bare). Each defines `exit`; this is the rest every such program needs.
+// bare stamp (tests/stamp_bare). Each defines `entry` and `exit`; this is the rest every such
+// program needs.
+
+// The kernel starts the process here with the stack as argc, argv..., 0, envp..., 0, auxv;
+// `entry` gets a pointer to it.
+core::arch::global_asm!(
+    ".globl _start",
+    ".type _start,@function",
+    "_start:",
+    "xor ebp, ebp",
+    "mov rdi, rsp",
+    "and rsp, -16",
+    "call {entry}",
+    "ud2",
+    entry = sym entry,
+);
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {

@@ -29,7 +29,7 @@ compile_error!("agentscope-sentinel is written for x86_64 Linux");
 
 mod args;
 
-use core::arch::{asm, global_asm};
+use core::arch::asm;
 
 const EXEC_NOT_FOUND: i32 = 127;
 const EXEC_FAILED: i32 = 126;
@@ -177,18 +177,7 @@ fn switch_identity(uid: u32, gid: u32) -> bool {
 
 // ------------------------------------------------------------------------------ start-up
 
-// The kernel starts the process here with the stack as argc, argv..., 0, envp..., 0, auxv.
-global_asm!(
-    ".globl _start",
-    ".type _start,@function",
-    "_start:",
-    "xor ebp, ebp",
-    "mov rdi, rsp",
-    "and rsp, -16",
-    "call {entry}",
-    "ud2",
-    entry = sym entry,
-);
+// `_start` (shared/build/nolibc_rt.rs) calls `entry` with the stack the kernel started it with.
 
 /// The C string at `p` (no NUL), up to 64 KiB.
 ///

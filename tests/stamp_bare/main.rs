@@ -11,7 +11,7 @@
 #![no_std]
 #![no_main]
 
-use core::arch::{asm, global_asm};
+use core::arch::asm;
 
 const CLOCK_GETTIME: usize = 228;
 const WRITE: usize = 1;
@@ -39,17 +39,6 @@ unsafe fn syscall(n: usize, a: usize, b: usize, c: usize) -> isize {
     ret
 }
 
-global_asm!(
-    ".globl _start",
-    ".type _start,@function",
-    "_start:",
-    "xor ebp, ebp",
-    "mov rdi, rsp",
-    "and rsp, -16",
-    "call {entry}",
-    "ud2",
-    entry = sym entry,
-);
 
 /// `sp`: the stack the kernel started the process with (argc first).
 extern "C" fn entry(sp: *const usize) -> ! {
