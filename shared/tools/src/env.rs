@@ -365,7 +365,23 @@ impl Environment {
         env: &[(String, String)],
         limits: &Limits,
     ) -> Result<ShellOutput, ToolError> {
-        self.shell_routed(command, env, limits, true)
+        self.shell_routed(command, env, limits, true, None)
+            .await
+            .map(|(out, _)| out)
+    }
+
+    /// [`Environment::shell`] once `gate` opens: everything before the program's `execve`
+    /// (checks, the program's lookup, in Local its process up to the `execve`) is done
+    /// meanwhile. A gate that stays shut fails the call with `not_started`, and nothing of the
+    /// command has run.
+    pub async fn shell_after(
+        &self,
+        command: &str,
+        env: &[(String, String)],
+        limits: &Limits,
+        gate: Gate,
+    ) -> Result<ShellOutput, ToolError> {
+        self.shell_routed(command, env, limits, true, Some(gate))
             .await
             .map(|(out, _)| out)
     }
@@ -384,10 +400,15 @@ impl Environment {
         env: &[(String, String)],
         limits: &Limits,
         allow_direct: bool,
+        mut gate: Option<Gate>,
     ) -> Result<(ShellOutput, Route), ToolError> {
         let mut pause = Duration::from_millis(10);
         for _ in 0..6 {
-            match self.shell_once(command, env, limits, allow_direct).await {
+            // The gate opens once, before the first try's program: a later try follows it.
+            match self
+                .shell_once(command, env, limits, allow_direct, &mut gate)
+                .await
+            {
                 Err(ToolError::Failed { code, message })
                     if code == "sandbox_unavailable" && is_fork_refused(&message) =>
                 {
@@ -398,7 +419,8 @@ impl Environment {
                 r => return r,
             }
         }
-        self.shell_once(command, env, limits, allow_direct).await
+        self.shell_once(command, env, limits, allow_direct, &mut gate)
+            .await
     }
 
     async fn shell_once(
@@ -407,6 +429,7 @@ impl Environment {
         env: &[(String, String)],
         limits: &Limits,
         allow_direct: bool,
+        gate: &mut Option<Gate>,
     ) -> Result<(ShellOutput, Route), ToolError> {
         let root = self.root().to_path_buf();
         // Only Local starts a program without sh. In the Sandbox the program would be exec'd by
@@ -517,20 +540,37 @@ impl Environment {
             vars.insert(k.into(), v.into());
         }
         let identity = run_as.filter(|_| switch);
+        // A held start (see `start_held`) when the child needs nothing of this future's past
+        // its start: not a cgroup's descriptor.
+        let mut hold = match gate.take() {
+            Some(g) if cgroup.is_none() => Some(g),
+            Some(g) => {
+                if !g.opened().await {
+                    return Err(not_started());
+                }
+                None
+            }
+            None => None,
+        };
         let mut started = None;
         if let Some(direct) = &direct {
             let mut vars = vars.clone();
             // sh exports the working directory it found (it was given no PWD).
             vars.insert("PWD".into(), root.clone().into_os_string());
-            let argv = direct.argv.iter().map(OsStr::new).collect();
-            match start(spawn::Spec {
-                program: &direct.path,
-                argv,
+            let spec = spawn::Spec {
+                program: direct.path.clone(),
+                argv: direct.argv.iter().map(OsString::from).collect(),
                 env: vars,
-                cwd: &root,
+                cwd: root.clone(),
                 identity,
                 setup,
-            }) {
+                held: None,
+            };
+            let r = match hold.take() {
+                Some(g) => start_held(spec, g).await?,
+                None => start(spec),
+            };
+            match r {
                 Ok(s) => started = Some((s, Route::Direct)),
                 // The check ran as this process's user, the exec as the session's, and the file
                 // may have changed since: whatever made the exec fail, sh now tries and reports
@@ -546,15 +586,20 @@ impl Environment {
         let (started, route) = match started {
             Some(s) => s,
             None => {
-                let argv = sh_argv.iter().map(OsString::as_os_str).collect();
-                match start(spawn::Spec {
-                    program: &sh_program,
-                    argv,
+                let spec = spawn::Spec {
+                    program: sh_program,
+                    argv: sh_argv,
                     env: vars,
-                    cwd: &root,
+                    cwd: root,
                     identity,
                     setup,
-                }) {
+                    held: None,
+                };
+                let r = match hold.take() {
+                    Some(g) => start_held(spec, g).await?,
+                    None => start(spec),
+                };
+                match r {
                     Ok(s) => (s, Route::Shell),
                     Err(e) if sandboxed => {
                         return Err(unavailable(format!("cannot start bubblewrap: {e}")));
@@ -1509,13 +1554,76 @@ struct Started {
 
 /// Starts `spec` in its own process group, stdin from /dev/null, stdout and stderr into one
 /// pipe. An error means the child did not get to run its program (see [`spawn::spawn`]).
-fn start(spec: spawn::Spec<'_>) -> std::io::Result<Started> {
+fn start(spec: spawn::Spec) -> std::io::Result<Started> {
     // One pipe for both stdout and stderr, so output interleaves exactly as it was written.
     let (reader, writer) = std::io::pipe()?;
     let child = spawn::spawn(spec, &OwnedFd::from(writer))?;
     // Our copy of the write end is closed above, so EOF arrives once the command's are.
     let output = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(reader))?;
     Ok(Started { child, output })
+}
+
+/// [`start`] with the child held before its `execve` until `gate` opens: the start runs on the
+/// blocking pool (the starting thread waits for the child's exec) while the caller's commit runs.
+/// `Err` when the gate stays shut: the child exited before its program, and is reaped. Dropped
+/// while it waits, the hold's release is dropped too, and the child exits the same way.
+async fn start_held(
+    mut spec: spawn::Spec,
+    gate: Gate,
+) -> Result<std::io::Result<Started>, ToolError> {
+    let (held, release) = spawn::hold();
+    spec.held = Some(held);
+    let starting = tokio::task::spawn_blocking(move || start(spec));
+    let go = gate.opened().await;
+    if go {
+        release.go();
+    } else {
+        drop(release);
+    }
+    let r = starting
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    if !go {
+        // ECANCELED (or an earlier step's error): nothing ran.
+        drop(r);
+        return Err(not_started());
+    }
+    Ok(r)
+}
+
+fn not_started() -> ToolError {
+    ToolError::new(
+        "not_started",
+        "the call's start was not recorded, so it was not run",
+    )
+}
+
+/// What a tool call waits for before anything of it takes effect: its caller's word that the
+/// call's start is recorded (see [`gate`]).
+pub struct Gate(tokio::sync::oneshot::Receiver<()>);
+
+/// Opens its [`Gate`]. Dropped without [`GateKey::open`], the gate stays shut: the call does not
+/// run.
+pub struct GateKey(tokio::sync::oneshot::Sender<()>);
+
+/// A gate and its key: the caller commits a call's start while the call gets ready (see
+/// [`Environment::shell_after`]), then opens the gate, or drops the key if the commit failed.
+pub fn gate() -> (GateKey, Gate) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    (GateKey(tx), Gate(rx))
+}
+
+impl GateKey {
+    pub fn open(self) {
+        let _ = self.0.send(());
+    }
+}
+
+impl Gate {
+    /// Whether the gate opened (false: its key was dropped).
+    pub async fn opened(self) -> bool {
+        self.0.await.is_ok()
+    }
 }
 
 /// Collects the output of a started command until it exits (or the timeout fires), killing its
@@ -1849,6 +1957,74 @@ mod tests {
             assert_eq!(env.read_file("f.txt", &l).await.unwrap(), "one two two");
             env.edit_file("f.txt", "one", "1", &l).await.unwrap();
             assert_eq!(env.read_file("f.txt", &l).await.unwrap(), "1 two two");
+        }
+    }
+
+    /// Children of this process that have not called `execve` yet (still this test binary).
+    fn children_before_exec() -> Vec<u32> {
+        let me = std::fs::read_link("/proc/self/exe").unwrap();
+        let pid = std::process::id().to_string();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|p| {
+                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+                // pid (comm) state ppid ...: the comm may hold spaces, so read after its ')'.
+                let ppid = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, r)| r.split_whitespace().nth(1));
+                ppid == Some(pid.as_str())
+                    && std::fs::read_link(format!("/proc/{p}/exe")).ok().as_ref() == Some(&me)
+            })
+            .collect()
+    }
+
+    /// Waits (with a deadline) until a child of this process waits before its `execve`.
+    async fn held_child() {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while children_before_exec().is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no child waits before its exec"
+            );
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_command_after_a_gate_runs_once_it_opens_and_never_if_it_stays_shut() {
+        for (dir, env) in both("gate") {
+            let l = limits();
+            // A program started without sh, and a command sh runs (in the Sandbox, bubblewrap:
+            // these sandboxes set limits without a cgroup, so their start is held too).
+            for (n, command) in ["touch ran-0", "touch ran-1 && true"].iter().enumerate() {
+                let marker = dir.0.join(format!("ran-{n}"));
+                let (key, shut) = gate();
+                let opens = async {
+                    // Ready before the gate opens: its process waits just before `execve`.
+                    held_child().await;
+                    assert!(!marker.exists(), "{command} ran before its gate opened");
+                    key.open();
+                };
+                let (out, ()) = tokio::join!(env.shell_after(command, &[], &l, shut), opens);
+                let out = out.unwrap();
+                assert_eq!(out.exit_code, Some(0), "{out:?}");
+                assert!(marker.exists(), "{command}");
+
+                std::fs::remove_file(&marker).unwrap();
+                let (key, shut) = gate();
+                let shuts = async {
+                    held_child().await;
+                    drop(key);
+                };
+                let (out, ()) = tokio::join!(env.shell_after(command, &[], &l, shut), shuts);
+                assert_eq!(code(out), "not_started");
+                assert!(
+                    !marker.exists(),
+                    "{command} ran though its gate stayed shut"
+                );
+                assert!(children_before_exec().is_empty());
+            }
         }
     }
 
@@ -2670,8 +2846,14 @@ mod tests {
         vars: &[(String, String)],
         l: &Limits,
     ) -> ((ShellOutput, Route), ShellOutput) {
-        let direct = env.shell_routed(command, vars, l, true).await.unwrap();
-        let (sh, route) = env.shell_routed(command, vars, l, false).await.unwrap();
+        let direct = env
+            .shell_routed(command, vars, l, true, None)
+            .await
+            .unwrap();
+        let (sh, route) = env
+            .shell_routed(command, vars, l, false, None)
+            .await
+            .unwrap();
         assert_eq!(route, Route::Shell);
         (direct, sh)
     }
@@ -2767,7 +2949,10 @@ mod tests {
             ("FOO=1 /usr/bin/env", String::new()),
         ];
         for (command, expected) in cases {
-            let (out, route) = env.shell_routed(command, &[], &l, true).await.unwrap();
+            let (out, route) = env
+                .shell_routed(command, &[], &l, true, None)
+                .await
+                .unwrap();
             assert_eq!(route, Route::Shell, "{command}");
             assert_eq!(out.exit_code, Some(0), "{command}: {out:?}");
             if command.starts_with("FOO=1") {
@@ -2783,7 +2968,10 @@ mod tests {
         // A variable sh rewrites keeps the command with sh: dash replaces a PWD that is not its
         // working directory.
         let vars = [("PWD".to_owned(), "/".to_owned())];
-        let (out, route) = env.shell_routed("env", &vars, &l, true).await.unwrap();
+        let (out, route) = env
+            .shell_routed("env", &vars, &l, true, None)
+            .await
+            .unwrap();
         assert_eq!(route, Route::Shell);
         assert!(
             out.output.lines().any(|l| l == format!("PWD={root}")),
@@ -2932,7 +3120,13 @@ mod tests {
             ..limits()
         };
         let (out, route) = env
-            .shell_routed("cat /proc/self/status /proc/self/limits", &[], &l, true)
+            .shell_routed(
+                "cat /proc/self/status /proc/self/limits",
+                &[],
+                &l,
+                true,
+                None,
+            )
             .await
             .unwrap();
         assert_eq!(route, direct_route());
@@ -2977,7 +3171,7 @@ mod tests {
             0o755,
         );
         let (out, route) = env
-            .shell_routed("./bg", &[], &limits(), true)
+            .shell_routed("./bg", &[], &limits(), true, None)
             .await
             .unwrap();
         assert_eq!(route, direct_route());
@@ -2991,7 +3185,7 @@ mod tests {
             ..limits()
         };
         let (out, route) = env
-            .shell_routed(&format!("sleep {marker}"), &[], &short, true)
+            .shell_routed(&format!("sleep {marker}"), &[], &short, true, None)
             .await
             .unwrap();
         assert_eq!(route, direct_route());

@@ -13,4 +13,5 @@ pub mod ops;
 mod spawn;
 pub mod worker;
 
-pub use ops::{MAX_OUTPUT, ToolOutput, run};
+pub use env::{Gate, GateKey, gate};
+pub use ops::{MAX_OUTPUT, ToolOutput, run, run_after};

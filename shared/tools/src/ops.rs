@@ -1,7 +1,7 @@
 //! The file and shell tools (`read_file`, `write_file`, `edit_file`, `list_files`, `shell`) as a
 //! model sees them: arguments from the call's JSON input, the result as text, capped.
 
-use crate::env::{Environment, Limits};
+use crate::env::{Environment, Gate, Limits};
 use serde_json::Value;
 
 /// Longest tool output the model sees.
@@ -56,6 +56,31 @@ pub async fn run(
     input: &Value,
     shell_env: &[(String, String)],
 ) -> ToolOutput {
+    run_after(env, limits, name, input, shell_env, None).await
+}
+
+/// [`run`] once `gate` (if any) opens: a shell command gets ready meanwhile (see
+/// [`Environment::shell_after`]), any other tool waits for it first. A gate that stays shut
+/// fails the call (`not_started`) without effects.
+pub async fn run_after(
+    env: &Environment,
+    limits: &Limits,
+    name: &str,
+    input: &Value,
+    shell_env: &[(String, String)],
+    gate: Option<Gate>,
+) -> ToolOutput {
+    let gate = match gate {
+        Some(g) if name != "shell" => {
+            if !g.opened().await {
+                return ToolOutput::err(
+                    "not_started: the call's start was not recorded, so it was not run",
+                );
+            }
+            None
+        }
+        g => g,
+    };
     let r = async {
         Ok::<ToolOutput, ToolOutput>(match name {
             "read_file" => match env.read_file(arg(input, "path")?, limits).await {
@@ -91,7 +116,13 @@ pub async fn run(
                     Err(e) => ToolOutput::err(e.to_string()),
                 }
             }
-            "shell" => match env.shell(arg(input, "command")?, shell_env, limits).await {
+            "shell" => match match gate {
+                Some(g) => {
+                    env.shell_after(arg(input, "command")?, shell_env, limits, g)
+                        .await
+                }
+                None => env.shell(arg(input, "command")?, shell_env, limits).await,
+            } {
                 Ok(out) => {
                     let status = match (out.timed_out, out.exit_code) {
                         (true, _) => "timed out".to_string(),

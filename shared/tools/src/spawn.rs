@@ -25,9 +25,10 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::process::ExitStatusExt as _;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::ExitStatus;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 
 use tokio::io::unix::AsyncFd;
 
@@ -49,13 +50,67 @@ pub(crate) struct ChildSetup {
 
 /// What to start: `program` (a path; no PATH lookup) with `argv`, exactly the environment
 /// `env`, in `cwd`, optionally as `identity` (dropping every supplementary group).
-pub(crate) struct Spec<'a> {
-    pub program: &'a Path,
-    pub argv: Vec<&'a OsStr>,
+pub(crate) struct Spec {
+    pub program: PathBuf,
+    pub argv: Vec<OsString>,
     pub env: BTreeMap<OsString, OsString>,
-    pub cwd: &'a Path,
+    pub cwd: PathBuf,
     pub identity: Option<Identity>,
     pub setup: ChildSetup,
+    /// Holds the child before its `execve` until its [`Release`] says (see [`hold`]).
+    pub held: Option<Held>,
+}
+
+/// A child's hold, shared with its [`Release`]: held, go, or stop.
+pub(crate) struct Held(Arc<AtomicU32>);
+
+/// Lets a held child run its program, or (dropped without [`Release::go`]) stops it.
+pub(crate) struct Release(Arc<AtomicU32>);
+
+const HELD: u32 = 0;
+const GO: u32 = 1;
+const STOP: u32 = 2;
+
+/// A hold for a child, and its release. A child started with [`Spec::held`] does every step of
+/// its start (identity, directory, limits) and then waits, just before `execve`, until the
+/// release goes (it then execs) or is dropped (it exits, and [`spawn`] fails with ECANCELED).
+/// [`spawn`] returns only once the child has decided, so a held spawn runs on a thread that may
+/// block: the caller starts it there, does what must come first (a commit that the program
+/// runs), and then lets it go. The child dies with the caller's process.
+pub(crate) fn hold() -> (Held, Release) {
+    let state = Arc::new(AtomicU32::new(HELD));
+    (Held(state.clone()), Release(state))
+}
+
+impl Release {
+    pub fn go(self) {
+        self.decide(GO);
+    }
+
+    fn decide(&self, to: u32) {
+        if self
+            .0
+            .compare_exchange(HELD, to, Ordering::Release, Ordering::Relaxed)
+            .is_ok()
+        {
+            // SAFETY: FUTEX_WAKE on our own live atomic; it reads nothing else.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    self.0.as_ptr(),
+                    libc::FUTEX_WAKE,
+                    i32::MAX,
+                    std::ptr::null::<libc::timespec>(),
+                )
+            };
+        }
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        self.decide(STOP);
+    }
 }
 
 /// A started process: the leader of its own process group, not reaped until [`Child::wait`]
@@ -90,6 +145,10 @@ struct ChildArgs {
     output: RawFd,
     identity: Option<Identity>,
     setup: ChildSetup,
+    /// The hold's state (in memory the child shares), or null.
+    held: *const AtomicU32,
+    /// This process, the child's parent.
+    parent: libc::pid_t,
     err: AtomicI32,
 }
 
@@ -105,7 +164,7 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
 /// Starts `spec` with stdin from /dev/null and stdout and stderr into `output` (the write end
 /// of a pipe; the caller drops its own copy). An error means the program did not start, and
 /// nothing of the child is left.
-pub(crate) fn spawn(spec: Spec<'_>, output: &OwnedFd) -> io::Result<Child> {
+pub(crate) fn spawn(spec: Spec, output: &OwnedFd) -> io::Result<Child> {
     let program = cstring(spec.program.as_os_str())?;
     let argv_owned = spec
         .argv
@@ -136,6 +195,12 @@ pub(crate) fn spawn(spec: Spec<'_>, output: &OwnedFd) -> io::Result<Child> {
         output: output.as_raw_fd(),
         identity: spec.identity,
         setup: spec.setup,
+        held: spec
+            .held
+            .as_ref()
+            .map_or(std::ptr::null(), |h| Arc::as_ptr(&h.0)),
+        // SAFETY: no arguments.
+        parent: unsafe { libc::getpid() },
         err: AtomicI32::new(0),
     };
     let stack = Stack::new()?;
@@ -351,6 +416,38 @@ fn child_setup(a: &ChildArgs) -> libc::c_int {
                 libc::sigaction(sig, &dfl, std::ptr::null_mut());
             }
         }
+        // Held: wait (signals still blocked) until the caller says. The caller may die
+        // meanwhile; its thread that started this child cannot end before the child execs or
+        // exits (CLONE_VFORK), so the child is told by the parent-death signal (set after the
+        // identity change, which clears it, and unset before the exec).
+        if !a.held.is_null() {
+            let held = &*a.held;
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return errno();
+            }
+            if libc::getppid() != a.parent {
+                return libc::ECANCELED;
+            }
+            loop {
+                match held.load(Ordering::Acquire) {
+                    HELD => {
+                        // Returns at once if the state moved on since the load.
+                        libc::syscall(
+                            libc::SYS_futex,
+                            held.as_ptr(),
+                            libc::FUTEX_WAIT,
+                            HELD,
+                            std::ptr::null::<libc::timespec>(),
+                        );
+                    }
+                    GO => break,
+                    _ => return libc::ECANCELED,
+                }
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, 0) != 0 {
+                return errno();
+            }
+        }
         let mut none: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut none);
         libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
@@ -475,19 +572,21 @@ impl Drop for Child {
 mod tests {
     use super::*;
     use std::io::Read as _;
+    use std::path::Path;
 
-    fn spec<'a>(program: &'a Path, argv: &'a [&'a str], identity: Option<Identity>) -> Spec<'a> {
+    fn spec(program: &Path, argv: &[&str], identity: Option<Identity>) -> Spec {
         Spec {
-            program,
-            argv: argv.iter().map(OsStr::new).collect(),
+            program: program.to_owned(),
+            argv: argv.iter().map(OsString::from).collect(),
             env: BTreeMap::from([("PATH".into(), "/usr/bin:/bin".into())]),
-            cwd: Path::new("/"),
+            cwd: PathBuf::from("/"),
             identity,
             setup: ChildSetup::default(),
+            held: None,
         }
     }
 
-    fn run(spec: Spec<'_>) -> io::Result<(Child, std::io::PipeReader)> {
+    fn run(spec: Spec) -> io::Result<(Child, std::io::PipeReader)> {
         let (reader, writer) = std::io::pipe()?;
         let child = spawn(spec, &OwnedFd::from(writer))?;
         Ok((child, reader))
@@ -499,6 +598,27 @@ mod tests {
         // SAFETY: writes the status into our own integer.
         let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
         r == -1 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD)
+    }
+
+    /// A process's /proc stat after its `(comm)`: state, ppid, ...
+    fn stat_fields(pid: u32) -> Option<Vec<String>> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The comm may hold spaces and parentheses: read after its last ')'.
+        let (_, rest) = stat.rsplit_once(')')?;
+        Some(rest.split_whitespace().map(str::to_owned).collect())
+    }
+
+    /// Children of `parent` that still run this test binary (they have not called `execve`).
+    fn before_exec_children_of(parent: u32) -> Vec<u32> {
+        let me = std::env::current_exe().unwrap();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|&p| {
+                stat_fields(p).is_some_and(|s| s[1] == parent.to_string())
+                    && std::fs::read_link(format!("/proc/{p}/exe")).ok().as_ref() == Some(&me)
+            })
+            .collect()
     }
 
     /// The effective uids of every thread of this process.
@@ -555,7 +675,7 @@ mod tests {
         assert!(no_children_left());
         // A working directory that does not exist fails the start the same way.
         let mut s = spec(Path::new("/bin/true"), &["true"], None);
-        s.cwd = Path::new("/nonexistent-directory");
+        s.cwd = PathBuf::from("/nonexistent-directory");
         let err = run(s).err().unwrap();
         assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
         assert!(no_children_left());
@@ -591,6 +711,99 @@ mod tests {
         // Once reaped, the pid is no longer ours to signal.
         child.start_kill().unwrap();
         assert_eq!(child.wait().await.unwrap().signal(), Some(libc::SIGKILL));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_child_runs_its_program_once_released_and_never_if_stopped() {
+        for go in [true, false] {
+            let (held, release) = hold();
+            let mut s = spec(Path::new("/bin/echo"), &["echo", "ran"], None);
+            s.held = Some(held);
+            let starting = tokio::task::spawn_blocking(move || run(s));
+            // The child waits before its exec, and the start with it.
+            let me = std::process::id();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while before_exec_children_of(me).is_empty() {
+                assert!(std::time::Instant::now() < deadline, "no held child");
+                tokio::task::yield_now().await;
+            }
+            assert!(!starting.is_finished());
+            if go {
+                release.go();
+            } else {
+                drop(release);
+            }
+            match starting.await.unwrap() {
+                Ok((mut child, mut out)) => {
+                    assert!(go);
+                    assert!(child.wait().await.unwrap().success());
+                    let mut text = String::new();
+                    out.read_to_string(&mut text).unwrap();
+                    assert_eq!(text, "ran\n");
+                }
+                Err(e) => {
+                    assert!(!go);
+                    assert_eq!(e.raw_os_error(), Some(libc::ECANCELED), "{e}");
+                }
+            }
+            assert!(no_children_left());
+        }
+    }
+
+    /// Run by [`a_held_child_dies_with_the_process_that_holds_it`] as a process of its own:
+    /// holds a child and never releases it.
+    #[test]
+    fn holds_a_child_forever() {
+        if std::env::var_os("AGENTSCOPE_TEST_HOLD_FOREVER").is_none() {
+            return;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _in = rt.enter();
+        let (held, release) = hold();
+        let mut s = spec(Path::new("/bin/true"), &["true"], None);
+        s.held = Some(held);
+        std::mem::forget(release);
+        let _ = run(s);
+        unreachable!("a held child was let go");
+    }
+
+    #[test]
+    fn a_held_child_dies_with_the_process_that_holds_it() {
+        let me = std::env::current_exe().unwrap();
+        let mut holder = std::process::Command::new(&me)
+            .args(["spawn::tests::holds_a_child_forever", "--exact"])
+            .env("AGENTSCOPE_TEST_HOLD_FOREVER", "1")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let held = loop {
+            if let Some(p) = before_exec_children_of(holder.id()).first() {
+                break *p;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the holder held no child"
+            );
+            std::thread::yield_now();
+        };
+        holder.kill().unwrap();
+        holder.wait().unwrap();
+        // Gone, or a zombie its new parent has not reaped yet.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while let Some(s) = stat_fields(held) {
+            if s[0] == "Z" {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the held child {held} outlived its holder: {s:?}"
+            );
+            std::thread::yield_now();
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
