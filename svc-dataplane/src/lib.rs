@@ -228,7 +228,7 @@ async fn follow_nudges(
             m = nudges.next() => {
                 let Some(m) = m else { anyhow::bail!("the subscription to session nudges ended") };
                 if let Ok(id) = std::str::from_utf8(&m.payload).unwrap_or("").parse::<uuid::Uuid>() {
-                    runner.offer(id);
+                    runner.nudge(id);
                 }
             }
         }

@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 /// The file and shell tools, shared with self-hosted Workers.
-pub use agentscope_tools::{MAX_OUTPUT, ToolOutput, run};
+pub use agentscope_tools::{Gate, MAX_OUTPUT, ToolOutput, gate, run, run_after};
 
 /// The stable code that starts the output of a tool error the dataplane itself produces
 /// (`<code>: <message>`); the file and shell tools of `agentscope_tools` report their own.
@@ -40,12 +40,15 @@ pub enum ToolError {
     PathEscape,
     /// E2B: a file could not be read or written.
     Io,
+    /// The call's start could not be recorded, so it was not run.
+    NotStarted,
 }
 
 impl ToolError {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::BadArguments => "bad_arguments",
+            Self::NotStarted => "not_started",
             Self::UnknownTool => "unknown_tool",
             Self::ToolDenied => "tool_denied",
             Self::Interrupted => "interrupted",
@@ -75,6 +78,15 @@ impl ToolError {
         }
     }
 }
+
+/// The file and shell tools: run by the session's Environment (here, on E2B or on its Worker).
+pub const LOCAL: [&str; 5] = [
+    "read_file",
+    "write_file",
+    "edit_file",
+    "list_files",
+    "shell",
+];
 
 pub const ALL: [&str; 9] = [
     "read_file",

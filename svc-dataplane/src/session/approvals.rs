@@ -115,6 +115,10 @@ FROM ap"#,
         // decision (see `start_if_allowed`).
         let at_once = !super::calls::waits_for_worker(p, call);
         let mut asked_at: Option<tokio::time::Instant> = None;
+        // The first read rarely finds the decision; a read after a nudge of this session
+        // (a decision's, usually) has the call get ready while it reads (and starts it).
+        self.r.take_nudge(self.id);
+        let mut nudged = false;
         let (status, reason, decided_by) = loop {
             // Listening before reading: a decision's nudge that arrives during the read wakes
             // the wait below instead of being missed until the next poll.
@@ -122,9 +126,27 @@ FROM ap"#,
             tokio::pin!(news);
             news.as_mut().enable();
             let row = if at_once {
-                match self.start_if_allowed(call).await? {
+                let (decided, ran) = if nudged {
+                    let (key, gate) = crate::tools::gate();
+                    let start = async move {
+                        let decided = self.start_if_allowed(call).await?;
+                        if matches!(decided, Decided::Started) {
+                            key.open();
+                        }
+                        Ok::<Decided, Stop>(decided)
+                    };
+                    let (decided, ran) =
+                        tokio::join!(start, self.run_started(p, input_id, call, Some(gate)));
+                    (decided?, Some(ran))
+                } else {
+                    (self.start_if_allowed(call).await?, None)
+                };
+                match decided {
                     Decided::Started => {
-                        let (out, ended) = self.run_started(p, input_id, call).await?;
+                        let (out, ended) = match ran {
+                            Some(ran) => ran?,
+                            None => self.run_started(p, input_id, call, None).await?,
+                        };
                         self.commit(ended).await?;
                         return Ok((out, false));
                     }
@@ -150,6 +172,7 @@ FROM ap"#,
                 None => {}
             }
             let _ = tokio::time::timeout(Duration::from_millis(500), news).await;
+            nudged = self.r.take_nudge(self.id);
         };
         let allowed = status == "allowed";
         let decided = json!({"call_id": call.id, "allow": allowed, "status": status, "reason": reason, "decided_by": decided_by});

@@ -102,7 +102,7 @@ impl Session<'_> {
             // for its result.
             let started = status == Some(CallStatus::Started);
             if started && super::turn::reads_only(p, call) {
-                let (out, ended) = self.run_started(p, input_id, call).await?;
+                let (out, ended) = self.run_started(p, input_id, call, None).await?;
                 self.commit(ended).await?;
                 return Ok((out, false));
             }
@@ -220,25 +220,57 @@ impl Session<'_> {
             "tool_call",
             json!({"call_id": call.id, "tool": call.name, "input": call.input}),
         );
-        self.write(b).await?;
-        let (out, ended) = self.run_started(p, input_id, call).await?;
+        let (out, ended) = self.start_and_run(p, input_id, call, b).await?;
         self.commit(ended).await?;
         Ok((out, false))
     }
 
+    /// Writes `start` (which journals `call` started) and runs the call, which gets ready (a
+    /// shell command up to its program's `execve`) while the start commits and runs only once it
+    /// has: a call whose start fails to commit never runs.
+    pub(super) async fn start_and_run(
+        &self,
+        p: &Pinned,
+        input_id: Uuid,
+        call: &ToolCallReq,
+        start: Batch,
+    ) -> Result<(ToolOutput, Ended), Stop> {
+        let (key, gate) = tools::gate();
+        let write = async move {
+            self.write(start).await?;
+            key.open();
+            Ok::<(), Stop>(())
+        };
+        let (wrote, ran) = tokio::join!(write, self.run_started(p, input_id, call, Some(gate)));
+        wrote?;
+        ran
+    }
+
     /// Runs a call journaled `started`; returns its output and its end (the journal row's
     /// `completed`, the result message and event, and a memory note), to be written together.
+    /// `gate`: the call's start is being committed; nothing of the call takes effect before the
+    /// gate opens (see [`Self::start_and_run`]).
     pub(super) async fn run_started(
         &self,
         p: &Pinned,
         input_id: Uuid,
         call: &ToolCallReq,
+        gate: Option<tools::Gate>,
     ) -> Result<(ToolOutput, Ended), Stop> {
         let limits = self.r.limits();
         // Secrets are opened only now, injected into the shell's environment, and redacted from
         // whatever any tool returns (the model, the events and the journal never hold them).
         let secrets = self.r.secrets(p.workspace_id, &p.policy.secrets).await?;
+        // Only a file or shell tool run here takes the gate along (a shell command gets ready
+        // meanwhile); anything else waits for it first.
+        let here = !p.e2b && p.worker.is_none() && tools::LOCAL.contains(&call.name.as_str());
+        let (gate, shut) = match gate {
+            Some(g) if !here => (None, !g.opened().await),
+            g => (g, false),
+        };
         let out = match (&secrets, call.name.as_str()) {
+            // Discarded: the caller reports the failed commit.
+            _ if shut => ToolError::NotStarted.output("the call's start was not recorded"),
             (Err(e), _) => ToolOutput {
                 output: e.clone(),
                 is_error: true,
@@ -261,12 +293,12 @@ impl Session<'_> {
             (Ok(values), "upload_artifact") => self.upload(p, &limits, call, values).await?,
             (Ok(env), name) => {
                 let env: &[(String, String)] = if name == "shell" { env } else { &[] };
-                self.run_tool(p, &limits, call, env).await?
+                self.run_tool(p, &limits, call, env, gate).await?
             }
         };
         // The note commits with the journal: never written twice.
         let mut note = None;
-        let mut out = if call.name == "memory_write" && secrets.is_ok() {
+        let mut out = if call.name == "memory_write" && secrets.is_ok() && !shut {
             let mut tx = self.r.db.begin().await?;
             let out = tools::memory_write(&mut tx, p.workspace_id, self.id, &call.input).await?;
             note = Some(tx);

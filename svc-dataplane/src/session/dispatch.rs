@@ -106,13 +106,19 @@ impl Session<'_> {
                 input,
             };
             let read = self
-                .run_tool(p, &limits, &call("read_file", json!({"path": name})), &[])
+                .run_tool(
+                    p,
+                    &limits,
+                    &call("read_file", json!({"path": name})),
+                    &[],
+                    None,
+                )
                 .await?;
             if !read.is_error {
                 continue;
             }
             let write = call("write_file", json!({"path": name, "content": text}));
-            let out = self.run_tool(p, &limits, &write, &[]).await?;
+            let out = self.run_tool(p, &limits, &write, &[], None).await?;
             if out.is_error {
                 tracing::warn!(session_id = %self.id, file = %name, error = %out.output, "capability file not written");
             }
@@ -179,7 +185,7 @@ impl Session<'_> {
             name: "read_file".into(),
             input: json!({"path": path}),
         };
-        let content = self.run_tool(p, limits, &read, &[]).await?;
+        let content = self.run_tool(p, limits, &read, &[], None).await?;
         if content.is_error {
             return Ok(content);
         }
@@ -249,12 +255,13 @@ impl Session<'_> {
         limits: &Limits,
         call: &ToolCallReq,
         env: &[(String, String)],
+        gate: Option<tools::Gate>,
     ) -> Result<ToolOutput, Stop> {
         if p.e2b {
             return Ok(self.run_in_e2b(limits, call, env).await);
         }
         let Some(link) = &p.worker else {
-            return Ok(tools::run(&p.env, limits, &call.name, &call.input, env).await);
+            return Ok(tools::run_after(&p.env, limits, &call.name, &call.input, env, gate).await);
         };
         let operation_id = crate::worker::operation_id(self.id, &call.id, &call.name);
         let mut reported = false;

@@ -13,6 +13,32 @@ pub fn lease_key(session_id: Uuid) -> String {
 }
 
 impl Runner {
+    /// A nudge for `session_id` (news of it: a new input, a decided approval): offered, and, for
+    /// a session this replica works on, noted for its wait (see [`Runner::take_nudge`]). The
+    /// sweep's offers are not nudges.
+    pub fn nudge(self: &Arc<Self>, session_id: Uuid) {
+        let active = self
+            .active
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&session_id);
+        if active {
+            self.nudged
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(session_id);
+        }
+        self.offer(session_id);
+    }
+
+    /// Whether `session_id` was nudged since it last asked.
+    pub(super) fn take_nudge(&self, session_id: Uuid) -> bool {
+        self.nudged
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&session_id)
+    }
+
     /// Works on `session_id` if no replica holds its lease; returns at once otherwise.
     pub fn offer(self: &Arc<Self>, session_id: Uuid) {
         self.news.notify_waiters();
@@ -32,6 +58,7 @@ impl Runner {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&session_id);
+            me.take_nudge(session_id);
         });
     }
 

@@ -59,6 +59,8 @@ pub struct Runner {
     pub config: Arc<Config>,
     pub replica: String,
     active: Mutex<HashSet<Uuid>>,
+    /// Sessions of `active` nudged since they last looked (see [`Runner::nudge`]).
+    nudged: Mutex<HashSet<Uuid>>,
     /// Fired when the replica stops: sessions stop at their next await point and hand their
     /// lease back.
     stopping: CancellationToken,
@@ -134,6 +136,7 @@ impl Runner {
             config,
             replica,
             active: Mutex::new(HashSet::new()),
+            nudged: Mutex::new(HashSet::new()),
             stopping: sessions.stopping(),
             sessions,
         })

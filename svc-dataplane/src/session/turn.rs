@@ -88,7 +88,7 @@ impl Session<'_> {
                     started_with_turn.pop_front();
                     let (out, ended) = match ran_with_turn.pop_front() {
                         Some(ran) => ran,
-                        None => self.run_started(p, input_id, &call).await?,
+                        None => self.run_started(p, input_id, &call, None).await?,
                     };
                     match ended {
                         Ended { batch, note: None } if reads_only(p, &call) => {
@@ -109,7 +109,7 @@ impl Session<'_> {
                         // A write holds the results of a few reads at most.
                         self.flush(&mut unwritten, &mut carried).await?;
                     }
-                    let (out, ended) = self.run_started(p, input_id, &call).await?;
+                    let (out, ended) = self.run_started(p, input_id, &call, None).await?;
                     let mut b = Batch::of(input_id);
                     b.journal(&call, CallStatus::Completed, Some(&out));
                     b.event(
@@ -237,7 +237,7 @@ impl Session<'_> {
                         let run = futures::future::try_join_all(
                             with_turn
                                 .iter()
-                                .map(|call| self.run_started(p, input_id, call)),
+                                .map(|call| self.run_started(p, input_id, call, None)),
                         );
                         tokio::pin!(run);
                         // The read first: it is on the way to the next model request, the write
@@ -261,7 +261,12 @@ impl Session<'_> {
                     }
                     unwritten = Some(write);
                 }
-                _ => self.write(b).await?,
+                // A call with effects runs only once the turn (and with it the call's `started`
+                // row) has committed; it gets ready meanwhile (see `start_and_run`).
+                Some(first) => {
+                    ran_with_turn = [self.start_and_run(p, input_id, first, b).await?].into();
+                }
+                None => self.write(b).await?,
             }
             // Ids new to the session and not started with the turn: no journal row to look for
             // (a repeated one has the row its first occurrence writes).
