@@ -255,6 +255,7 @@ async fn main() -> Result<()> {
             One::Loop(managed::LoopArgs {
                 iterations: a.iterations,
                 reads_per_turn: 1,
+                shell: None,
             }),
             One::Approvals(managed::ApprovalArgs {
                 approvals: a.approvals,

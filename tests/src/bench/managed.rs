@@ -20,6 +20,11 @@ pub struct LoopArgs {
     /// `list_files` and `read_file` alternately, all asked for at once (parallel tool use).
     #[arg(long, default_value_t = 1)]
     pub reads_per_turn: usize,
+    /// Each iteration's tool is `shell` running a stamp instead (`glibc` or `bare`, as
+    /// `approvals --stamp`): a call with effects, journaled `started` with its turn and run once
+    /// that commits, as most of a coding agent's calls are.
+    #[arg(long, value_enum)]
+    pub shell: Option<crate::setup::Stamp>,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -173,6 +178,18 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
+/// A new directory (0755) for a stamp any session's uid may run.
+fn stamp_dir() -> Result<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!(
+        "agentscope-bench-stamp-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir(&dir)?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+    Ok(dir)
+}
+
 /// One input whose model calls an instant tool (`read_file` of a small file, `local`
 /// environment) `iterations` times, then answers. An iteration is the time between two model
 /// requests' arrivals; its platform overhead is that minus the model server's own time.
@@ -181,7 +198,18 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
     let per_turn = args.reads_per_turn.max(1);
     let mut turns =
         vec![json!({"tool": "write_file", "args": {"path": "note.txt", "content": "x"}})];
-    for _ in 1..n {
+    let stamp_dir = match args.shell {
+        Some(kind) => {
+            let dir = stamp_dir()?;
+            let cmd = crate::setup::stamp_in(&dir, kind)?
+                .to_string_lossy()
+                .to_string();
+            turns.extend((1..n).map(|_| json!({"tool": "shell", "args": {"command": cmd}})));
+            Some(dir)
+        }
+        None => None,
+    };
+    for _ in (1..n).filter(|_| stamp_dir.is_none()) {
         let also: Vec<Value> = (1..per_turn)
             .map(|k| match k % 2 {
                 1 => json!({"tool": "list_files", "args": {"path": "."}}),
@@ -234,7 +262,14 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
             .fetch_all(&pg)
             .await?;
     let completed = calls.iter().filter(|c| c.0 == "completed").count();
-    let expected_calls = 1 + (n - 1) * per_turn;
+    let expected_calls = if stamp_dir.is_some() {
+        n
+    } else {
+        1 + (n - 1) * per_turn
+    };
+    if let Some(dir) = stamp_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     let t = timings.lock().unwrap().clone();
     if t.len() < n + 1 {
         bail!("{} model requests for {n} iterations", t.len());
@@ -255,6 +290,7 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
         "iterations": n,
         "outcome": status,
         "reads_per_turn": per_turn,
+        "tool": if args.shell.is_some() { "shell" } else { "read_file" },
         "complete": status == "completed" && completed == expected_calls && iterations as usize >= n,
         "session_ms": num(total_ms),
         "submit_to_first_model_request_ms": num(t[0].0 - t0),
@@ -281,15 +317,7 @@ pub async fn managed_loop(args: &LoopArgs) -> Result<Value> {
 pub async fn approvals(args: &ApprovalArgs) -> Result<Value> {
     let timings: Timings = Arc::default();
     // The script names the tool's command before the stack exists: a copy any uid may run.
-    let dir = std::env::temp_dir().join(format!(
-        "agentscope-bench-stamp-{}",
-        uuid::Uuid::new_v4().simple()
-    ));
-    std::fs::create_dir(&dir)?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
-    }
+    let dir = stamp_dir()?;
     let link = crate::setup::stamp_in(&dir, args.stamp)?;
     let cmd = link.to_string_lossy().to_string();
     let turns: Vec<Value> = (0..args.approvals)
