@@ -166,17 +166,15 @@ async fn events(
     }
     s.metrics.inc("agentscope_sse_streams_total", &[]);
     // Frames go out pre-rendered, as many as are ready in one chunk (one write per batch, not
-    // per event).
-    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
-    // Supervised work: at shutdown the stream says so and ends, and the gateway waits for it.
-    let work = s.work.clone();
+    // per event). At shutdown the stream says so and ends; the HTTP server's graceful shutdown
+    // waits for its connection.
     let first = First {
         page,
         seed: Seed { newest, wake },
     };
-    work.spawn(follow(s, scope, ws, cursor, first, tx));
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    let follow = Follow::new(s, scope, ws, cursor, first);
+    let stream = futures::stream::unfold(follow, |mut f| async move {
+        f.next().await.map(|b| (Ok::<_, Infallible>(b), f))
     });
     Ok((
         [
@@ -426,117 +424,153 @@ async fn read_feed(s: AppState, r: Reader, seed: Option<Seed>) {
     }
 }
 
-/// Feeds one SSE client until the stream's work is over or the client goes away: first with
-/// its first page (`first`) and from the database after it, then from the scope's shared feed.
-/// A follower whose cursor is not where a batch starts (it fell behind, or the feed is ahead of
-/// its catch-up) reads from the database again by its own cursor, so it never skips or repeats
-/// an event.
-async fn follow(
+/// A read of a scope: a page of events and the scope's newest attempt (see [`fetch`]).
+type Read = (Vec<(Cursor, Value)>, Option<Newest>);
+
+/// One SSE client's stream, polled by its connection (no task or channel of its own between
+/// the feed and the socket): first its first page (`first`) and the database after it, then the
+/// scope's shared feed. A follower whose cursor is not where a batch starts (it fell behind, or
+/// the feed is ahead of its catch-up) reads from the database again by its own cursor, so it
+/// never skips or repeats an event.
+struct Follow {
     s: AppState,
     scope: Scope,
     workspace: Uuid,
-    mut cursor: Cursor,
-    first: First,
-    tx: tokio::sync::mpsc::Sender<Bytes>,
-) {
-    let First { page, seed } = first;
-    let newest = seed.newest.clone();
-    // A feed joined after the first read may have sent batches since: the next one it sends
-    // then starts after this follower's cursor, which reads the gap from the database. One
-    // started here begins where the first read left the scope.
-    let (mut _feed, mut feed) = s.feeds.subscribe(&s, scope, workspace, Some(seed));
-    let mut first = Some((page, newest));
-    let mut catch_up = true;
-    loop {
-        if s.shutdown.is_cancelled() {
-            // The gateway stops: the client resumes elsewhere from its Last-Event-ID.
-            let _ = tx.send(single("shutdown", r#"{"resume":true}"#)).await;
-            return;
+    cursor: Cursor,
+    /// The first read, not yet sent.
+    first: Option<Read>,
+    /// Read from the database (by `cursor`) before taking the feed's next batch.
+    catch_up: bool,
+    /// Keeps the scope's feed alive while this follower is on it.
+    _on: Arc<Feed>,
+    feed: broadcast::Receiver<Arc<Batch>>,
+    /// The last chunk (the end, an error, or the gateway stopping) has been sent.
+    over: bool,
+}
+
+impl Follow {
+    /// A feed joined after the first read may have sent batches since: the next one it sends
+    /// then starts after this follower's cursor, which reads the gap from the database. One
+    /// started here begins where the first read left the scope.
+    fn new(s: AppState, scope: Scope, workspace: Uuid, cursor: Cursor, first: First) -> Follow {
+        let First { page, seed } = first;
+        let newest = seed.newest.clone();
+        let (on, feed) = s.feeds.subscribe(&s, scope, workspace, Some(seed));
+        Follow {
+            s,
+            scope,
+            workspace,
+            cursor,
+            first: Some((page, newest)),
+            catch_up: true,
+            _on: on,
+            feed,
+            over: false,
         }
-        if catch_up {
-            let read = match first.take() {
-                Some(read) => Ok(read),
-                None => fetch(&s, scope, workspace, cursor, PAGE).await,
-            };
-            let (page, newest) = match read {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(error = ?e, "read events for a live stream");
-                    let _ = tx.send(single("error", error_code(&e))).await;
-                    return;
-                }
-            };
-            let full = page.len() as i64 == PAGE;
-            if let Some((last, _)) = page.last() {
+    }
+
+    /// The next chunk to send (as many frames as are ready), or None once the stream is over.
+    async fn next(&mut self) -> Option<Bytes> {
+        if self.over {
+            return None;
+        }
+        loop {
+            if self.s.shutdown.is_cancelled() {
+                // The gateway stops: the client resumes elsewhere from its Last-Event-ID.
+                self.over = true;
+                return Some(single("shutdown", r#"{"resume":true}"#));
+            }
+            if self.catch_up {
+                let read = match self.first.take() {
+                    Some(read) => Ok(read),
+                    None => fetch(&self.s, self.scope, self.workspace, self.cursor, PAGE).await,
+                };
+                let (page, newest) = match read {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(error = ?e, "read events for a live stream");
+                        self.over = true;
+                        return Some(single("error", error_code(&e)));
+                    }
+                };
                 let mut chunk = BytesMut::new();
                 for (c, v) in &page {
-                    event_frame(&mut chunk, scope, *c, v);
+                    event_frame(&mut chunk, self.scope, *c, v);
                 }
-                if tx.send(chunk.freeze()).await.is_err() {
-                    return;
+                if let Some((last, _)) = page.last() {
+                    self.cursor = *last;
                 }
-                cursor = *last;
-            }
-            if full {
+                // A full page: more may follow at once.
+                if page.len() as i64 != PAGE {
+                    self.catch_up = false;
+                    if let Some(status) = newest.and_then(|n| n.finished(self.cursor)) {
+                        self.over = true;
+                        chunk.put_slice(&end_event(&status));
+                    }
+                }
+                if !chunk.is_empty() {
+                    return Some(chunk.freeze());
+                }
                 continue;
             }
-            catch_up = false;
-            if let Some(status) = newest.and_then(|n| n.finished(cursor)) {
-                let _ = tx.send(end_event(&status)).await;
-                return;
-            }
-        }
-        let batch = tokio::select! {
-            _ = s.shutdown.cancelled() => continue,
-            _ = tx.closed() => return,
-            // The feed's own fallback: nothing heard for a while, look for ourselves (and keep
-            // the connection alive with a comment).
-            _ = tokio::time::sleep(Duration::from_secs(5)) => {
-                if tx.send(Bytes::from_static(b":\n\n")).await.is_err() {
-                    return;
+            let batch = tokio::select! {
+                _ = self.s.shutdown.cancelled() => continue,
+                // The feed's own fallback: nothing heard for a while, look for ourselves (and
+                // keep the connection alive with a comment).
+                _ = tokio::time::sleep(Duration::from_secs(5)) => {
+                    self.catch_up = true;
+                    return Some(Bytes::from_static(b":\n\n"));
                 }
-                catch_up = true;
-                continue
-            }
-            b = feed.recv() => match b {
-                Ok(b) => b,
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    s.metrics.inc("agentscope_sse_lagged_total", &[]);
-                    catch_up = true;
-                    continue;
-                }
-                Err(broadcast::error::RecvError::Closed) => {
-                    // The feed ended (its scope finished) or stopped: read for ourselves.
-                    (_feed, feed) = s.feeds.subscribe(&s, scope, workspace, None);
-                    catch_up = true;
-                    continue;
-                }
-            },
-        };
-        if batch.prev > cursor {
-            // Something between our cursor and this batch went by: read it from the database.
-            catch_up = true;
-            continue;
-        }
-        if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > cursor) {
-            let chunk = if batch.prev == cursor {
-                // The usual case: the whole batch follows on, one shared chunk.
-                batch.all.clone()
-            } else {
-                let mut chunk = BytesMut::new();
-                for (_, f) in batch.events.iter().filter(|(c, _)| *c > cursor) {
-                    chunk.put_slice(f);
-                }
-                chunk.freeze()
+                b = self.feed.recv() => match b {
+                    Ok(b) => b,
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        self.s.metrics.inc("agentscope_sse_lagged_total", &[]);
+                        self.catch_up = true;
+                        continue;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => {
+                        // The feed ended (its scope finished) or stopped: read for ourselves.
+                        (self._on, self.feed) =
+                            self.s.feeds.subscribe(&self.s, self.scope, self.workspace, None);
+                        self.catch_up = true;
+                        continue;
+                    }
+                },
             };
-            if tx.send(chunk).await.is_err() {
-                return;
+            if batch.prev > self.cursor {
+                // Something between our cursor and this batch went by: read it from the database.
+                self.catch_up = true;
+                continue;
             }
-            cursor = *last;
-        }
-        if let Some(status) = &batch.end {
-            let _ = tx.send(end_event(status)).await;
-            return;
+            let mut out = None;
+            if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > self.cursor) {
+                out = Some(if batch.prev == self.cursor {
+                    // The usual case: the whole batch follows on, one shared chunk.
+                    batch.all.clone()
+                } else {
+                    let mut chunk = BytesMut::new();
+                    for (_, f) in batch.events.iter().filter(|(c, _)| *c > self.cursor) {
+                        chunk.put_slice(f);
+                    }
+                    chunk.freeze()
+                });
+                self.cursor = *last;
+            }
+            if let Some(status) = &batch.end {
+                self.over = true;
+                let end = end_event(status);
+                return Some(match out {
+                    Some(frames) => {
+                        let mut chunk = BytesMut::from(&frames[..]);
+                        chunk.put_slice(&end);
+                        chunk.freeze()
+                    }
+                    None => end,
+                });
+            }
+            if out.is_some() {
+                return out;
+            }
         }
     }
 }
@@ -606,7 +640,7 @@ async fn fetch(
     workspace: Uuid,
     c: Cursor,
     limit: i64,
-) -> ApiResult<(Vec<(Cursor, Value)>, Option<Newest>)> {
+) -> ApiResult<Read> {
     let mut newest = None;
     let mut rows = Vec::new();
     match scope {
