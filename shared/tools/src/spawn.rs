@@ -371,6 +371,13 @@ fn child_setup(a: &ChildArgs) -> libc::c_int {
             {
                 return errno();
             }
+            // Until its `execve` this process shares the caller's memory while it runs as the
+            // session's uid: no process of that uid may attach to it or read it through /proc
+            // (environ, mem). The uid change makes the memory non-dumpable only where
+            // fs.suid_dumpable is 0; this does it everywhere. `execve` sets the program's own.
+            if libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 {
+                return errno();
+            }
         }
         if libc::chdir(a.cwd.as_ptr()) != 0 || libc::setpgid(0, 0) != 0 {
             return errno();
@@ -748,6 +755,47 @@ mod tests {
             }
             assert!(no_children_left());
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_child_is_out_of_reach_of_the_uid_it_runs_as() {
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: switching identity needs root");
+            return;
+        }
+        let id = Identity {
+            uid: 731_101,
+            gid: 731_101,
+        };
+        let (held, release) = hold();
+        let mut s = spec(Path::new("/bin/true"), &["true"], Some(id));
+        s.held = Some(held);
+        let starting = tokio::task::spawn_blocking(move || run(s));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let pid = loop {
+            if let Some(p) = before_exec_children_of(std::process::id()).first() {
+                break *p;
+            }
+            assert!(std::time::Instant::now() < deadline, "no held child");
+            tokio::task::yield_now().await;
+        };
+        // A process of the same uid (a tool of the session left running, say) looks at it: its
+        // environment and memory are this process's.
+        let probe = format!(
+            "cat /proc/{pid}/environ >/dev/null 2>&1 && echo environ; \
+             head -c 1 /proc/{pid}/mem >/dev/null 2>&1 && echo mem; \
+             cat /proc/{pid}/maps 2>/dev/null | head -c 1 | grep -q . && echo maps; echo done"
+        );
+        let (mut child, mut out) =
+            run(spec(Path::new("/bin/sh"), &["sh", "-c", &probe], Some(id))).unwrap();
+        assert!(child.wait().await.unwrap().success());
+        let mut text = String::new();
+        out.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "done\n", "the held child was readable by its uid");
+        drop(release);
+        let err = starting.await.unwrap().err().unwrap();
+        assert_eq!(err.raw_os_error(), Some(libc::ECANCELED), "{err}");
+        assert!(no_children_left());
     }
 
     /// Run by [`a_held_child_dies_with_the_process_that_holds_it`] as a process of its own:
