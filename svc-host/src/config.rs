@@ -56,6 +56,9 @@ pub struct Config {
     pub model_retry_secs: u64,
     /// How often a provider taken out of readiness (its login failed) is checked again.
     pub provider_recheck_ms: u64,
+    /// How long an ended attempt's task directory is kept after its last change (a retry on
+    /// this host continues the provider session from it) before the host removes it; at least 1.
+    pub task_dir_retention_secs: u64,
     #[serde(default)]
     pub log_format: String,
 }
@@ -83,6 +86,7 @@ impl Config {
             ("model_retry_limit", 3.into()),
             ("model_retry_secs", 60.into()),
             ("provider_recheck_ms", 60_000.into()),
+            ("task_dir_retention_secs", (3 * 24 * 3600).into()),
             ("log_format", "".into()),
         ])?;
         config.validate()?;
@@ -104,6 +108,9 @@ impl Config {
         }
         if self.poll_interval_ms == 0 {
             return bad("poll_interval_ms must be positive");
+        }
+        if self.task_dir_retention_secs == 0 {
+            return bad("task_dir_retention_secs must be at least 1");
         }
         for p in self.provider_list() {
             if agentscope_domain::Provider::parse(&p).is_none() {

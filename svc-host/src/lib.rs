@@ -13,6 +13,7 @@ pub mod provider;
 pub mod providers;
 mod recovery;
 mod registration;
+mod retention;
 
 pub use config::Config;
 
@@ -353,6 +354,17 @@ impl App {
             sup.spawn("recheck", Policy::Critical, move |stop| {
                 recheck(ctx.clone(), stop)
             });
+        }
+        // Started after the resumed attempts are running: their directories are theirs.
+        {
+            let ctx = ctx.clone();
+            sup.spawn(
+                "task-dir-retention",
+                Policy::Restart {
+                    backoff: Duration::from_secs(5),
+                },
+                move |stop| retention::prune_task_dirs(ctx.clone(), stop),
+            );
         }
         {
             let (ctx, slots, attempts) = (ctx.clone(), slots.clone(), attempts.clone());

@@ -530,3 +530,115 @@ async fn an_attempt_ends_with_its_whole_process_tree_and_output() {
         "{t:#}"
     );
 }
+
+/// Seconds since `p` last changed (modification or status change), or None once it is gone.
+fn age_of(p: &Path) -> Option<f64> {
+    let m = std::fs::symlink_metadata(p).ok()?;
+    let at = |s: i64, ns: i64| s as f64 + ns as f64 / 1e9;
+    let changed = at(m.mtime(), m.mtime_nsec()).max(at(m.ctime(), m.ctime_nsec()));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    Some(now - changed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_attempts_task_directory_goes_after_the_retention_and_a_running_ones_stays() {
+    let stack = Stack::start("task-dir-retention", StackOptions::default())
+        .await
+        .unwrap();
+    // A long attempt (it runs until its gate appears) and a short one, in the host's pool.
+    let gate = stack.dir.path.join("keep-gate");
+    let script = format!("while [ ! -e '{}' ]; do sleep 0.02; done", gate.display());
+    let (long_agent, _) = stack
+        .command_agent("long", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
+    let (short_agent, _) = stack
+        .command_agent("short", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let state = stack.dir.path.join("host-keep-state");
+    let _host = stack
+        .spawn_host(
+            "keep",
+            "pool",
+            2,
+            &state,
+            &[("AGENTSCOPE_TASK_DIR_RETENTION_SECS", "1")],
+        )
+        .unwrap();
+    stack.wait_host_ready("keep").await.unwrap();
+    let tasks = state.join("tasks");
+    let long = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": long_agent}))
+        .await
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let running = stack
+        .wait_attempt(&long, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let long_dir = tasks.join(running["id"].as_str().unwrap());
+    // Its directory becomes older than the retention while it runs.
+    kit::wait_for(
+        "the running attempt's directory to age",
+        Duration::from_secs(30),
+        || {
+            let d = long_dir.clone();
+            async move { (age_of(&d)? > 2.0).then_some(()) }
+        },
+    )
+    .await
+    .unwrap();
+
+    // The short attempt ends; its directory goes once the retention has passed.
+    let short = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": short_agent}))
+        .await
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let done = stack
+        .wait_task(&short, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let short_dir = tasks.join(done["attempts"][0]["id"].as_str().unwrap());
+    kit::wait_for(
+        "the ended attempt's directory to go",
+        Duration::from_secs(30),
+        || {
+            let d = short_dir.clone();
+            async move { (!d.exists()).then_some(()) }
+        },
+    )
+    .await
+    .unwrap();
+    // That pass saw the running attempt's directory past the retention too, and kept it.
+    assert!(
+        long_dir.join("home").is_dir(),
+        "a running attempt's directory was removed"
+    );
+
+    std::fs::write(&gate, "go").unwrap();
+    stack
+        .wait_task(&long, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+    kit::wait_for(
+        "the long attempt's directory to go",
+        Duration::from_secs(30),
+        || {
+            let d = long_dir.clone();
+            async move { (!d.exists()).then_some(()) }
+        },
+    )
+    .await
+    .unwrap();
+}
