@@ -71,6 +71,8 @@ pub(super) async fn execute(
         None
     };
     let resumed_session = resume.map(str::to_string).or(reuse);
+    // The journal's entry is written before the provider starts.
+    sink.saved().await;
     let (launch, started) =
         match launch(ctx, a, adapter, spec, &dir, resumed_session.as_deref(), who).await {
             Ok(l) => l,

@@ -74,8 +74,10 @@ pub async fn run(
             stops.lease_lost.clone(),
             isolation::secrets_of_attempt(&a.task_token),
         );
+        // Written while the uid and the task directory are prepared; the provider starts only
+        // once it is (see `execute`), so a restarted host knows of every provider it started.
         if resuming.is_none() {
-            sink.set_state(AttemptStatus::Claimed).await;
+            sink.set_state_soon(AttemptStatus::Claimed).await;
         }
         let renew_done = CancellationToken::new();
         let renewer = tokio::spawn(keep_lease(

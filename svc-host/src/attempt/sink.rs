@@ -34,6 +34,8 @@ pub struct EventSink {
     /// Replaced by `[REDACTED:NAME]` in every event (the task credential, the host's keys).
     pub(super) secrets: isolation::Secrets,
     out: tokio::sync::mpsc::Sender<Out>,
+    /// A save handed to the publisher and not awaited yet (see [`EventSink::set_state_soon`]).
+    saving: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// Events handed to the publisher and not yet acknowledged, at most: the channel's capacity
@@ -80,6 +82,7 @@ impl EventSink {
             lease_lost,
             secrets,
             out,
+            saving: None,
         }
     }
 
@@ -146,21 +149,40 @@ impl EventSink {
         self.save(true).await;
     }
 
+    /// [`Self::set_state`], written by the publisher while the caller goes on; [`Self::saved`]
+    /// waits for it (before anything that needs the entry on disk, such as the provider's start).
+    pub async fn set_state_soon(&mut self, state: AttemptStatus) {
+        self.entry.state = state;
+        self.saving = self.begin_save(true).await;
+    }
+
+    /// Returns once the save begun by [`Self::set_state_soon`] (if any) is written.
+    pub async fn saved(&mut self) {
+        if let Some(wait) = self.saving.take() {
+            let _ = wait.await;
+        }
+    }
+
     async fn save(&mut self, durable: bool) {
+        self.saved().await;
+        if let Some(wait) = self.begin_save(durable).await {
+            let _ = wait.await;
+        }
+    }
+
+    /// Hands the entry to the publisher; None if the publisher is gone.
+    async fn begin_save(&mut self, durable: bool) -> Option<tokio::sync::oneshot::Receiver<()>> {
         let (done, wait) = tokio::sync::oneshot::channel();
         let entry = self.entry.clone();
-        if self
-            .out
+        self.out
             .send(Out::Save {
                 entry,
                 durable,
                 done,
             })
             .await
-            .is_ok()
-        {
-            let _ = wait.await;
-        }
+            .ok()
+            .map(|()| wait)
     }
 
     pub async fn diag(&mut self, level: &str, code: &str, message: impl Into<String>) -> bool {
