@@ -3,7 +3,6 @@
 //! inside), then removed: a host that runs attempts for months does not fill its disk.
 
 use crate::Ctx;
-use std::collections::HashSet;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
@@ -14,18 +13,10 @@ pub(crate) async fn prune_task_dirs(ctx: Ctx, stop: CancellationToken) -> anyhow
     let keep = Duration::from_secs(ctx.config.task_dir_retention_secs);
     let every = (keep / 4).clamp(Duration::from_secs(1), Duration::from_secs(600));
     loop {
-        let running: HashSet<String> = ctx
-            .state
-            .lock()
-            .expect("host state")
-            .running
-            .keys()
-            .cloned()
-            .collect();
         let (dir, state) = (ctx.tasks_dir.clone(), ctx.state.clone());
         let pruned = tokio::task::spawn_blocking(move || {
             prune(&dir, keep, |id| {
-                running.contains(id) || state.lock().expect("host state").running.contains_key(id)
+                state.lock().expect("host state").running.contains_key(id)
             })
         })
         .await?;

@@ -365,13 +365,11 @@ impl Environment {
         env: &[(String, String)],
         limits: &Limits,
     ) -> Result<ShellOutput, ToolError> {
-        self.shell_routed(command, env, limits, true, None)
-            .await
-            .map(|(out, _)| out)
+        self.shell_after(command, env, limits, None).await
     }
 
-    /// [`Environment::shell`] once `gate` opens: everything before the program's `execve`
-    /// (checks, the program's lookup, in Local its process up to the `execve`) is done
+    /// [`Environment::shell`] once `gate` (if any) opens: everything before the program's
+    /// `execve` (checks, the program's lookup, in Local its process up to the `execve`) is done
     /// meanwhile. A gate that stays shut fails the call with `not_started`, and nothing of the
     /// command has run.
     pub async fn shell_after(
@@ -379,9 +377,9 @@ impl Environment {
         command: &str,
         env: &[(String, String)],
         limits: &Limits,
-        gate: Gate,
+        gate: Option<Gate>,
     ) -> Result<ShellOutput, ToolError> {
-        self.shell_routed(command, env, limits, true, Some(gate))
+        self.shell_routed(command, env, limits, true, gate)
             .await
             .map(|(out, _)| out)
     }
@@ -545,9 +543,7 @@ impl Environment {
         let mut hold = match gate.take() {
             Some(g) if cgroup.is_none() => Some(g),
             Some(g) => {
-                if !g.opened().await {
-                    return Err(not_started());
-                }
+                g.wait().await?;
                 None
             }
             None => None,
@@ -1624,6 +1620,15 @@ impl Gate {
     pub async fn opened(self) -> bool {
         self.0.await.is_ok()
     }
+
+    /// Returns once the gate opens; `not_started` if it stays shut.
+    pub async fn wait(self) -> Result<(), ToolError> {
+        if self.opened().await {
+            Ok(())
+        } else {
+            Err(not_started())
+        }
+    }
 }
 
 /// Collects the output of a started command until it exits (or the timeout fires), killing its
@@ -1729,6 +1734,7 @@ async fn collect(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spawn::tests::{before_exec_children_of, held_child};
     use std::os::unix::fs::MetadataExt as _;
     use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -1960,37 +1966,6 @@ mod tests {
         }
     }
 
-    /// Children of this process that have not called `execve` yet (still this test binary).
-    fn children_before_exec() -> Vec<u32> {
-        let me = std::fs::read_link("/proc/self/exe").unwrap();
-        let pid = std::process::id().to_string();
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-            .filter(|p| {
-                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-                // pid (comm) state ppid ...: the comm may hold spaces, so read after its ')'.
-                let ppid = stat
-                    .rsplit_once(')')
-                    .and_then(|(_, r)| r.split_whitespace().nth(1));
-                ppid == Some(pid.as_str())
-                    && std::fs::read_link(format!("/proc/{p}/exe")).ok().as_ref() == Some(&me)
-            })
-            .collect()
-    }
-
-    /// Waits (with a deadline) until a child of this process waits before its `execve`.
-    async fn held_child() {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while children_before_exec().is_empty() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no child waits before its exec"
-            );
-            tokio::task::yield_now().await;
-        }
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_command_after_a_gate_runs_once_it_opens_and_never_if_it_stays_shut() {
         for (dir, env) in both("gate") {
@@ -2006,7 +1981,7 @@ mod tests {
                     assert!(!marker.exists(), "{command} ran before its gate opened");
                     key.open();
                 };
-                let (out, ()) = tokio::join!(env.shell_after(command, &[], &l, shut), opens);
+                let (out, ()) = tokio::join!(env.shell_after(command, &[], &l, Some(shut)), opens);
                 let out = out.unwrap();
                 assert_eq!(out.exit_code, Some(0), "{out:?}");
                 assert!(marker.exists(), "{command}");
@@ -2017,13 +1992,13 @@ mod tests {
                     held_child().await;
                     drop(key);
                 };
-                let (out, ()) = tokio::join!(env.shell_after(command, &[], &l, shut), shuts);
+                let (out, ()) = tokio::join!(env.shell_after(command, &[], &l, Some(shut)), shuts);
                 assert_eq!(code(out), "not_started");
                 assert!(
                     !marker.exists(),
                     "{command} ran though its gate stayed shut"
                 );
-                assert!(children_before_exec().is_empty());
+                assert!(before_exec_children_of(std::process::id()).is_empty());
             }
         }
     }

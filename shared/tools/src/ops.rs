@@ -72,10 +72,8 @@ pub async fn run_after(
 ) -> ToolOutput {
     let gate = match gate {
         Some(g) if name != "shell" => {
-            if !g.opened().await {
-                return ToolOutput::err(
-                    "not_started: the call's start was not recorded, so it was not run",
-                );
+            if let Err(e) = g.wait().await {
+                return ToolOutput::err(e.to_string());
             }
             None
         }
@@ -116,13 +114,10 @@ pub async fn run_after(
                     Err(e) => ToolOutput::err(e.to_string()),
                 }
             }
-            "shell" => match match gate {
-                Some(g) => {
-                    env.shell_after(arg(input, "command")?, shell_env, limits, g)
-                        .await
-                }
-                None => env.shell(arg(input, "command")?, shell_env, limits).await,
-            } {
+            "shell" => match env
+                .shell_after(arg(input, "command")?, shell_env, limits, gate)
+                .await
+            {
                 Ok(out) => {
                     let status = match (out.timed_out, out.exit_code) {
                         (true, _) => "timed out".to_string(),

@@ -576,7 +576,7 @@ impl Drop for Child {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::io::Read as _;
     use std::path::Path;
@@ -615,8 +615,20 @@ mod tests {
         Some(rest.split_whitespace().map(str::to_owned).collect())
     }
 
+    /// Waits (with a deadline) until a child of this process waits before its `execve`; its pid.
+    pub(crate) async fn held_child() -> u32 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            if let Some(p) = before_exec_children_of(std::process::id()).first() {
+                return *p;
+            }
+            assert!(std::time::Instant::now() < deadline, "no held child");
+            tokio::task::yield_now().await;
+        }
+    }
+
     /// Children of `parent` that still run this test binary (they have not called `execve`).
-    fn before_exec_children_of(parent: u32) -> Vec<u32> {
+    pub(crate) fn before_exec_children_of(parent: u32) -> Vec<u32> {
         let me = std::env::current_exe().unwrap();
         std::fs::read_dir("/proc")
             .unwrap()
@@ -728,12 +740,7 @@ mod tests {
             s.held = Some(held);
             let starting = tokio::task::spawn_blocking(move || run(s));
             // The child waits before its exec, and the start with it.
-            let me = std::process::id();
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-            while before_exec_children_of(me).is_empty() {
-                assert!(std::time::Instant::now() < deadline, "no held child");
-                tokio::task::yield_now().await;
-            }
+            held_child().await;
             assert!(!starting.is_finished());
             if go {
                 release.go();
@@ -771,14 +778,7 @@ mod tests {
         let mut s = spec(Path::new("/bin/true"), &["true"], Some(id));
         s.held = Some(held);
         let starting = tokio::task::spawn_blocking(move || run(s));
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let pid = loop {
-            if let Some(p) = before_exec_children_of(std::process::id()).first() {
-                break *p;
-            }
-            assert!(std::time::Instant::now() < deadline, "no held child");
-            tokio::task::yield_now().await;
-        };
+        let pid = held_child().await;
         // A process of the same uid (a tool of the session left running, say) looks at it: its
         // environment and memory are this process's.
         let probe = format!(

@@ -127,16 +127,11 @@ FROM ap"#,
             news.as_mut().enable();
             let row = if at_once {
                 let (decided, ran) = if nudged {
-                    let (key, gate) = crate::tools::gate();
-                    let start = async move {
-                        let decided = self.start_if_allowed(call).await?;
-                        if matches!(decided, Decided::Started) {
-                            key.open();
-                        }
-                        Ok::<Decided, Stop>(decided)
-                    };
-                    let (decided, ran) =
-                        tokio::join!(start, self.run_started(p, input_id, call, Some(gate)));
+                    let (decided, ran) = self
+                        .run_once_started(p, input_id, call, self.start_if_allowed(call), |d| {
+                            matches!(d, Decided::Started)
+                        })
+                        .await;
                     (decided?, Some(ran))
                 } else {
                     (self.start_if_allowed(call).await?, None)

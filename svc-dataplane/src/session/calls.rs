@@ -225,9 +225,8 @@ impl Session<'_> {
         Ok((out, false))
     }
 
-    /// Writes `start` (which journals `call` started) and runs the call, which gets ready (a
-    /// shell command up to its program's `execve`) while the start commits and runs only once it
-    /// has: a call whose start fails to commit never runs.
+    /// Writes `start` (which journals `call` started) and runs the call (see
+    /// [`Self::run_once_started`]).
     pub(super) async fn start_and_run(
         &self,
         p: &Pinned,
@@ -235,15 +234,34 @@ impl Session<'_> {
         call: &ToolCallReq,
         start: Batch,
     ) -> Result<(ToolOutput, Ended), Stop> {
-        let (key, gate) = tools::gate();
-        let write = async move {
-            self.write(start).await?;
-            key.open();
-            Ok::<(), Stop>(())
-        };
-        let (wrote, ran) = tokio::join!(write, self.run_started(p, input_id, call, Some(gate)));
+        let (wrote, ran) = self
+            .run_once_started(p, input_id, call, self.write(start), |_| true)
+            .await;
         wrote?;
         ran
+    }
+
+    /// Runs `start`, a statement that journals `call` started when `started` says so of its
+    /// result, and the call together: the call gets ready (a shell command up to its program's
+    /// `execve`) while `start` commits, and runs only once `start` has started it; otherwise it
+    /// never runs, and its result means nothing.
+    pub(super) async fn run_once_started<T>(
+        &self,
+        p: &Pinned,
+        input_id: Uuid,
+        call: &ToolCallReq,
+        start: impl std::future::Future<Output = Result<T, Stop>>,
+        started: impl FnOnce(&T) -> bool,
+    ) -> (Result<T, Stop>, Result<(ToolOutput, Ended), Stop>) {
+        let (key, gate) = tools::gate();
+        let start = async move {
+            let r = start.await;
+            if r.as_ref().is_ok_and(started) {
+                key.open();
+            }
+            r
+        };
+        tokio::join!(start, self.run_started(p, input_id, call, Some(gate)))
     }
 
     /// Runs a call journaled `started`; returns its output and its end (the journal row's
