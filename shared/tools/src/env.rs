@@ -369,7 +369,8 @@ impl Environment {
     }
 
     /// [`Environment::shell`] once `gate` (if any) opens: everything before the program's
-    /// `execve` (checks, the program's lookup, in Local its process up to the `execve`) is done
+    /// `execve` (checks, the program's lookup, in Local its process, held before its identity
+    /// change) is done
     /// meanwhile. A gate that stays shut fails the call with `not_started`, and nothing of the
     /// command has run.
     pub async fn shell_after(
@@ -1559,7 +1560,7 @@ fn start(spec: spawn::Spec) -> std::io::Result<Started> {
     Ok(Started { child, output })
 }
 
-/// [`start`] with the child held before its `execve` until `gate` opens: the start runs on the
+/// [`start`] with the child held (before its identity change) until `gate` opens: the start runs on the
 /// blocking pool (the starting thread waits for the child's exec) while the caller's commit runs.
 /// `Err` when the gate stays shut: the child exited before its program, and is reaped. Dropped
 /// while it waits, the hold's release is dropped too, and the child exits the same way.
@@ -1976,7 +1977,7 @@ mod tests {
                 let marker = dir.0.join(format!("ran-{n}"));
                 let (key, shut) = gate();
                 let opens = async {
-                    // Ready before the gate opens: its process waits just before `execve`.
+                    // Ready before the gate opens: its process waits, not exec'd yet.
                     held_child().await;
                     assert!(!marker.exists(), "{command} ran before its gate opened");
                     key.open();

@@ -71,9 +71,10 @@ const HELD: u32 = 0;
 const GO: u32 = 1;
 const STOP: u32 = 2;
 
-/// A hold for a child, and its release. A child started with [`Spec::held`] does every step of
-/// its start (identity, directory, limits) and then waits, just before `execve`, until the
-/// release goes (it then execs) or is dropped (it exits, and [`spawn`] fails with ECANCELED).
+/// A hold for a child, and its release. A child started with [`Spec::held`] is created with its
+/// standard streams and then waits, before it changes its identity (as the caller, so nothing of
+/// the identity it is about to take can signal it), until the release goes (it then does the
+/// rest of its start and execs) or is dropped (it exits, and [`spawn`] fails with ECANCELED).
 /// [`spawn`] returns only once the child has decided, so a held spawn runs on a thread that may
 /// block: the caller starts it there, does what must come first (a commit that the program
 /// runs), and then lets it go. The child dies with the caller's process.
@@ -362,6 +363,40 @@ fn child_setup(a: &ChildArgs) -> libc::c_int {
         {
             return errno();
         }
+        // Held: wait (signals still blocked) until the caller says, still as the caller's own
+        // identity: no process of the session's uid (a tool left running) may stop, kill or
+        // attach to it, which would keep the caller's thread waiting for ever. The caller may
+        // die meanwhile; its thread that started this child cannot end before the child execs
+        // or exits (CLONE_VFORK), so the child is told by the parent-death signal (unset once
+        // it goes on; the identity change would clear it too).
+        if !a.held.is_null() {
+            let held = &*a.held;
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return errno();
+            }
+            if libc::getppid() != a.parent {
+                return libc::ECANCELED;
+            }
+            loop {
+                match held.load(Ordering::Acquire) {
+                    HELD => {
+                        // Returns at once if the state moved on since the load.
+                        libc::syscall(
+                            libc::SYS_futex,
+                            held.as_ptr(),
+                            libc::FUTEX_WAIT,
+                            HELD,
+                            std::ptr::null::<libc::timespec>(),
+                        );
+                    }
+                    GO => break,
+                    _ => return libc::ECANCELED,
+                }
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, 0) != 0 {
+                return errno();
+            }
+        }
         if let Some(id) = a.identity {
             // Raw system calls: glibc's wrappers coordinate the change with the threads of the
             // process whose memory this is.
@@ -421,38 +456,6 @@ fn child_setup(a: &ChildArgs) -> libc::c_int {
                 let mut dfl: libc::sigaction = std::mem::zeroed();
                 dfl.sa_sigaction = libc::SIG_DFL;
                 libc::sigaction(sig, &dfl, std::ptr::null_mut());
-            }
-        }
-        // Held: wait (signals still blocked) until the caller says. The caller may die
-        // meanwhile; its thread that started this child cannot end before the child execs or
-        // exits (CLONE_VFORK), so the child is told by the parent-death signal (set after the
-        // identity change, which clears it, and unset before the exec).
-        if !a.held.is_null() {
-            let held = &*a.held;
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return errno();
-            }
-            if libc::getppid() != a.parent {
-                return libc::ECANCELED;
-            }
-            loop {
-                match held.load(Ordering::Acquire) {
-                    HELD => {
-                        // Returns at once if the state moved on since the load.
-                        libc::syscall(
-                            libc::SYS_futex,
-                            held.as_ptr(),
-                            libc::FUTEX_WAIT,
-                            HELD,
-                            std::ptr::null::<libc::timespec>(),
-                        );
-                    }
-                    GO => break,
-                    _ => return libc::ECANCELED,
-                }
-            }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, 0) != 0 {
-                return errno();
             }
         }
         let mut none: libc::sigset_t = std::mem::zeroed();
@@ -796,6 +799,41 @@ pub(crate) mod tests {
         let err = starting.await.unwrap().err().unwrap();
         assert_eq!(err.raw_os_error(), Some(libc::ECANCELED), "{err}");
         assert!(no_children_left());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_held_child_cannot_be_stopped_or_killed_by_the_uid_it_will_run_as() {
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: switching identity needs root");
+            return;
+        }
+        let id = Identity {
+            uid: 731_102,
+            gid: 731_102,
+        };
+        let (held, release) = hold();
+        let mut s = spec(Path::new("/bin/echo"), &["echo", "ran"], Some(id));
+        s.held = Some(held);
+        let starting = tokio::task::spawn_blocking(move || run(s));
+        let pid = held_child().await;
+        // A process of the session's uid (a tool left running) signals it: stopped, the held
+        // child would keep its caller's thread (and the call) waiting for ever.
+        let probe = format!(
+            "kill -STOP {pid} 2>/dev/null && echo stopped; \
+             kill -KILL {pid} 2>/dev/null && echo killed; echo done"
+        );
+        let (mut child, mut out) =
+            run(spec(Path::new("/bin/sh"), &["sh", "-c", &probe], Some(id))).unwrap();
+        assert!(child.wait().await.unwrap().success());
+        let mut text = String::new();
+        out.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "done\n", "the held child was signalled by its uid");
+        release.go();
+        let (mut child, mut out) = starting.await.unwrap().unwrap();
+        assert!(child.wait().await.unwrap().success());
+        let mut text = String::new();
+        out.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "ran\n");
     }
 
     /// Run by [`a_held_child_dies_with_the_process_that_holds_it`] as a process of its own:

@@ -242,8 +242,8 @@ impl Session<'_> {
     }
 
     /// Runs `start`, a statement that journals `call` started when `started` says so of its
-    /// result, and the call together: the call gets ready (a shell command up to its program's
-    /// `execve`) while `start` commits, and runs only once `start` has started it; otherwise it
+    /// result, and the call together: the call gets ready (a shell command's process created and
+    /// held) while `start` commits, and runs only once `start` has started it; otherwise it
     /// never runs, and its result means nothing.
     pub(super) async fn run_once_started<T>(
         &self,
