@@ -863,6 +863,79 @@ async fn pending_session_approval(stack: &Stack, session: &str) -> Value {
     crate::approvals::first_pending(stack, &format!("session_id={session}")).await
 }
 
+/// The gateway nudges the session's replica before its decision commits; the replica's read of
+/// the decision waits for that transaction and sees it (it does not read the Approval as still
+/// pending and sleep until its next poll), and the call then runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_still_committing_is_waited_for_and_then_runs_the_call_once() {
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo decided >> ask.txt"}}],
+        "final": "Done."
+    });
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-ask-open", &script).await;
+    let agent = managed_agent(
+        &stack,
+        "asker",
+        json!({"policy": {"tools": {"shell": "ask"}}}),
+    )
+    .await;
+    let id = start_session(&stack, &agent, "sandbox", "Write the file.").await;
+    let ap = pending_session_approval(&stack, &id).await;
+    let ap_id = ap["id"].as_str().unwrap().to_string();
+
+    // A decision written and not yet committed, and the nudge that goes with it.
+    let mut tx = stack.pg.begin().await.unwrap();
+    sqlx::query("UPDATE approvals SET status = 'allowed', decided_at = now(), decided_by = 'api' WHERE id = $1::uuid")
+        .bind(&ap_id)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let nc = stack.nats.service_client("gateway").await.unwrap();
+    nc.publish(agentscope_bus::subjects::SESSIONS_NUDGE, id.clone().into())
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
+    let pg = stack.pg.clone();
+    kit::wait_for(
+        "the replica's read of the decision to wait for its transaction",
+        Duration::from_secs(30),
+        || {
+            let pg = pg.clone();
+            async move {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+                     AND wait_event_type = 'Lock' AND query LIKE '%FROM approvals WHERE session_id%'",
+                )
+                .fetch_one(&pg)
+                .await
+                .ok()?;
+                (n > 0).then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    let s = stack.api.get(&format!("/v1/sessions/{id}")).await.unwrap();
+    assert_eq!(
+        s["status"], "awaiting_approval",
+        "nothing ran before the commit: {s:#}"
+    );
+    tx.commit().await.unwrap();
+
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let written =
+        std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("ask.txt")).unwrap();
+    assert_eq!(written, "decided\n", "the call ran once");
+    let events = session_events(&stack, &id).await;
+    let decided: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "approval_decided")
+        .collect();
+    assert_eq!(decided.len(), 1, "{events:#?}");
+    assert_eq!(decided[0]["payload"]["allow"], true, "{events:#?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy() {
     let script = json!({

@@ -47,12 +47,15 @@ impl Session<'_> {
     /// for an approved call (its `approval_decided` and `tool_call` events, the session
     /// `running`, the call `started`) in the same statement: one round trip from the decision
     /// to the tool. The write is fenced like every [`Self::write`]: this replica's token, and
-    /// the call still waiting; an allowed call that cannot be started so was taken over.
+    /// the call still waiting; an allowed call that cannot be started so was taken over. The
+    /// Approval is read under a share lock: a decision whose transaction is still open (the
+    /// gateway nudges before it commits) is waited for and seen, not read as pending.
     async fn start_if_allowed(&self, call: &ToolCallReq) -> Result<Decided, Stop> {
         let tool_call = json!({"call_id": call.id, "tool": call.name, "input": call.input});
         let row = sqlx::query!(
             r#"WITH ap AS (
     SELECT status, reason, decided_by FROM approvals WHERE session_id = $1::uuid::text AND request_id = $3
+    FOR SHARE
 ), fence AS (
     UPDATE session_state SET last_seq = last_seq + 2, status = 'running', detail = '', updated_at = now()
     WHERE session_id = $1 AND lease_token = $2

@@ -169,6 +169,11 @@ async fn decide_session_request(
         return Ok(None);
     }
     let status = if allow { "allowed" } else { "denied" };
+    // The nudge leaves before the commit: the replica's read of the decision (which locks the
+    // row, see the dataplane's `start_if_allowed`) waits for this transaction and sees it, so
+    // the hop to the replica and its statement overlap the commit. A rollback leaves the record
+    // pending and the replica reads that; a lost nudge only delays (it polls).
+    let mut tx = s.db.begin().await?;
     let decided = sqlx::query_as!(
         t::Approval,
         r#"UPDATE approvals ap SET status = $3, decided_at = now(), decided_by = $4, reason = NULLIF($5, '')
@@ -183,27 +188,30 @@ async fn decide_session_request(
         decided_by,
         reason,
     )
-    .fetch_optional(&s.db)
+    .fetch_optional(&mut *tx)
     .await?;
     let Some(decided) = decided else {
         return Ok(None);
     };
-    // A lost nudge only delays the session: the replica waiting for the decision reads the
-    // record again within its poll interval.
-    if let Some(session) = &decided.session_id
-        && let Err(e) = s
-            .nats
-            .publish(
-                agentscope_bus::subjects::SESSIONS_NUDGE,
-                session.clone().into(),
-            )
-            .await
-    {
-        tracing::warn!(error = %e, session_id = %session, "nudge dataplane");
+    if let Some(session) = &decided.session_id {
+        // On the wire before the commit is asked for. Bounded: the row stays locked meanwhile,
+        // and the decision is committed whatever NATS does.
+        let nudge = async {
+            s.nats
+                .publish(
+                    agentscope_bus::subjects::SESSIONS_NUDGE,
+                    session.clone().into(),
+                )
+                .await?;
+            s.nats.flush().await.map_err(anyhow::Error::from)
+        };
+        match tokio::time::timeout(Duration::from_millis(50), nudge).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, session_id = %session, "nudge dataplane"),
+            Err(_) => tracing::warn!(session_id = %session, "nudge dataplane: timed out"),
+        }
     }
-    // On the wire before the answer is written, not after: the waiting session starts the
-    // call meanwhile. Bounded: the decision is committed whatever NATS does.
-    let _ = tokio::time::timeout(Duration::from_millis(50), s.nats.flush()).await;
+    tx.commit().await?;
     s.metrics
         .inc("agentscope_approvals_decided_total", &[("status", status)]);
     tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided");
