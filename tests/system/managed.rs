@@ -868,18 +868,42 @@ async fn pending_session_approval(stack: &Stack, session: &str) -> Value {
 /// pending and sleep until its next poll), and the call then runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_still_committing_is_waited_for_and_then_runs_the_call_once() {
+    decision_still_committing(false).await;
+}
+
+/// [`a_decision_still_committing_is_waited_for_and_then_runs_the_call_once`] for a session on a
+/// Worker, whose call waits for the Worker (the decision is read on its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_still_committing_is_waited_for_on_a_worker_too() {
+    decision_still_committing(true).await;
+}
+
+async fn decision_still_committing(on_worker: bool) {
     let script = json!({
         "turns": [{"tool": "shell", "args": {"command": "echo decided >> ask.txt"}}],
         "final": "Done."
     });
-    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-ask-open", &script).await;
+    let label = if on_worker {
+        "managed-ask-open-w"
+    } else {
+        "managed-ask-open"
+    };
+    let (stack, _sim, _log, _simdir, _second) = managed_stack(label, &script).await;
     let agent = managed_agent(
         &stack,
         "asker",
         json!({"policy": {"tools": {"shell": "ask"}}}),
     )
     .await;
-    let id = start_session(&stack, &agent, "sandbox", "Write the file.").await;
+    let worker_dir = stack.dir.path.join("worker-ask");
+    let (_worker, id) = if on_worker {
+        let w = spawn_worker(&stack, "asks", &worker_dir).await;
+        let id = start_on_worker(&stack, &agent, "asks", "Write the file.").await;
+        (Some(w), id)
+    } else {
+        let id = start_session(&stack, &agent, "sandbox", "Write the file.").await;
+        (None, id)
+    };
     let ap = pending_session_approval(&stack, &id).await;
     let ap_id = ap["id"].as_str().unwrap().to_string();
 
@@ -924,8 +948,12 @@ async fn a_decision_still_committing_is_waited_for_and_then_runs_the_call_once()
 
     let s = wait_outcomes(&stack, &id, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
-    let written =
-        std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("ask.txt")).unwrap();
+    let root = if on_worker {
+        worker_dir.join(&id)
+    } else {
+        stack.dir.path.join("sessions").join(&id)
+    };
+    let written = std::fs::read_to_string(root.join("ask.txt")).unwrap();
     assert_eq!(written, "decided\n", "the call ran once");
     let events = session_events(&stack, &id).await;
     let decided: Vec<&Value> = events

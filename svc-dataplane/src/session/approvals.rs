@@ -151,8 +151,10 @@ FROM ap"#,
                     Decided::Read(row) => row,
                 }
             } else {
+                // Under a share lock, as in `start_if_allowed`: a decision still committing is
+                // waited for.
                 sqlx::query!(
-                    "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2",
+                    "SELECT status, reason, decided_by FROM approvals WHERE session_id = $1 AND request_id = $2 FOR SHARE",
                     self.id.to_string(),
                     &call.id,
                 )
