@@ -23,6 +23,9 @@ pub enum Error {
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// How long a transaction may sit idle before the server ends it (see [`connect`]).
+pub const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(60);
+
 /// How long a pooled connection may sit idle before it is checked (a ping) when taken again.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
@@ -33,8 +36,22 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// for longer than [`IDLE_CHECK`] is pinged when taken (a restarted server has closed it; it
 /// is then dropped and another one taken or opened). A connection that breaks in between
 /// fails its query like any outage in the middle of one.
+///
+/// A transaction left idle for [`IDLE_IN_TRANSACTION`] (a service frozen in the middle of one,
+/// holding its row locks) is ended by the server, unless the URL's `options` set
+/// `idle_in_transaction_session_timeout` themselves. The services' transactions wait on nothing
+/// longer than a bounded NATS request inside them.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, Error> {
-    let options = PgConnectOptions::from_str(url).map_err(Error::Url)?;
+    let mut options = PgConnectOptions::from_str(url).map_err(Error::Url)?;
+    if !options
+        .get_options()
+        .is_some_and(|o| o.contains("idle_in_transaction_session_timeout"))
+    {
+        options = options.options([(
+            "idle_in_transaction_session_timeout",
+            format!("{}ms", IDLE_IN_TRANSACTION.as_millis()),
+        )]);
+    }
     pool_options(max_connections)
         .connect_with(options)
         .await
@@ -121,6 +138,55 @@ pub fn fault(e: &sqlx::Error) -> Fault {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A service's connections end a transaction left idle (a process frozen in one, holding
+    /// its locks): the server closes the connection after [`IDLE_IN_TRANSACTION`], or after the
+    /// URL's own `idle_in_transaction_session_timeout`, which stands.
+    #[tokio::test]
+    async fn a_transaction_left_idle_is_ended_by_the_server() {
+        let db = agentscope_testkit::TestDb::create().await.unwrap();
+        let pool = connect(&db.url(), 1).await.unwrap();
+        let set: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(set, "1min");
+
+        let url = format!(
+            "{}?options=-c%20idle_in_transaction_session_timeout%3D200",
+            db.url()
+        );
+        let pool = connect(&url, 1).await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        let watcher = db.pool().await.unwrap();
+        agentscope_testkit::wait_for(
+            "the server to end the idle transaction's connection",
+            Duration::from_secs(30),
+            || {
+                let watcher = watcher.clone();
+                async move {
+                    let n: i64 =
+                        sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = $1")
+                            .bind(pid)
+                            .fetch_one(&watcher)
+                            .await
+                            .ok()?;
+                    (n == 0).then_some(())
+                }
+            },
+        )
+        .await
+        .unwrap();
+        assert!(
+            sqlx::query("SELECT 1").execute(&mut *tx).await.is_err(),
+            "the transaction is gone"
+        );
+        watcher.close().await;
+    }
 
     #[test]
     fn transport_failures_are_outages() {
