@@ -907,6 +907,36 @@ async fn decision_still_committing(on_worker: bool) {
     let ap = pending_session_approval(&stack, &id).await;
     let ap_id = ap["id"].as_str().unwrap().to_string();
 
+    // Another workspace cannot decide it, nor wake the session into reading a decision.
+    let other = stack
+        .api
+        .with_token(ADMIN_TOKEN)
+        .post("/v1/workspaces", json!({"name": "intruder"}))
+        .await
+        .unwrap();
+    let other = stack.api.with_token(other["api_token"].as_str().unwrap());
+    for verb in ["approve", "deny"] {
+        let (st, v) = other
+            .send(
+                reqwest::Method::POST,
+                &format!("/v1/approvals/{ap_id}/{verb}"),
+                Some(json!({})),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (st, v["error"]["code"].as_str()),
+            (404, Some("not_found")),
+            "{v}"
+        );
+    }
+    let still = stack
+        .api
+        .get(&format!("/v1/approvals/{ap_id}"))
+        .await
+        .unwrap();
+    assert_eq!(still["status"], "pending", "{still}");
+
     // A decision written and not yet committed, and the nudge that goes with it.
     let mut tx = stack.pg.begin().await.unwrap();
     sqlx::query("UPDATE approvals SET status = 'allowed', decided_at = now(), decided_by = 'api' WHERE id = $1::uuid")
