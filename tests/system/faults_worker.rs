@@ -245,6 +245,23 @@ async fn a_replica_that_takes_over_gets_the_workers_result_instead_of_interrupte
     })
     .await
     .unwrap();
+    // The Worker has the operation (its command has begun), not only the journal its start:
+    // a replica killed in between never sent it, and the call is then rightly interrupted.
+    let ledger = dir.join(&id).join("ledger.txt");
+    kit::wait_for(
+        "the command to begin on the Worker",
+        Duration::from_secs(60),
+        || {
+            let ledger = ledger.clone();
+            async move {
+                std::fs::read_to_string(&ledger)
+                    .ok()
+                    .filter(|t| !t.is_empty())
+            }
+        },
+    )
+    .await
+    .unwrap();
     kill_replica(&mut stack, &mut other, &holder);
     let s = wait_outcomes(&stack, &id, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
