@@ -138,6 +138,7 @@ pub fn fault(e: &sqlx::Error) -> Fault {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use uuid::Uuid;
 
     /// A service's connections end a transaction left idle (a process frozen in one, holding
     /// its locks): the server closes the connection after [`IDLE_IN_TRANSACTION`], or after the
@@ -186,6 +187,197 @@ mod tests {
             "the transaction is gone"
         );
         watcher.close().await;
+    }
+
+    /// Every execution event belongs to an attempt (checked once per statement, migration
+    /// 0011): an insert naming a missing attempt fails as a foreign key would, wholly; an
+    /// attempt with events can be neither deleted nor re-keyed; an insert holds off a concurrent
+    /// delete of its attempt, which then finds the events and fails.
+    #[tokio::test]
+    async fn every_event_belongs_to_an_attempt() {
+        let db = agentscope_testkit::TestDb::create().await.unwrap();
+        let pool = connect(&db.url(), 4).await.unwrap();
+        migrate(&pool).await.unwrap();
+        let (ws, agent, task, attempt, bare) = (
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+        );
+        let setup = [
+            "INSERT INTO workspaces (id, name) VALUES ($1, 'w')",
+            "INSERT INTO agents (id, workspace_id, name) VALUES ($2, $1, 'a')",
+            "INSERT INTO tasks (id, workspace_id, agent_id) VALUES ($3, $1, $2)",
+            "INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id)
+             VALUES ($4, $3, $1, 1, 'queued', $2), ($5, $3, $1, 2, 'queued', $2)",
+        ];
+        for sql in setup {
+            sqlx::query(sql)
+                .bind(ws)
+                .bind(agent)
+                .bind(task)
+                .bind(attempt)
+                .bind(bare)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        let insert = "INSERT INTO execution_events (attempt_id, seq, kind, payload, at)
+             SELECT u.a, u.s, 'output', '{}', now() FROM UNNEST($1::uuid[], $2::bigint[]) AS u(a, s)";
+        let code = |e: sqlx::Error| {
+            e.as_database_error()
+                .and_then(|d| d.code())
+                .map(|c| c.into_owned())
+        };
+        let events = |a: Uuid| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM execution_events WHERE attempt_id = $1",
+                )
+                .bind(a)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        };
+
+        // One row of a missing attempt fails the whole statement; the good rows are not stored.
+        let err = sqlx::query(insert)
+            .bind(vec![attempt, attempt, Uuid::new_v4()])
+            .bind(vec![1_i64, 2, 1])
+            .execute(&pool)
+            .await
+            .unwrap_err();
+        assert_eq!(code(err).as_deref(), Some("23503"));
+        assert_eq!(events(attempt).await, 0);
+        sqlx::query(insert)
+            .bind(vec![attempt, attempt])
+            .bind(vec![1_i64, 2])
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert_eq!(events(attempt).await, 2);
+
+        // Deleted or re-keyed, the attempt would leave its events behind.
+        for sql in [
+            "DELETE FROM attempts WHERE id = $1",
+            "UPDATE attempts SET id = gen_random_uuid() WHERE id = $1",
+        ] {
+            let err = sqlx::query(sql)
+                .bind(attempt)
+                .execute(&pool)
+                .await
+                .unwrap_err();
+            assert_eq!(code(err).as_deref(), Some("23503"), "{sql}");
+        }
+        // An attempt without events still can be (nothing else refers to it).
+        let n = sqlx::query("UPDATE attempts SET status = 'running' WHERE id = $1")
+            .bind(bare)
+            .execute(&pool)
+            .await
+            .unwrap()
+            .rows_affected();
+        assert_eq!(n, 1);
+
+        // An open insert of `bare`'s events holds its key-share lock: a delete of `bare` waits
+        // for it, then sees the committed events and fails.
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query(insert)
+            .bind(vec![bare])
+            .bind(vec![1_i64])
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let deleting = tokio::spawn({
+            let pool = pool.clone();
+            async move {
+                sqlx::query("DELETE FROM attempts WHERE id = $1")
+                    .bind(bare)
+                    .execute(&pool)
+                    .await
+            }
+        });
+        agentscope_testkit::wait_for(
+            "the delete to wait for the insert's lock",
+            Duration::from_secs(30),
+            || {
+                let pool = pool.clone();
+                async move {
+                    let n: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM pg_stat_activity
+                         WHERE datname = current_database() AND wait_event_type = 'Lock'
+                           AND query LIKE 'DELETE FROM attempts%'",
+                    )
+                    .fetch_one(&pool)
+                    .await
+                    .ok()?;
+                    (n == 1).then_some(())
+                }
+            },
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let err = deleting.await.unwrap().unwrap_err();
+        assert_eq!(code(err).as_deref(), Some("23503"));
+        assert_eq!(events(bare).await, 1);
+
+        // The other way round: an insert waits for an open delete of its attempt, then fails.
+        let doomed = Uuid::new_v4();
+        sqlx::query(
+            "INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id)
+             VALUES ($1, $2, $3, 3, 'queued', $4)",
+        )
+        .bind(doomed)
+        .bind(task)
+        .bind(ws)
+        .bind(agent)
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("DELETE FROM attempts WHERE id = $1")
+            .bind(doomed)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let inserting = tokio::spawn({
+            let pool = pool.clone();
+            async move {
+                sqlx::query(insert)
+                    .bind(vec![doomed])
+                    .bind(vec![1_i64])
+                    .execute(&pool)
+                    .await
+            }
+        });
+        agentscope_testkit::wait_for(
+            "the insert to wait for the delete's lock",
+            Duration::from_secs(30),
+            || {
+                let pool = pool.clone();
+                async move {
+                    let n: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM pg_stat_activity
+                         WHERE datname = current_database() AND wait_event_type = 'Lock'
+                           AND query LIKE 'INSERT INTO execution_events%'",
+                    )
+                    .fetch_one(&pool)
+                    .await
+                    .ok()?;
+                    (n == 1).then_some(())
+                }
+            },
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let err = inserting.await.unwrap().unwrap_err();
+        assert_eq!(code(err).as_deref(), Some("23503"));
+        assert_eq!(events(doomed).await, 0);
+        pool.close().await;
     }
 
     #[test]
