@@ -483,13 +483,19 @@ fn find_mcp<'a>(suffix: &str, mut names: impl Iterator<Item = &'a str>) -> Optio
 
 /// Identifiers containing `agentscope` in any string of a request body.
 pub(crate) fn mentioned_names(body: &Value) -> Vec<String> {
+    fn has_agentscope(text: &str) -> bool {
+        text.as_bytes()
+            .windows(b"agentscope".len())
+            .any(|w| w.eq_ignore_ascii_case(b"agentscope"))
+    }
     fn walk(v: &Value, out: &mut Vec<String>) {
         match v {
-            Value::String(text) => out.extend(
+            // Most strings do not mention it at all: only those are split into words.
+            Value::String(text) if has_agentscope(text) => out.extend(
                 text.split(|c: char| {
                     !(c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
                 })
-                .filter(|w| w.to_ascii_lowercase().contains("agentscope"))
+                .filter(|w| has_agentscope(w))
                 .map(str::to_string),
             ),
             Value::Array(items) => items.iter().for_each(|i| walk(i, out)),
@@ -860,27 +866,31 @@ async fn handle(st: Arc<AppState>, api: Api, uri: String, body: Bytes) -> Respon
             "request"
         ),
     }
-    st.log_line(&json!({
-        "path": uri,
-        "method": "POST",
-        "model": view.model,
-        "stream": view.stream,
-        "turn": decision.turn,
-        "outcome": decision.outcome,
-        "reply": match &decision.reply {
-            Reply::Text(t) => json!({"text": t}),
-            Reply::Tool {
-                say,
-                name,
-                args,
-                more,
-            } => json!({"say": say, "tool": name, "args": args, "more": more}),
-        },
-        "tools": view.tools.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
-        "tool_results": view.tool_results,
-        "body": req,
-    }))
-    .await;
+    // The line holds a copy of the whole request: built only when there is a log to write it
+    // to (a long conversation makes it the costliest step of a request).
+    if st.log.is_some() {
+        st.log_line(&json!({
+            "path": uri,
+            "method": "POST",
+            "model": view.model,
+            "stream": view.stream,
+            "turn": decision.turn,
+            "outcome": decision.outcome,
+            "reply": match &decision.reply {
+                Reply::Text(t) => json!({"text": t}),
+                Reply::Tool {
+                    say,
+                    name,
+                    args,
+                    more,
+                } => json!({"say": say, "tool": name, "args": args, "more": more}),
+            },
+            "tools": view.tools.iter().map(|t| t.name.clone()).collect::<Vec<_>>(),
+            "tool_results": view.tool_results,
+            "body": req,
+        }))
+        .await;
+    }
     if let Some(path) = decision
         .turn
         .and_then(|i| st.script.turns.get(i))

@@ -131,6 +131,30 @@ fn shell_args_follow_the_schema() {
     assert!(resolve_tool("mcp:read_issue", &json!({}), &codex).is_err());
 }
 
+/// Names mentioning agentscope in any case, anywhere in the body, each once and sorted; other
+/// words and strings are not names.
+#[test]
+fn mentioned_names_are_found_in_any_string() {
+    let body = json!({
+        "system": "Use the AgentScope_read_issue tool, not read_issue.",
+        "messages": [
+            {"content": [{"type": "text", "text": "call mcp__agentscope__comment (or agentscope.cli)"}]},
+            {"content": "nothing here; agent scope is two words"},
+            {"content": "again: mcp__agentscope__comment"},
+        ],
+        "n": 3,
+    });
+    assert_eq!(
+        mentioned_names(&body),
+        vec![
+            "AgentScope_read_issue",
+            "agentscope.cli",
+            "mcp__agentscope__comment"
+        ]
+    );
+    assert!(mentioned_names(&json!({"a": ["agent", "scope"]})).is_empty());
+}
+
 #[test]
 fn script_validation() {
     assert!(Script::from_json(r#"{"turns": [{"tool": "shell", "args": {}}]}"#).is_err());
