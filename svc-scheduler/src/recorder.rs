@@ -400,6 +400,21 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     for (_, v) in by_attempt.iter_mut() {
         v.sort_by_key(|&i| items[i].ev.as_ref().map(|(_, e)| e.seq).unwrap_or(0));
     }
+    if let [(attempt_id, idx)] = by_attempt.as_slice() {
+        let events: Vec<&ExecutionEvent> = idx
+            .iter()
+            .map(|&i| &items[i].ev.as_ref().expect("checked item").1)
+            .collect();
+        if let Some(task_id) = record_plain(ctx, *attempt_id, &events).await? {
+            let last = events.last().map_or(0, |e| e.seq);
+            for &i in idx {
+                items[i].res = Some(Ok(Outcome::Stored));
+            }
+            after.recorded.push((*attempt_id, task_id, last));
+            after.stored += idx.len() as u64;
+            return Ok(after);
+        }
+    }
     let mut ids: Vec<Uuid> = by_attempt.iter().map(|(a, _)| *a).collect();
     ids.sort();
     let mut tx = ctx.recorder_db.begin().await?;
@@ -463,13 +478,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
                 Ok(Outcome::Gap)
             } else {
                 let body = ev.body.as_ref().expect("checked body");
-                let (kind, mut payload) = to_record(body);
-                // Free text from a provider may carry NUL, which PostgreSQL cannot store.
-                crate::storable_json(&mut payload);
-                let at = chrono::Utc
-                    .timestamp_millis_opt(ev.at_ms)
-                    .single()
-                    .unwrap_or_else(chrono::Utc::now);
+                let (kind, payload, at) = row_of(ev, body);
                 rows.push(*attempt_id, seq, kind, payload, at);
                 a.last_seq = seq;
                 match body {
@@ -625,6 +634,90 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     Ok(after)
 }
 
+/// An event's row: its kind, its payload (made storable) and its time.
+fn row_of(
+    ev: &ExecutionEvent,
+    body: &Body,
+) -> (
+    &'static str,
+    serde_json::Value,
+    chrono::DateTime<chrono::Utc>,
+) {
+    let (kind, mut payload) = to_record(body);
+    // Free text from a provider may carry NUL, which PostgreSQL cannot store.
+    crate::storable_json(&mut payload);
+    let at = chrono::Utc
+        .timestamp_millis_opt(ev.at_ms)
+        .single()
+        .unwrap_or_else(chrono::Utc::now);
+    (kind, payload, at)
+}
+
+/// The usual case in one statement, its own transaction: `events` (checked, in seq order) are
+/// all of one attempt, change nothing but its `last_seq` (no lifecycle transition, no provider
+/// session), carry one lease token and host, and follow on from the attempt's `last_seq` while
+/// it is claimed or running under that token and host. Then they are stored, `last_seq` moves to
+/// the last of them, and the attempt's task is returned. Otherwise (a duplicate, a gap, a fenced
+/// holder, an unknown or finished attempt, a transition) nothing is written and the answer is
+/// None: the full path decides, under the attempt's lock, as it would have without this one.
+/// The attempt's row is locked by the statement's UPDATE, which checks its conditions again on
+/// the row's newest version when another transaction changed it meanwhile.
+async fn record_plain(
+    ctx: &Ctx,
+    attempt_id: Uuid,
+    events: &[&ExecutionEvent],
+) -> Result<Option<Uuid>, Error> {
+    let Some(first) = events.first() else {
+        return Ok(None);
+    };
+    // The full path compares host ids as the attempt's spells them.
+    let host = match Uuid::parse_str(&first.host_id) {
+        Ok(h) if h.to_string() == first.host_id => h,
+        _ => return Ok(None),
+    };
+    let plain = events.iter().enumerate().all(|(k, ev)| {
+        ev.seq == first.seq + k as u64
+            && ev.lease_token == first.lease_token
+            && ev.host_id == first.host_id
+            && matches!(&ev.body, Some(b) if !matches!(b, Body::Lifecycle(_) | Body::SessionStarted(_)))
+    });
+    if !plain {
+        return Ok(None);
+    }
+    let mut rows = Rows::default();
+    for ev in events {
+        let (kind, payload, at) = row_of(ev, ev.body.as_ref().expect("checked body"));
+        rows.push(attempt_id, ev.seq as i64, kind, payload, at);
+    }
+    let first_seq = first.seq as i64;
+    let task = sqlx::query_scalar!(
+        "WITH a AS (
+             UPDATE attempts SET last_seq = $5
+             WHERE id = $1 AND lease_token = $2 AND host_id = $3
+               AND status IN ('claimed', 'running') AND last_seq = $4::bigint - 1
+             RETURNING task_id
+         ), stored AS (
+             INSERT INTO execution_events (attempt_id, seq, kind, payload, at)
+             SELECT $1, u.seq, u.kind, u.payload, u.at
+             FROM a, UNNEST($6::bigint[], $7::text[], $8::jsonb[], $9::timestamptz[])
+                 AS u(seq, kind, payload, at)
+         )
+         SELECT task_id FROM a",
+        attempt_id,
+        first.lease_token as i64,
+        host,
+        first_seq,
+        first_seq + events.len() as i64 - 1,
+        &rows.seq,
+        &rows.kind as &[&str],
+        &rows.payload,
+        &rows.at,
+    )
+    .fetch_optional(&ctx.recorder_db)
+    .await?;
+    Ok(task)
+}
+
 /// Rows of `execution_events` as the columns of one multi-row INSERT.
 #[derive(Default)]
 struct Rows {
@@ -688,6 +781,11 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     let Some(body) = ev.body.as_ref() else {
         return Err(Error::Rejected("event has no body".into()));
     };
+    if let Some(task_id) = record_plain(ctx, attempt_id, &[&ev]).await? {
+        ctx.metrics.inc("agentscope_events_recorded_total", &[]);
+        crate::intake::notify(ctx, attempt_id, task_id, ev.seq, false).await;
+        return Ok(Outcome::Stored);
+    }
     let mut tx = ctx.recorder_db.begin().await?;
     let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
         return Err(Error::Rejected(format!("unknown attempt {attempt_id}")));
@@ -728,13 +826,7 @@ async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome,
     if seq > a.last_seq + 1 {
         return Ok(Outcome::Gap);
     }
-    let (kind, mut payload) = to_record(body);
-    // Free text from a provider may carry NUL, which PostgreSQL cannot store.
-    crate::storable_json(&mut payload);
-    let at = chrono::Utc
-        .timestamp_millis_opt(ev.at_ms)
-        .single()
-        .unwrap_or_else(chrono::Utc::now);
+    let (kind, payload, at) = row_of(&ev, body);
     sqlx::query!(
         "INSERT INTO execution_events (attempt_id, seq, kind, payload, at) VALUES ($1, $2, $3, $4, $5)",
         attempt_id,

@@ -252,56 +252,76 @@ async fn a_follower_that_reconnects_with_last_event_id_gets_the_rest() {
     assert_eq!(ids, stored_ids(&stack, &task_id).await, "no gap, no repeat");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rejects_the_bad() {
-    let mut stack = Stack::start("batch", StackOptions::default())
-        .await
-        .unwrap();
-    let gate = stack.dir.path.join("never");
-    // The attempt runs and stays quiet: the test writes its next events itself.
-    let task_id = gated_task(&stack, &gate, 1).await;
-    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let attempt = stack
-        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
-        .await
-        .unwrap();
-    let attempt_id = attempt["id"].as_str().unwrap().to_string();
-    let pg = stack.pg.clone();
-    let aid = attempt_id.clone();
-    // Its "ready" line is recorded: the host has nothing more to say until the gate opens.
-    let (host_id, token, last): (uuid::Uuid, i64, i64) =
-        kit::wait_for("the ready line", Duration::from_secs(30), || {
-            let (pg, aid) = (pg.clone(), aid.clone());
-            async move {
-                let ready: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM execution_events WHERE attempt_id = $1::uuid AND payload->>'text' = 'ready')",
-                )
-                .bind(&aid)
-                .fetch_one(&pg)
-                .await
-                .ok()?;
-                if !ready {
-                    return None;
+/// A running attempt that stays quiet (its command waits for a gate that never opens) once its
+/// "ready" line is recorded, so a test can write its next events itself.
+struct Quiet {
+    task_id: String,
+    attempt_id: String,
+    host: String,
+    token: i64,
+    /// The attempt's `last_seq` after its "ready" line.
+    last: i64,
+    subject: String,
+    _host: kit::Proc,
+}
+
+impl Quiet {
+    async fn start(stack: &Stack) -> Quiet {
+        let gate = stack.dir.path.join("never");
+        let task_id = gated_task(stack, &gate, 1).await;
+        let (host_child, _) = stack.host("h", "pool", 1).await.unwrap();
+        let attempt = stack
+            .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
+            .await
+            .unwrap();
+        let attempt_id = attempt["id"].as_str().unwrap().to_string();
+        let pg = stack.pg.clone();
+        let aid = attempt_id.clone();
+        let (host_id, token, last): (uuid::Uuid, i64, i64) =
+            kit::wait_for("the ready line", Duration::from_secs(30), || {
+                let (pg, aid) = (pg.clone(), aid.clone());
+                async move {
+                    let ready: bool = sqlx::query_scalar(
+                        "SELECT EXISTS (SELECT 1 FROM execution_events WHERE attempt_id = $1::uuid AND payload->>'text' = 'ready')",
+                    )
+                    .bind(&aid)
+                    .fetch_one(&pg)
+                    .await
+                    .ok()?;
+                    if !ready {
+                        return None;
+                    }
+                    sqlx::query_as(
+                        "SELECT host_id, lease_token, last_seq FROM attempts WHERE id = $1::uuid",
+                    )
+                    .bind(&aid)
+                    .fetch_one(&pg)
+                    .await
+                    .ok()
                 }
-                sqlx::query_as(
-                    "SELECT host_id, lease_token, last_seq FROM attempts WHERE id = $1::uuid",
-                )
-                .bind(&aid)
-                .fetch_one(&pg)
-                .await
-                .ok()
-            }
-        })
-        .await
-        .unwrap();
-    let host = host_id.to_string();
-    let subject = agentscope_bus::subjects::events(&host, &attempt_id);
-    let event = |seq: i64, token: i64, text: &str| {
+            })
+            .await
+            .unwrap();
+        let host = host_id.to_string();
+        let subject = agentscope_bus::subjects::events(&host, &attempt_id);
+        Quiet {
+            task_id,
+            attempt_id,
+            host,
+            token,
+            last,
+            subject,
+            _host: host_child,
+        }
+    }
+
+    /// An output event of the attempt, encoded.
+    fn event(&self, seq: i64, token: i64, text: &str) -> Vec<u8> {
         ExecutionEvent {
-            attempt_id: attempt_id.clone(),
+            attempt_id: self.attempt_id.clone(),
             seq: seq as u64,
             lease_token: token as u64,
-            host_id: host.clone(),
+            host_id: self.host.clone(),
             at_ms: agentscope_bus::now_ms(),
             body: Some(Body::Output(Output {
                 stream: "stdout".into(),
@@ -310,7 +330,40 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
             })),
         }
         .encode_to_vec()
-    };
+    }
+
+    /// The attempt's stored output after its "ready" line: (seq, text).
+    async fn texts(&self, stack: &Stack) -> Vec<(i64, String)> {
+        sqlx::query_as(
+            "SELECT seq, payload->>'text' FROM execution_events WHERE attempt_id = $1::uuid AND seq > $2 ORDER BY seq",
+        )
+        .bind(&self.attempt_id)
+        .bind(self.last)
+        .fetch_all(&stack.pg)
+        .await
+        .unwrap()
+    }
+
+    /// The recorder's rejections of the attempt's events, by reason.
+    async fn rejected(&self, stack: &Stack) -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT reason FROM rejected_messages WHERE consumer = 'recorder' AND subject = $1 ORDER BY reason",
+        )
+        .bind(&self.subject)
+        .fetch_all(&stack.pg)
+        .await
+        .unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rejects_the_bad() {
+    let mut stack = Stack::start("batch", StackOptions::default())
+        .await
+        .unwrap();
+    let q = Quiet::start(&stack).await;
+    let (subject, token, last) = (q.subject.clone(), q.token, q.last);
+    let event = |seq: i64, token: i64, text: &str| q.event(seq, token, text);
     let several =
         |events: &[Vec<u8>]| agentscope_schemas::encode_batch(events.iter().map(|e| e.as_slice()));
     let batch: Vec<Vec<u8>> = vec![
@@ -345,24 +398,12 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
     }
     stack.restart_scheduler(false).await.unwrap();
 
-    let pg = stack.pg.clone();
-    let aid = attempt_id.clone();
-    let texts: Vec<(i64, String)> = kit::wait_for(
+    let texts = kit::wait_for(
         "the good events recorded",
         Duration::from_secs(30),
-        || {
-            let (pg, aid) = (pg.clone(), aid.clone());
-            async move {
-                let rows: Vec<(i64, String)> = sqlx::query_as(
-                    "SELECT seq, payload->>'text' FROM execution_events WHERE attempt_id = $1::uuid AND seq > $2 ORDER BY seq",
-                )
-                .bind(&aid)
-                .bind(last)
-                .fetch_all(&pg)
-                .await
-                .ok()?;
-                (rows.len() >= 6).then_some(rows)
-            }
+        || async {
+            let rows = q.texts(&stack).await;
+            (rows.len() >= 6).then_some(rows)
         },
     )
     .await
@@ -373,20 +414,9 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
             .map(|i| (last + i, format!("good-{i}")))
             .collect::<Vec<_>>()
     );
-    let pg = stack.pg.clone();
-    let reasons: Vec<String> = kit::wait_for("the bad ones rejected", Duration::from_secs(30), || {
-        let pg = pg.clone();
-        let subject = subject.clone();
-        async move {
-            let r: Vec<String> = sqlx::query_scalar(
-                "SELECT reason FROM rejected_messages WHERE consumer = 'recorder' AND subject = $1 ORDER BY reason",
-            )
-            .bind(subject)
-            .fetch_all(&pg)
-            .await
-            .ok()?;
-            (r.len() >= 2).then_some(r)
-        }
+    let reasons = kit::wait_for("the bad ones rejected", Duration::from_secs(30), || async {
+        let r = q.rejected(&stack).await;
+        (r.len() >= 2).then_some(r)
     })
     .await
     .unwrap();
@@ -401,11 +431,126 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
     );
     let (status, last_seq): (String, i64) =
         sqlx::query_as("SELECT status, last_seq FROM attempts WHERE id = $1::uuid")
-            .bind(&attempt_id)
+            .bind(&q.attempt_id)
             .fetch_one(&stack.pg)
             .await
             .unwrap();
     assert_eq!((status.as_str(), last_seq), ("running", last + 6));
+}
+
+/// Events that come one message at a time, each recorded alone, meet the checks a batch's
+/// meet: the next one is stored; a repeat changes nothing; a stale holder's is refused; one
+/// ahead of its time waits for the one before it; and once the attempt has ended, nothing more
+/// of it is stored, even under its own token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_one_at_a_time_meet_the_checks_of_a_batch() {
+    let stack = Stack::start("one-by-one", StackOptions::default())
+        .await
+        .unwrap();
+    let q = Quiet::start(&stack).await;
+    let (token, last) = (q.token, q.last);
+    let js = async_nats::jetstream::new(stack.nats.service_client("scheduler").await.unwrap());
+    let events = js.get_stream(agentscope_bus::STREAM_EVENTS).await.unwrap();
+    // Publishes one message and waits until the recorder has settled it (acknowledged it, or,
+    // for one that waits for an earlier event, been handed it and not acknowledged it).
+    let publish = |payload: Vec<u8>, settled: bool| {
+        let (js, events, subject) = (js.clone(), events.clone(), q.subject.clone());
+        async move {
+            let seq = js
+                .publish(subject, payload.into())
+                .await
+                .unwrap()
+                .await
+                .unwrap()
+                .sequence;
+            kit::wait_for(
+                "the recorder to take the message",
+                Duration::from_secs(30),
+                || {
+                    let events = events.clone();
+                    async move {
+                        let c = events
+                            .consumer_info(agentscope_bus::CONSUMER_RECORDER)
+                            .await
+                            .ok()?;
+                        let done = if settled {
+                            c.ack_floor.stream_sequence >= seq
+                        } else {
+                            c.delivered.stream_sequence >= seq
+                        };
+                        done.then_some(())
+                    }
+                },
+            )
+            .await
+            .unwrap();
+        }
+    };
+
+    publish(q.event(last + 1, token, "one"), true).await;
+    assert_eq!(q.texts(&stack).await, vec![(last + 1, "one".to_string())]);
+    // A repeat of seq last+1, with other text: a duplicate, dropped.
+    publish(q.event(last + 1, token, "again"), true).await;
+    // A stale holder's next event: refused.
+    publish(q.event(last + 2, token + 1000, "stale"), true).await;
+    assert_eq!(q.texts(&stack).await, vec![(last + 1, "one".to_string())]);
+    let rejected = q.rejected(&stack).await;
+    assert!(
+        rejected.len() == 1 && rejected[0].starts_with("fenced"),
+        "{rejected:?}"
+    );
+    // One ahead of its time waits; the one before it comes, and both are stored in order.
+    publish(q.event(last + 3, token, "three"), false).await;
+    assert_eq!(q.texts(&stack).await.len(), 1);
+    publish(q.event(last + 2, token, "two"), true).await;
+    let texts = kit::wait_for("the late event stored", Duration::from_secs(30), || async {
+        let rows = q.texts(&stack).await;
+        (rows.len() == 3).then_some(rows)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        texts,
+        vec![
+            (last + 1, "one".to_string()),
+            (last + 2, "two".to_string()),
+            (last + 3, "three".to_string()),
+        ]
+    );
+
+    // The attempt ends (cancelled); its holder's token no longer stores anything.
+    stack
+        .api
+        .post(
+            &format!("/v1/tasks/{}/cancel", q.task_id),
+            json!({"reason": "test"}),
+        )
+        .await
+        .unwrap();
+    stack
+        .wait_task(&q.task_id, "cancelled", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let end: i64 = sqlx::query_scalar("SELECT last_seq FROM attempts WHERE id = $1::uuid")
+        .bind(&q.attempt_id)
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+    publish(q.event(end + 1, token, "after the end"), true).await;
+    let stored: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM execution_events WHERE attempt_id = $1::uuid AND seq > $2",
+    )
+    .bind(&q.attempt_id)
+    .bind(end)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(stored, 0);
+    let rejected = q.rejected(&stack).await;
+    assert!(
+        rejected.iter().any(|r| r.contains("already")),
+        "{rejected:?}"
+    );
 }
 
 /// A stopping gateway ends every open live stream with `shutdown` (the client resumes elsewhere
