@@ -11,7 +11,9 @@
 --     waits for it, and one already under way makes the check fail;
 --   * an attempt that has events can be neither deleted nor given another id.
 -- Attempts are never deleted and their ids never change; the second pair of triggers is there
--- so that no later change can orphan events silently.
+-- so that no later change can orphan events silently. Both checks read with a fresh snapshot
+-- after taking their lock, which is what READ COMMITTED (every service's isolation level) does;
+-- a deleting transaction at REPEATABLE READ would not see events committed after it began.
 ALTER TABLE execution_events DROP CONSTRAINT execution_events_attempt_id_fkey;
 
 CREATE FUNCTION execution_events_have_attempts() RETURNS trigger LANGUAGE plpgsql AS $$
