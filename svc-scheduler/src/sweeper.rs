@@ -16,22 +16,33 @@ static REJECTED_WARNING: agentscope_telemetry::Throttle =
 pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(ctx.config.sweep_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut orphans = OrphanCursor::default();
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             _ = tick.tick() => {}
         }
-        if let Err(e) = sweep(&ctx).await {
+        if let Err(e) = sweep(&ctx, &mut orphans).await {
             tracing::warn!(error = ?e, "sweep failed; next tick retries");
         }
     }
 }
 
-async fn sweep(ctx: &Ctx) -> Result<(), crate::Error> {
+async fn sweep(ctx: &Ctx, orphans: &mut OrphanCursor) -> Result<(), crate::Error> {
     sweep_leases(ctx).await?;
     crate::approvals::expire(ctx).await?;
-    sweep_rest(ctx).await
+    sweep_rest(ctx, orphans).await
 }
+
+/// Tasks without an attempt one sweep reads at most.
+const ORPHAN_PAGE: i64 = 200;
+
+/// Where the next sweep for tasks without an attempt reads from: after the last task the
+/// previous one read (`created_at`, `id`), or from the oldest once a page came back short. Tasks
+/// that can never have an attempt stay in that set; read from the oldest every time, a page of
+/// them would hide every task after it.
+#[derive(Default)]
+struct OrphanCursor(Option<(chrono::DateTime<chrono::Utc>, Uuid)>);
 
 async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
     // 1. Active attempts whose lease key is gone (expired or purged) are lost. A claim creates
@@ -84,24 +95,38 @@ async fn unrecorded_events(
         }))
 }
 
-async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
+async fn sweep_rest(ctx: &Ctx, cursor: &mut OrphanCursor) -> Result<(), crate::Error> {
     // 2. Tasks stored without their attempt (by a gateway of an earlier version or a tool, whose
     // submission message may be lost). Only tasks not yet known to have one are read (a partial
-    // index, migration 0009): those that have one by now are marked, the rest get one.
-    let orphans = sqlx::query_scalar!(
+    // index, migration 0009), a page per sweep from where the last one ended: those that have one
+    // by now are marked, the rest get one.
+    let (after_at, after_id) = cursor.0.unzip();
+    let page = sqlx::query!(
         r#"WITH unknown AS (
-               SELECT id FROM tasks WHERE NOT has_attempt
-                  AND created_at < now() - interval '2 seconds' ORDER BY created_at LIMIT 200
+               SELECT id, created_at FROM tasks WHERE NOT has_attempt
+                  AND created_at < now() - interval '2 seconds'
+                  AND created_at >= COALESCE($1::timestamptz, '-infinity')
+                  AND (created_at, id) > (COALESCE($1::timestamptz, '-infinity'), COALESCE($2::uuid, '00000000-0000-0000-0000-000000000000'))
+               ORDER BY created_at, id LIMIT $3
            ), marked AS (
                UPDATE tasks t SET has_attempt = true FROM unknown u
                 WHERE t.id = u.id AND EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = u.id)
                RETURNING t.id
            )
-           SELECT u.id AS "id!" FROM unknown u WHERE u.id NOT IN (SELECT id FROM marked)"#,
+           SELECT u.id AS "id!", u.created_at AS "created_at!",
+                  u.id IN (SELECT id FROM marked) AS "marked!"
+           FROM unknown u ORDER BY u.created_at, u.id"#,
+        after_at,
+        after_id,
+        ORPHAN_PAGE,
     )
     .fetch_all(&ctx.db)
     .await?;
-    for task_id in orphans {
+    let next = match page.last() {
+        Some(last) if page.len() as i64 == ORPHAN_PAGE => Some((last.created_at, last.id)),
+        _ => None,
+    };
+    for task_id in page.into_iter().filter(|t| !t.marked).map(|t| t.id) {
         match attempts::ensure_first_attempt(ctx, task_id).await {
             Ok(_) => tracing::info!(%task_id, "scheduled a task found without attempt"),
             // A task that can never have an attempt (its row names what is not its
@@ -114,6 +139,8 @@ async fn sweep_rest(ctx: &Ctx) -> Result<(), crate::Error> {
             Err(e) => return Err(e),
         }
     }
+    // Only once the page is done: a sweep that failed reads it again.
+    cursor.0 = next;
 
     // 3. Queued attempts of tasks whose cancellation message was lost.
     // (`tasks_cancel_requested`, migration 0009: the tasks read are those with a request.)

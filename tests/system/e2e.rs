@@ -314,8 +314,9 @@ async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
     assert_eq!(spec["timeout_source"], "default", "{spec}");
     assert!(spec.get("timeout_secs").is_none(), "{spec}");
 
-    // A task that can never have an attempt (stored by a tool under another workspace, naming
-    // this one's agent), older than the next: the sweep must not stop at it on every tick.
+    // Tasks that can never have an attempt (stored by a tool under another workspace, naming
+    // this one's agent), a whole sweep's page of them (200), older than the next: the sweep must
+    // not stop at them on every tick.
     let other = stack
         .api
         .with_token(ADMIN_TOKEN)
@@ -324,9 +325,9 @@ async fn a_submitted_task_has_its_first_attempt_before_a_scheduler_sees_it() {
         .unwrap();
     sqlx::query(
         "INSERT INTO tasks (id, workspace_id, agent_id, input, created_at)
-         VALUES ($1, $2, $3, 'stray', now() - interval '1 minute')",
+         SELECT gen_random_uuid(), $1, $2, 'stray', now() - interval '1 minute'
+         FROM generate_series(1, 200)",
     )
-    .bind(uuid::Uuid::now_v7())
     .bind(uuid::Uuid::parse_str(other["workspace"]["id"].as_str().unwrap()).unwrap())
     .bind(uuid::Uuid::parse_str(&agent).unwrap())
     .execute(&stack.pg)
