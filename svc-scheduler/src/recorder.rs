@@ -689,12 +689,13 @@ async fn record_plain(
         let (kind, payload, at) = row_of(ev, ev.body.as_ref().expect("checked body"));
         rows.push(attempt_id, ev.seq as i64, kind, payload, at);
     }
-    let first_seq = first.seq as i64;
+    // `last_seq` before the first of them, and after the last.
+    let before = first.seq as i64 - 1;
     let task = sqlx::query_scalar!(
         "WITH a AS (
              UPDATE attempts SET last_seq = $5
              WHERE id = $1 AND lease_token = $2 AND host_id = $3
-               AND status IN ('claimed', 'running') AND last_seq = $4::bigint - 1
+               AND status IN ('claimed', 'running') AND last_seq = $4
              RETURNING task_id
          ), stored AS (
              INSERT INTO execution_events (attempt_id, seq, kind, payload, at)
@@ -706,8 +707,8 @@ async fn record_plain(
         attempt_id,
         first.lease_token as i64,
         host,
-        first_seq,
-        first_seq + events.len() as i64 - 1,
+        before,
+        before + events.len() as i64,
         &rows.seq,
         &rows.kind as &[&str],
         &rows.payload,

@@ -105,6 +105,7 @@ async fn sweep_rest(ctx: &Ctx, cursor: &mut OrphanCursor) -> Result<(), crate::E
         r#"WITH unknown AS (
                SELECT id, created_at FROM tasks WHERE NOT has_attempt
                   AND created_at < now() - interval '2 seconds'
+                  -- implied by the next line; said alone, it bounds the index scan
                   AND created_at >= COALESCE($1::timestamptz, '-infinity')
                   AND (created_at, id) > (COALESCE($1::timestamptz, '-infinity'), COALESCE($2::uuid, '00000000-0000-0000-0000-000000000000'))
                ORDER BY created_at, id LIMIT $3
