@@ -125,7 +125,7 @@ impl App {
         } = self;
         let app = router(state.clone());
         sup.spawn_once("http", move |stop| async move {
-            axum::serve(listener, app)
+            axum::serve(health::no_delay(listener), app)
                 .with_graceful_shutdown(stop.cancelled_owned())
                 .await
                 .context("serve HTTP")

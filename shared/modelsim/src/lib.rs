@@ -654,7 +654,7 @@ pub async fn serve(
     log: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     let app = router(script, log).await?;
-    axum::serve(listener, app).await?;
+    axum::serve(agentscope_telemetry::health::no_delay(listener), app).await?;
     Ok(())
 }
 
@@ -668,7 +668,7 @@ pub async fn spawn(
     let local = listener.local_addr()?;
     let app = router(script, log).await?;
     let handle = tokio::spawn(async move {
-        axum::serve(listener, app).await?;
+        axum::serve(agentscope_telemetry::health::no_delay(listener), app).await?;
         Ok(())
     });
     Ok((local, handle))

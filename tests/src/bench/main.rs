@@ -235,6 +235,7 @@ async fn main() -> Result<()> {
                 hosts: 1,
                 capacity: 4,
                 stamp: setup::Stamp::Glibc,
+                gap_ms: 0,
             }),
             One::Bulk(w1::BulkArgs {
                 tasks: a.bulk_tasks,

@@ -63,7 +63,7 @@ async fn model_server(script: Value, timings: Timings) -> Result<String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
+        let _ = axum::serve(agentscope_telemetry::health::no_delay(listener), app).await;
     });
     Ok(format!("http://{addr}"))
 }

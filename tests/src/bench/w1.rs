@@ -27,6 +27,10 @@ pub struct LowArgs {
     /// libc: started at its `execve`).
     #[arg(long, value_enum, default_value_t)]
     pub stamp: setup::Stamp,
+    /// Idle time between one task's end and the next submission (sparse arrivals: the stack
+    /// sits idle, its caches go cold, as between a team's tasks). 0: back to back.
+    #[arg(long, default_value_t = 0)]
+    pub gap_ms: u64,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -103,6 +107,9 @@ pub async fn low(args: &LowArgs) -> Result<Value> {
     let probe = Probe::start(&pg, &stack.db.name).await;
     let mut runs: Vec<(String, f64, f64)> = Vec::new();
     for i in 0..args.tasks {
+        if args.gap_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(args.gap_ms)).await;
+        }
         let t0 = now_ms();
         let clock = Instant::now();
         let id = setup::submit(&stack, &agent, &format!("{i}")).await?;
