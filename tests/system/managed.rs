@@ -949,26 +949,10 @@ async fn decision_still_committing(on_worker: bool) {
         .await
         .unwrap();
     nc.flush().await.unwrap();
-    let pg = stack.pg.clone();
-    kit::wait_for(
-        "the replica's read of the decision to wait for its transaction",
-        Duration::from_secs(30),
-        || {
-            let pg = pg.clone();
-            async move {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-                     AND wait_event_type = 'Lock' AND query LIKE '%FROM approvals WHERE session_id%'",
-                )
-                .fetch_one(&pg)
-                .await
-                .ok()?;
-                (n > 0).then_some(())
-            }
-        },
-    )
-    .await
-    .unwrap();
+    // The replica's read of the decision waits for its transaction.
+    kit::wait_for_lock(&stack.pg, "FROM approvals WHERE session_id")
+        .await
+        .unwrap();
     let s = stack.api.get(&format!("/v1/sessions/{id}")).await.unwrap();
     assert_eq!(
         s["status"], "awaiting_approval",

@@ -299,7 +299,9 @@ mod tests {
                     .await
             }
         });
-        waiting_on_a_lock(&pool, "DELETE FROM attempts").await;
+        agentscope_testkit::wait_for_lock(&pool, "DELETE FROM attempts")
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         let err = deleting.await.unwrap().unwrap_err();
         assert_eq!(code(err).as_deref(), Some("23503"));
@@ -334,37 +336,14 @@ mod tests {
                     .await
             }
         });
-        waiting_on_a_lock(&pool, "INSERT INTO execution_events").await;
+        agentscope_testkit::wait_for_lock(&pool, "INSERT INTO execution_events")
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         let err = inserting.await.unwrap().unwrap_err();
         assert_eq!(code(err).as_deref(), Some("23503"));
         assert_eq!(events(doomed).await, 0);
         pool.close().await;
-    }
-
-    /// Waits until one statement of this database starting with `prefix` waits on a lock.
-    async fn waiting_on_a_lock(pool: &PgPool, prefix: &str) {
-        agentscope_testkit::wait_for(
-            &format!("`{prefix}` to wait on a lock"),
-            Duration::from_secs(30),
-            || {
-                let pool = pool.clone();
-                async move {
-                    let n: i64 = sqlx::query_scalar(
-                        "SELECT count(*) FROM pg_stat_activity
-                         WHERE datname = current_database() AND wait_event_type = 'Lock'
-                           AND starts_with(query, $1)",
-                    )
-                    .bind(prefix)
-                    .fetch_one(&pool)
-                    .await
-                    .ok()?;
-                    (n == 1).then_some(())
-                }
-            },
-        )
-        .await
-        .unwrap();
     }
 
     #[test]

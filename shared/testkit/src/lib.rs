@@ -66,6 +66,31 @@ where
     }
 }
 
+/// Waits until a statement of `pool`'s database whose text contains `part` waits on a lock
+/// (another transaction holds what it needs): the point where a test lets that transaction go.
+pub async fn wait_for_lock(pool: &sqlx::PgPool, part: &str) -> Result<()> {
+    wait_for(
+        &format!("a statement with `{part}` to wait on a lock"),
+        Duration::from_secs(30),
+        || {
+            let pool = pool.clone();
+            async move {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'
+                       AND strpos(query, $1) > 0",
+                )
+                .bind(part)
+                .fetch_one(&pool)
+                .await
+                .ok()?;
+                (n > 0).then_some(())
+            }
+        },
+    )
+    .await
+}
+
 /// The nats-server to use: AGENTSCOPE_NATS_SERVER, else `nats-server` on PATH if it is 2.11+.
 pub fn nats_server_bin() -> Result<PathBuf> {
     let candidates: Vec<PathBuf> = std::env::var_os("AGENTSCOPE_NATS_SERVER")
