@@ -5,6 +5,7 @@
 //! tasks); everything it asks of the scheduler goes over the bus.
 
 pub mod api;
+mod batch;
 mod config;
 mod dispatch;
 mod error;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub(crate) dispatching: dispatch::InFlight,
     /// Attempt plans kept per agent for submissions (checked where they are stored).
     pub(crate) plans: plans::Plans,
+    /// Submissions queued up behind each other, stored in batches.
+    pub(crate) batches: batch::Batches,
     pub config: Arc<Config>,
     pub metrics: Metrics,
     /// (attempt id, task id, whether the attempt ended) of every commit of the recorder (and of
@@ -93,6 +96,7 @@ impl App {
                 leases: Default::default(),
                 dispatching: Default::default(),
                 plans: Default::default(),
+                batches: Default::default(),
                 config: Arc::new(config),
                 metrics: Metrics::default(),
                 recorded,

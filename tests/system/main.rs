@@ -31,3 +31,4 @@ mod limits;
 mod managed;
 mod restart;
 mod sql_offline;
+mod submissions;

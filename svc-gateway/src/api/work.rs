@@ -388,7 +388,19 @@ async fn store_task(
         )),
         _ => None,
     };
-    Ok(Some(Stored {
+    Ok(Some(stored(id, attempt_id, created_at, p, claim, turn)))
+}
+
+/// What a submission stored: the task `id` and its attempt 1, `attempt_id`, as planned by `p`.
+fn stored(
+    id: Uuid,
+    attempt_id: Uuid,
+    created_at: chrono::DateTime<chrono::Utc>,
+    p: agentscope_store::first_attempt::Plan,
+    claim: Option<(crate::dispatch::Claim, String)>,
+    turn: Option<crate::dispatch::Turn>,
+) -> Stored {
+    Stored {
         id,
         created_at,
         pool_id: p.pool_id,
@@ -415,7 +427,55 @@ async fn store_task(
             events: 0,
             remedy: None,
         },
-    }))
+    }
+}
+
+/// Stores `sub` in a batch with other submissions (`crate::batch`) when it is one that is stored
+/// queued by its agent's kept plan: no issue, no idempotency key, and no direct dispatch for it
+/// (this gateway's dispatch for the pool is under way). `None`: store it on its own
+/// ([`insert_task`]), as also when the kept plan turned out stale or PostgreSQL refused the
+/// batch.
+async fn batched(s: &AppState, sub: &Submission<'_>) -> Result<Option<Stored>, sqlx::Error> {
+    let task = &sub.task;
+    if sub.idempotency_key.is_some() || task.issue_id.is_some() {
+        return Ok(None);
+    }
+    let Some(kept) = s.plans.get(task.workspace_id, task.agent_id) else {
+        return Ok(None);
+    };
+    let p = kept.plan(task, None);
+    // One that may be dispatched directly goes on its own (the turn is taken again there).
+    if let (Some((pools, _)), Some(pool)) = (dispatching(s), p.pool_id)
+        && pools.enter(pool).is_some()
+    {
+        return Ok(None);
+    }
+    let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
+    let item = crate::batch::Item {
+        workspace_id: task.workspace_id,
+        agent_id: task.agent_id,
+        kept,
+        plan: p.clone(),
+        task_id: id,
+        attempt_id,
+        repository: task.repository.map(str::to_string),
+        branch: task.branch.map(str::to_string),
+        input: task.input.to_string(),
+        timeout_secs: task.timeout_secs,
+        request_hash: sub.request_hash.map(str::to_string),
+    };
+    Ok(
+        match s.batches.submit(&s.submit_db, &s.metrics, item).await? {
+            crate::batch::Outcome::Stored(created_at) => {
+                Some(stored(id, attempt_id, created_at, p, None, None))
+            }
+            crate::batch::Outcome::Stale => {
+                s.plans.forget(task.workspace_id, task.agent_id);
+                None
+            }
+            crate::batch::Outcome::Alone => None,
+        },
+    )
 }
 
 /// Direct dispatch's settings and this gateway's pools under way, if it is on.
@@ -495,8 +555,8 @@ pub async fn create_task(
             return Ok((StatusCode::OK, Json(task_json(&s, auth, id).await?)));
         }
     }
-    // The task and its first attempt, in one statement.
-    let mut conn = s.submit_db.acquire().await?;
+    // The task and its first attempt, in one statement (with other submissions' when they
+    // queue up behind each other).
     let sub = Submission {
         task: TaskFields {
             workspace_id: auth.workspace_id,
@@ -510,8 +570,14 @@ pub async fn create_task(
         idempotency_key: b.idempotency_key.as_deref(),
         request_hash: Some(&hash),
     };
-    let stored = insert_task(&mut conn, &sub, dispatching(&s), &s.plans).await;
-    drop(conn);
+    let stored = match batched(&s, &sub).await {
+        Ok(Some(stored)) => Ok(Some(stored)),
+        Ok(None) => {
+            let mut conn = s.submit_db.acquire().await?;
+            insert_task(&mut conn, &sub, dispatching(&s), &s.plans).await
+        }
+        Err(e) => Err(e),
+    };
     let stored = match stored {
         Ok(Some(stored)) => stored,
         Ok(None) => {
