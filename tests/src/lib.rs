@@ -9,6 +9,28 @@ use std::time::Duration;
 
 pub use agentscope_testkit as kit;
 
+/// One series of the Prometheus page at `base` + `/metrics`: the value on the line that starts
+/// with `series` (a name, with its labels if it has any, e.g.
+/// `agentscope_dispatch_total{result="offered"}`), 0 while the page has no such line; None when
+/// the page cannot be read.
+pub async fn metric(base: &str, series: &str) -> Option<f64> {
+    let text = kit::http_client()
+        .get(format!("{base}/metrics"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    Some(
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0),
+    )
+}
+
 /// The benchmark's stamp without libc (tests/stamp_bare, compiled by tests/build.rs): prints
 /// `stamp <unix nanoseconds>` read first thing after its `execve`. Empty where it is not built
 /// (other than x86_64 Linux).

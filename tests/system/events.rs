@@ -9,21 +9,9 @@ use std::time::Duration;
 
 /// The gateway's count of SSE streams opened so far.
 async fn sse_streams(api: &Api) -> Option<u64> {
-    let text = api
-        .client
-        .get(format!("{}/metrics", api.base))
-        .send()
+    metric(&api.base, "agentscope_sse_streams_total")
         .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    text.lines()
-        .find(|l| l.starts_with("agentscope_sse_streams_total"))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse::<f64>().ok())
         .map(|v| v as u64)
-        .or(Some(0))
 }
 
 /// The ids (`number:seq`) of a task's events in the database, in order.

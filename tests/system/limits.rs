@@ -874,19 +874,8 @@ async fn attempts_ending_in_one_batch_end_together_with_their_start_times() {
 
 /// One of the gateway's metrics, by its `result` label, from its `/metrics`.
 async fn dispatches(stack: &Stack, result: &str) -> u64 {
-    let text = kit::http_client()
-        .get(format!("{}/metrics", stack.api.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let prefix = format!("agentscope_dispatch_total{{result=\"{result}\"}}");
-    text.lines()
-        .find_map(|l| l.strip_prefix(prefix.as_str()))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0)
+    let series = format!("agentscope_dispatch_total{{result=\"{result}\"}}");
+    metric(&stack.api.base, &series).await.unwrap() as u64
 }
 
 /// A task whose pool has an idle host is claimed for that host and offered to it by the

@@ -9,20 +9,9 @@ use std::time::Duration;
 
 /// The gateway's gauge of submissions handed to its batches and not answered yet.
 async fn batching(stack: &Stack) -> Option<i64> {
-    let text = kit::http_client()
-        .get(format!("{}/metrics", stack.api.base))
-        .send()
+    metric(&stack.api.base, "agentscope_submissions_batching")
         .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    Some(
-        text.lines()
-            .find_map(|l| l.strip_prefix("agentscope_submissions_batching "))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0),
-    )
+        .map(|v| v as i64)
 }
 
 /// A stack without direct dispatch (every submission is stored queued), no host, and an agent
