@@ -174,27 +174,6 @@ pub(crate) async fn lock_many(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<Vec<Activ
         .collect()
 }
 
-/// Locks the concurrency counters that ending these attempts will move, in the global order
-/// claims use (workspace, pool, agents by id, hosts by id). A transaction that ends several
-/// attempts would otherwise take them in the order of its attempts, and two such transactions,
-/// or one and a claim, could each hold a counter the other waits for.
-pub(crate) async fn lock_counters_of(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<(), Error> {
-    sqlx::query!(
-        r#"SELECT c.active FROM attempt_counts c
-           JOIN (SELECT 'workspace'::text AS scope, workspace_id AS id FROM attempts WHERE id = ANY($1)
-                 UNION SELECT 'pool', pool_id FROM attempts WHERE id = ANY($1) AND pool_id IS NOT NULL
-                 UNION SELECT 'agent', agent_id FROM attempts WHERE id = ANY($1)
-                 UNION SELECT 'host', host_id FROM attempts WHERE id = ANY($1) AND host_id IS NOT NULL) k
-             ON c.scope = k.scope AND c.id = k.id
-           ORDER BY CASE c.scope WHEN 'workspace' THEN 0 WHEN 'pool' THEN 1 WHEN 'agent' THEN 2 ELSE 3 END, c.id
-           FOR UPDATE OF c"#,
-        ids,
-    )
-    .fetch_all(&mut **tx)
-    .await?;
-    Ok(())
-}
-
 /// How one attempt ends: see [`finish_many`].
 pub(crate) struct End<'a> {
     pub a: &'a Active,
@@ -228,10 +207,10 @@ pub(crate) async fn finish(
     Ok(finish_many(tx, &[end]).await?.pop().flatten())
 }
 
-/// [`finish`] for several attempts (distinct, locked by the caller, their counters locked in
-/// the global order when there are several): one statement ends them all and denies their
-/// pending approvals; only a retry or fallback takes statements of its own. Returns, per
-/// attempt in order, the pool of its retry to nudge.
+/// [`finish`] for several attempts (distinct, locked by the caller): one statement ends them all
+/// and denies their pending approvals; only a retry or fallback takes statements of its own.
+/// Their counters take no lock (an end appends deltas: migration 0013). Returns, per attempt in
+/// order, the pool of its retry to nudge.
 pub(crate) async fn finish_many(
     tx: &mut Tx<'_>,
     ends: &[End<'_>],

@@ -4,6 +4,8 @@
 //! No workspace-wide lock: candidates are taken with `FOR UPDATE SKIP LOCKED`, and each limit
 //! is a row of `attempt_counts` (kept by a trigger on `attempts`, in the same transaction as
 //! every status change, whoever makes it) that the claim locks and reads before it decides.
+//! An end does not lock it: it appends a delta that the next claim to lock the row folds in
+//! (migration 0013), so the recorder's ends and the claims never wait for each other.
 //! One claim takes as many attempts as the host has free slots, and its reply says how many
 //! more are waiting.
 //!

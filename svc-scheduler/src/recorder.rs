@@ -556,17 +556,6 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         .execute(&mut *tx)
         .await?;
     }
-    // Several ends in one transaction: their counters first, in the global order.
-    let ending: Vec<Uuid> = changes
-        .iter()
-        .filter_map(|(_, c)| match c {
-            Change::Finish { a, .. } => Some(a.id),
-            _ => None,
-        })
-        .collect();
-    if ending.len() > 1 {
-        attempts::lock_counters_of(&mut tx, &ending).await?;
-    }
     // The transitions, a statement for each kind: an attempt's `running` comes before its end
     // and nothing after its end (fenced above), and each was decided against the attempt as
     // the events before it left it. A `running` that comes with the end is written by the end.

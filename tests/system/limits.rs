@@ -211,7 +211,7 @@ async fn limits_hold_with_two_schedulers() {
     assert!(pool_max >= 3, "work ran in parallel (max {pool_max})");
     // Nothing is left counted once everything ended.
     let left: Vec<(String, i32)> =
-        sqlx::query_as("SELECT scope, active FROM attempt_counts WHERE active <> 0")
+        sqlx::query_as("SELECT scope, active FROM attempt_counts_now WHERE active <> 0")
             .fetch_all(&stack.pg)
             .await
             .unwrap();
@@ -852,7 +852,7 @@ async fn attempts_ending_in_one_batch_end_together_with_their_start_times() {
         ]
     );
     let active: i32 = sqlx::query_scalar(
-        "SELECT active FROM attempt_counts WHERE scope = 'host' AND id = $1::uuid",
+        "SELECT active FROM attempt_counts_now WHERE scope = 'host' AND id = $1::uuid",
     )
     .bind(&host)
     .fetch_one(&stack.pg)
@@ -1023,7 +1023,7 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
             let attempt = t["attempts"][0]["id"].as_str().unwrap().to_string();
             let row: (String, Option<String>, Option<i64>, i64) = sqlx::query_as(
                 "SELECT status, host_id::text, lease_token,
-                        COALESCE((SELECT active FROM attempt_counts WHERE scope = 'host' AND id = $2::uuid), 0)::bigint
+                        COALESCE((SELECT active FROM attempt_counts_now WHERE scope = 'host' AND id = $2::uuid), 0)::bigint
                  FROM attempts WHERE id = $1::uuid",
             )
             .bind(&attempt)
@@ -1284,4 +1284,85 @@ async fn direct_dispatch_keeps_the_agent_limit() {
         .collect();
     assert_eq!(all.len(), 2);
     assert_eq!(max_overlap(&all), 1, "the agent ran two attempts at once");
+}
+
+/// An attempt's end takes no counter lock (migration 0013): with its host's counter row locked
+/// (as a claim holds it from its check to its commit), the end is still recorded, the counter as
+/// it stands (`attempt_counts_now`) already says the host is free, and the next claimer to lock
+/// the row folds the pending delta into it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_is_recorded_while_its_hosts_counter_is_locked() {
+    let stack = Stack::start("limits-end-unlocked", StackOptions::default())
+        .await
+        .unwrap();
+    let release = std::env::temp_dir().join(format!("agentscope-release-{}", uuid::Uuid::new_v4()));
+    let wait = format!("until [ -e {} ]; do sleep 0.02; done", release.display());
+    let (agent, _) = stack
+        .command_agent("held", "pool", &["sh", "-c", &wait], None)
+        .await
+        .unwrap();
+    let _host = stack.host("h1", "pool", 2).await.unwrap();
+    let t = stack
+        .api
+        .post("/v1/tasks", json!({"agent_id": agent, "input": "wait"}))
+        .await
+        .unwrap();
+    let task = t["id"].as_str().unwrap().to_string();
+    let a = stack
+        .wait_attempt(&task, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let host = a["host_id"].as_str().unwrap().to_string();
+    let counter = |pg: sqlx::PgPool, view: &'static str| {
+        let host = host.clone();
+        async move {
+            sqlx::query_scalar::<_, i32>(&format!(
+                "SELECT active FROM {view} WHERE scope = 'host' AND id = $1::uuid"
+            ))
+            .bind(&host)
+            .fetch_one(&pg)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(counter(stack.pg.clone(), "attempt_counts_now").await, 1);
+
+    let mut claim = stack.pg.begin().await.unwrap();
+    sqlx::query(
+        "SELECT active FROM attempt_counts WHERE scope = 'host' AND id = $1::uuid FOR UPDATE",
+    )
+    .bind(&host)
+    .execute(&mut *claim)
+    .await
+    .unwrap();
+    std::fs::write(&release, b"").unwrap();
+    stack
+        .wait_task(&task, "succeeded", Duration::from_secs(30))
+        .await
+        .unwrap();
+    // Recorded with the row still locked: the end is a pending delta.
+    assert_eq!(counter(stack.pg.clone(), "attempt_counts").await, 1);
+    assert_eq!(counter(stack.pg.clone(), "attempt_counts_now").await, 0);
+    claim.rollback().await.unwrap();
+    let _ = std::fs::remove_file(&release);
+
+    // A claimer's locked read folds it.
+    let folded: i32 = sqlx::query_scalar(
+        "INSERT INTO attempt_counts (scope, id, active) VALUES ('host', $1::uuid, 0)
+         ON CONFLICT (scope, id) DO UPDATE SET active = attempt_counts.active RETURNING active",
+    )
+    .bind(&host)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(folded, 0);
+    let pending: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM attempt_count_deltas WHERE scope = 'host' AND id = $1::uuid",
+    )
+    .bind(&host)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(pending, 0);
+    assert_eq!(counter(stack.pg.clone(), "attempt_counts").await, 0);
 }
