@@ -36,7 +36,9 @@ pub(crate) struct Item {
     pub agent_id: Uuid,
     /// The kept plan it was resolved by: submissions of one plan share a statement.
     pub kept: Arc<AgentPlan>,
+    /// Attempt 1's columns as that plan resolves them, but its spec (in `spec`).
     pub plan: Plan,
+    pub spec: serde_json::Value,
     pub task_id: Uuid,
     pub attempt_id: Uuid,
     pub repository: Option<String>,
@@ -155,7 +157,7 @@ async fn run(batches: Batches, db: sqlx::PgPool, metrics: Metrics) {
         for group in groups {
             let (items, replies): (Vec<Item>, Vec<_>) = group.into_iter().unzip();
             metrics.inc("agentscope_submission_batches_total", &[]);
-            let answer = store(&db, &items).await;
+            let answer = store(&db, items).await;
             {
                 let mut q = batches.0.lock().expect("submission queue");
                 q.pending -= replies.len();
@@ -175,32 +177,55 @@ async fn run(batches: Batches, db: sqlx::PgPool, metrics: Metrics) {
 }
 
 /// One plan's submissions in one statement: their `created_at`, or None when the plan is stale.
+/// Takes the items apart into the statement's columns (their inputs and specs are not copied).
 async fn store(
     db: &sqlx::PgPool,
-    items: &[Item],
+    items: Vec<Item>,
 ) -> Result<Option<chrono::DateTime<chrono::Utc>>, sqlx::Error> {
-    let first = &items[0];
-    let p = &first.plan;
-    let column =
-        |f: fn(&Item) -> Option<&str>| -> Vec<Option<&str>> { items.iter().map(f).collect() };
+    let n = items.len();
+    let (mut tasks, mut attempts, mut repositories, mut branches, mut inputs) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut timeouts, mut hashes, mut specs) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let mut items = items.into_iter();
+    let first = items.next().expect("a batch has a submission");
+    let (workspace_id, agent_id, p) = (first.workspace_id, first.agent_id, first.plan.clone());
+    for i in std::iter::once(first).chain(items) {
+        tasks.push(i.task_id);
+        attempts.push(i.attempt_id);
+        repositories.push(i.repository);
+        branches.push(i.branch);
+        inputs.push(i.input);
+        timeouts.push(i.timeout_secs);
+        hashes.push(i.request_hash);
+        specs.push(i.spec);
+    }
     let row = sqlx::query!(
         r#"SELECT r_stale AS "stale!", r_created_at AS created_at
            FROM submit_queued_tasks($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"#,
-        first.workspace_id,
-        first.agent_id,
+        workspace_id,
+        agent_id,
         p.agent_version_id,
         p.binding_id,
         p.pool_id,
         p.provider.as_deref(),
         &p.required_capabilities,
-        &items.iter().map(|i| i.task_id).collect::<Vec<_>>(),
-        &items.iter().map(|i| i.attempt_id).collect::<Vec<_>>(),
-        &column(|i| i.repository.as_deref()) as &[Option<&str>],
-        &column(|i| i.branch.as_deref()) as &[Option<&str>],
-        &items.iter().map(|i| i.input.as_str()).collect::<Vec<_>>() as &[&str],
-        &items.iter().map(|i| i.timeout_secs).collect::<Vec<_>>() as &[Option<i32>],
-        &column(|i| i.request_hash.as_deref()) as &[Option<&str>],
-        &items.iter().map(|i| i.plan.spec.clone()).collect::<Vec<_>>(),
+        &tasks,
+        &attempts,
+        &repositories as &[Option<String>],
+        &branches as &[Option<String>],
+        &inputs,
+        &timeouts as &[Option<i32>],
+        &hashes as &[Option<String>],
+        &specs,
     )
     .fetch_one(db)
     .await?;

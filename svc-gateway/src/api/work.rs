@@ -443,7 +443,7 @@ async fn batched(s: &AppState, sub: &Submission<'_>) -> Result<Option<Stored>, s
     let Some(kept) = s.plans.get(task.workspace_id, task.agent_id) else {
         return Ok(None);
     };
-    let p = kept.plan(task, None);
+    let mut p = kept.plan(task, None);
     // One that may be dispatched directly goes on its own (the turn is taken again there).
     if let (Some((pools, _)), Some(pool)) = (dispatching(s), p.pool_id)
         && pools.enter(pool).is_some()
@@ -451,11 +451,14 @@ async fn batched(s: &AppState, sub: &Submission<'_>) -> Result<Option<Stored>, s
         return Ok(None);
     }
     let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
+    // The spec (which holds the input) goes to the batch; the answer needs only the columns.
+    let spec = std::mem::take(&mut p.spec);
     let item = crate::batch::Item {
         workspace_id: task.workspace_id,
         agent_id: task.agent_id,
         kept,
         plan: p.clone(),
+        spec,
         task_id: id,
         attempt_id,
         repository: task.repository.map(str::to_string),
@@ -571,12 +574,11 @@ pub async fn create_task(
         request_hash: Some(&hash),
     };
     let stored = match batched(&s, &sub).await {
-        Ok(Some(stored)) => Ok(Some(stored)),
         Ok(None) => {
             let mut conn = s.submit_db.acquire().await?;
             insert_task(&mut conn, &sub, dispatching(&s), &s.plans).await
         }
-        Err(e) => Err(e),
+        stored => stored,
     };
     let stored = match stored {
         Ok(Some(stored)) => stored,
