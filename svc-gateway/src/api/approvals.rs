@@ -169,10 +169,11 @@ async fn decide_session_request(
         return Ok(None);
     }
     let status = if allow { "allowed" } else { "denied" };
-    // The nudge leaves before the commit: the replica's read of the decision (which locks the
-    // row, see the dataplane's `start_if_allowed`) waits for this transaction and sees it, so
-    // the hop to the replica and its statement overlap the commit. A rollback leaves the record
-    // pending and the replica reads that; a lost nudge only delays (it polls).
+    // The nudge leaves once the row is locked, with the commit: the replica's read of the
+    // decision (which locks the row, see the dataplane's `start_if_allowed`) waits for this
+    // transaction and sees it, so the hop to the replica and its statement overlap the commit.
+    // A rollback leaves the record pending and the replica reads that; a lost nudge only delays
+    // (it polls).
     let mut tx = s.db.begin().await?;
     let decided = sqlx::query_as!(
         t::Approval,
@@ -193,10 +194,14 @@ async fn decide_session_request(
     let Some(decided) = decided else {
         return Ok(None);
     };
-    if let Some(session) = &decided.session_id {
-        // On the wire before the commit is asked for. Bounded: the row stays locked meanwhile,
-        // and the decision is committed whatever NATS does.
-        let nudge = async {
+    // Published (queued on the connection) while the row is locked, so the replica's read can
+    // never come before the update; the commit does not wait for NATS: the flush, bounded, runs
+    // beside it, and the decision is committed whatever NATS does.
+    let nudge = async {
+        let Some(session) = &decided.session_id else {
+            return;
+        };
+        let sent = async {
             s.nats
                 .publish(
                     agentscope_bus::subjects::SESSIONS_NUDGE,
@@ -205,13 +210,14 @@ async fn decide_session_request(
                 .await?;
             s.nats.flush().await.map_err(anyhow::Error::from)
         };
-        match tokio::time::timeout(Duration::from_millis(50), nudge).await {
+        match tokio::time::timeout(Duration::from_millis(50), sent).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, session_id = %session, "nudge dataplane"),
             Err(_) => tracing::warn!(session_id = %session, "nudge dataplane: timed out"),
         }
-    }
-    tx.commit().await?;
+    };
+    let ((), committed) = tokio::join!(nudge, tx.commit());
+    committed?;
     s.metrics
         .inc("agentscope_approvals_decided_total", &[("status", status)]);
     tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided");
