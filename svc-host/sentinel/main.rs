@@ -1,6 +1,6 @@
 //! `agentscope-sentinel`: the process that keeps one attempt's provider tree together and ends
-//! it. svc-host starts one per attempt (posix_spawn, no copy of the host's memory) in the
-//! provider's new process group, with the provider's environment, directory and pipes.
+//! it. svc-host starts one per attempt (`agentscope_tools::spawn`, no copy of the host's memory)
+//! in the provider's new process group, with the provider's environment, directory and pipes.
 //!
 //! It forks the provider, which drops privileges and executes; the sentinel stays behind as a
 //! child subreaper, so that every descendant of the provider, also one that left the process
@@ -108,12 +108,12 @@ const SIGHUP: usize = 1;
 const SIGINT: usize = 2;
 const SIGQUIT: usize = 3;
 const SIGKILL: usize = 9;
+const SIGPIPE: usize = 13;
 const SIGUSR1: usize = 10;
 const SIGUSR2: usize = 12;
 const SIGTERM: usize = 15;
 const SIGCHLD: usize = 17;
 
-const SIG_BLOCK: usize = 0;
 const SIG_UNBLOCK: usize = 1;
 const SIG_SETMASK: usize = 2;
 const SIG_DFL: usize = 0;
@@ -219,8 +219,12 @@ unsafe fn main(argc: usize, argv: *const *const u8, envp: *const *const u8) -> !
     let program = unsafe { *argv.add(4) };
     let provider_argv = unsafe { argv.add(5) };
 
+    // The host starts this with every signal blocked and its own ignored ones ignored
+    // (`Signals::LeftToTheProgram`): the mask is set here, not added to, and SIGPIPE (which
+    // the host ignores) is the default again for the sentinel and its provider.
     let watched = sigset(&[SIGUSR1, SIGUSR2, SIGCHLD]);
-    sigprocmask(SIG_BLOCK, watched);
+    sigprocmask(SIG_SETMASK, watched);
+    set_disposition(SIGPIPE, SIG_DFL);
     if prctl(PR_SET_PDEATHSIG, SIGUSR2) != 0
         || getppid() != parsed.host
         || prctl(PR_SET_CHILD_SUBREAPER, 1) != 0

@@ -562,6 +562,7 @@ impl Environment {
                 identity,
                 setup,
                 held: None,
+                signals: spawn::Signals::Reset,
             };
             let r = match hold.take() {
                 Some(g) => start_held(spec, g).await?,
@@ -591,6 +592,7 @@ impl Environment {
                     identity,
                     setup,
                     held: None,
+                    signals: spawn::Signals::Reset,
                 };
                 let r = match hold.take() {
                     Some(g) => start_held(spec, g).await?,

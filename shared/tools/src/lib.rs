@@ -5,12 +5,14 @@
 //! - [`env`]: Environments (`local`, and the bubblewrap `sandbox`), each session's own uid and
 //!   directory, file tools confined with `openat2(RESOLVE_BENEATH)`, shell runs with limits.
 //! - [`ops`]: the file and shell tools as a model calls them (JSON input, capped text output).
+//! - [`spawn`]: starting a process without copying the caller's memory (the shell tools', and
+//!   svc-host's attempt sentinels).
 //! - [`worker`]: the Worker process: registration, presence beats, operations run at most once
 //!   by id, results kept for a dataplane that asks again.
 
 pub mod env;
 pub mod ops;
-mod spawn;
+pub mod spawn;
 pub mod worker;
 
 pub use env::{Gate, GateKey, gate};

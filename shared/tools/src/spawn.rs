@@ -1,4 +1,5 @@
-//! Starting a shell tool's process without copying the caller's address space.
+//! Starting a process without copying the caller's address space: a shell tool's (here, for the
+//! dataplane and the Worker), and svc-host's attempt sentinel.
 //!
 //! std (and so tokio) starts a process with `posix_spawn` only when no uid, gid or `pre_exec`
 //! closure is set. A tool runs under the session's uid with limits set before `exec`, so std
@@ -10,11 +11,15 @@
 //! changes its identity with raw system calls (glibc's `setuid` coordinates the change with the
 //! threads of the process it believes it is in: the caller's).
 //!
-//! The child's steps are std's, in std's order: standard streams, supplementary groups, gid,
-//! uid, working directory, a process group of its own, the caller's limits (see
-//! [`ChildSetup`]), signal dispositions and mask reset, `execve`. The first step that fails
-//! writes its errno where the caller reads it, and [`spawn`] returns that error having reaped
-//! the child, as std does.
+//! The child's steps are std's: standard streams, signal dispositions reset (before a hold, see
+//! [`hold`], so that a held child's start does not pay for them), supplementary groups, gid, uid,
+//! working directory, a process group of its own, the caller's limits (see [`ChildSetup`]), the
+//! signal mask cleared, `execve`. A program that sets its own signal dispositions and mask first
+//! thing (svc-host's sentinel) can skip both ([`Spec::signals`]): it then starts with every signal
+//! blocked and the caller's ignored signals ignored, its handlers reset by `execve`, and the
+//! child spends no system call on the 64 signals (glibc's `posix_spawn`, which std uses, spends
+//! two each). The first step that fails writes its errno where the caller reads it, and
+//! [`spawn_with`] returns that error having reaped the child, as std does.
 //!
 //! The caller waits on a pidfd (`CLONE_PIDFD`, Linux 5.3 or later) and reaps with `waitpid`. A
 //! kernel without pidfds ignores the flag (or refuses it): the caller then waits for SIGCHLD.
@@ -40,7 +45,7 @@ const STACK_SIZE: usize = 64 * 1024;
 /// Limits the child applies to itself after switching to the session's identity, before
 /// `execve`, so the command cannot skip them.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct ChildSetup {
+pub struct ChildSetup {
     pub memory: Option<u64>,
     pub nproc: Option<u64>,
     pub cpu: Option<u64>,
@@ -50,7 +55,7 @@ pub(crate) struct ChildSetup {
 
 /// What to start: `program` (a path; no PATH lookup) with `argv`, exactly the environment
 /// `env`, in `cwd`, optionally as `identity` (dropping every supplementary group).
-pub(crate) struct Spec {
+pub struct Spec {
     pub program: PathBuf,
     pub argv: Vec<OsString>,
     pub env: BTreeMap<OsString, OsString>,
@@ -59,13 +64,35 @@ pub(crate) struct Spec {
     pub setup: ChildSetup,
     /// Holds the child before its `execve` until its [`Release`] says (see [`hold`]).
     pub held: Option<Held>,
+    /// What the child does about signals before its `execve`.
+    pub signals: Signals,
+}
+
+/// What a child does about signals before its `execve`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Signals {
+    /// As std: every handled signal (and SIGPIPE) back to its default, the mask cleared.
+    #[default]
+    Reset,
+    /// Nothing: the program starts with every signal blocked and must set its own mask (and
+    /// SIGPIPE's disposition, which the caller ignores) before anything else.
+    LeftToTheProgram,
+}
+
+/// The child's standard streams: descriptors of the caller, each duplicated onto 0, 1 and 2 in
+/// the child (the caller closes its own copies once [`spawn_with`] returns).
+#[derive(Clone, Copy, Debug)]
+pub struct Streams {
+    pub stdin: RawFd,
+    pub stdout: RawFd,
+    pub stderr: RawFd,
 }
 
 /// A child's hold, shared with its [`Release`]: held, go, or stop.
-pub(crate) struct Held(Arc<AtomicU32>);
+pub struct Held(Arc<AtomicU32>);
 
 /// Lets a held child run its program, or (dropped without [`Release::go`]) stops it.
-pub(crate) struct Release(Arc<AtomicU32>);
+pub struct Release(Arc<AtomicU32>);
 
 const HELD: u32 = 0;
 const GO: u32 = 1;
@@ -78,7 +105,7 @@ const STOP: u32 = 2;
 /// [`spawn`] returns only once the child has decided, so a held spawn runs on a thread that may
 /// block: the caller starts it there, does what must come first (a commit that the program
 /// runs), and then lets it go. The child dies with the caller's process.
-pub(crate) fn hold() -> (Held, Release) {
+pub fn hold() -> (Held, Release) {
     let state = Arc::new(AtomicU32::new(HELD));
     (Held(state.clone()), Release(state))
 }
@@ -117,7 +144,7 @@ impl Drop for Release {
 /// A started process: the leader of its own process group, not reaped until [`Child::wait`]
 /// returns (until then its pid cannot be reused). Dropped before that, it is killed and reaped
 /// in the background, as tokio's `kill_on_drop`.
-pub(crate) struct Child {
+pub struct Child {
     pid: libc::pid_t,
     exited: Exited,
     status: Option<ExitStatus>,
@@ -142,8 +169,8 @@ struct ChildArgs {
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
     cwd: CString,
-    stdin: RawFd,
-    output: RawFd,
+    streams: Streams,
+    signals: Signals,
     identity: Option<Identity>,
     setup: ChildSetup,
     /// The hold's state (in memory the child shares), or null.
@@ -166,6 +193,20 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
 /// of a pipe; the caller drops its own copy). An error means the program did not start, and
 /// nothing of the child is left.
 pub(crate) fn spawn(spec: Spec, output: &OwnedFd) -> io::Result<Child> {
+    let stdin = std::fs::File::open("/dev/null")?;
+    spawn_with(
+        spec,
+        Streams {
+            stdin: stdin.as_raw_fd(),
+            stdout: output.as_raw_fd(),
+            stderr: output.as_raw_fd(),
+        },
+    )
+}
+
+/// Starts `spec` with `streams` as its standard streams. An error means the program did not
+/// start, and nothing of the child is left.
+pub fn spawn_with(spec: Spec, streams: Streams) -> io::Result<Child> {
     let program = cstring(spec.program.as_os_str())?;
     let argv_owned = spec
         .argv
@@ -186,14 +227,13 @@ pub(crate) fn spawn(spec: Spec, output: &OwnedFd) -> io::Result<Child> {
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = envp_owned.iter().map(|a| a.as_ptr()).collect();
     envp.push(std::ptr::null());
-    let stdin = std::fs::File::open("/dev/null")?;
     let args = ChildArgs {
         program,
         argv,
         envp,
         cwd: cstring(spec.cwd.as_os_str())?,
-        stdin: stdin.as_raw_fd(),
-        output: output.as_raw_fd(),
+        streams,
+        signals: spec.signals,
         identity: spec.identity,
         setup: spec.setup,
         held: spec
@@ -359,9 +399,35 @@ fn child_setup(a: &ChildArgs) -> libc::c_int {
     // SAFETY (this whole function): system calls on descriptors, strings and arrays the caller
     // prepared; none allocates, locks or touches another thread.
     unsafe {
-        if libc::dup2(a.stdin, 0) < 0 || libc::dup2(a.output, 1) < 0 || libc::dup2(a.output, 2) < 0
+        let io = a.streams;
+        if libc::dup2(io.stdin, 0) < 0
+            || libc::dup2(io.stdout, 1) < 0
+            || libc::dup2(io.stderr, 2) < 0
         {
             return errno();
+        }
+        if a.signals == Signals::Reset {
+            // Handlers are the caller's code: none may run here, and execve would reset them
+            // anyway. SIGPIPE, which std ignores in the caller, is the default again, as std
+            // does for its children; what else is ignored stays ignored, as with std. Done
+            // while every signal is still blocked, and before a hold: a held child's start
+            // (once its caller lets it go) does not wait for these 64 system calls.
+            for sig in 1..=64 {
+                if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+                    continue;
+                }
+                let mut old: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
+                    continue;
+                }
+                if old.sa_sigaction != libc::SIG_DFL
+                    && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE)
+                {
+                    let mut dfl: libc::sigaction = std::mem::zeroed();
+                    dfl.sa_sigaction = libc::SIG_DFL;
+                    libc::sigaction(sig, &dfl, std::ptr::null_mut());
+                }
+            }
         }
         // Held: wait (signals still blocked) until the caller says, still as the caller's own
         // identity: no process of the session's uid (a tool left running) may stop, kill or
@@ -439,28 +505,11 @@ fn child_setup(a: &ChildArgs) -> libc::c_int {
                 }
             }
         }
-        // Handlers are the caller's code: none may run here, and execve would reset them
-        // anyway. SIGPIPE, which std ignores in the caller, is the default again, as std does
-        // for its children; what else is ignored stays ignored, as with std.
-        for sig in 1..=64 {
-            if sig == libc::SIGKILL || sig == libc::SIGSTOP {
-                continue;
-            }
-            let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 {
-                continue;
-            }
-            if old.sa_sigaction != libc::SIG_DFL
-                && (old.sa_sigaction != libc::SIG_IGN || sig == libc::SIGPIPE)
-            {
-                let mut dfl: libc::sigaction = std::mem::zeroed();
-                dfl.sa_sigaction = libc::SIG_DFL;
-                libc::sigaction(sig, &dfl, std::ptr::null_mut());
-            }
+        if a.signals == Signals::Reset {
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
         }
-        let mut none: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut none);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
         libc::execve(a.program.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
         errno()
     }
@@ -593,6 +642,7 @@ pub(crate) mod tests {
             identity,
             setup: ChildSetup::default(),
             held: None,
+            signals: Signals::Reset,
         }
     }
 
@@ -721,6 +771,60 @@ pub(crate) mod tests {
         .await;
         assert!(reaped.is_ok(), "{pid} was not reaped");
         assert!(!Path::new(&format!("/proc/{pid}")).exists());
+    }
+
+    /// A signal mask of `/proc/<pid>/status` (`field` = "SigBlk:", "SigIgn:").
+    fn mask(status: &str, field: &str) -> u64 {
+        let line = status.lines().find(|l| l.starts_with(field)).unwrap();
+        u64::from_str_radix(line[field.len()..].trim(), 16).unwrap()
+    }
+
+    /// `Signals::Reset` starts the program as std does (nothing blocked, SIGPIPE, which this
+    /// test binary ignores, at its default), also when the child was held;
+    /// `Signals::LeftToTheProgram` leaves every signal blocked and the ignored ones ignored.
+    #[tokio::test]
+    async fn a_child_starts_with_its_signals_reset_or_left_to_it() {
+        let pipe = 1u64 << (libc::SIGPIPE - 1);
+        let status = |signals: Signals, held: bool| {
+            let mut s = spec(Path::new("/bin/cat"), &["cat", "/proc/self/status"], None);
+            s.signals = signals;
+            let release = held.then(|| {
+                let (h, r) = hold();
+                s.held = Some(h);
+                r
+            });
+            // A held start blocks its thread until the release (the runtime registers the
+            // child's pidfd there).
+            let rt = tokio::runtime::Handle::current();
+            let started = std::thread::spawn(move || {
+                let _in = rt.enter();
+                run(s)
+            });
+            if let Some(r) = release {
+                r.go();
+            }
+            let (child, mut out) = started.join().unwrap().unwrap();
+            let mut text = String::new();
+            out.read_to_string(&mut text).unwrap();
+            drop(child);
+            text
+        };
+        for held in [false, true] {
+            let reset = status(Signals::Reset, held);
+            assert_eq!(mask(&reset, "SigBlk:"), 0, "{reset}");
+            assert_eq!(mask(&reset, "SigIgn:") & pipe, 0, "{reset}");
+        }
+        let left = status(Signals::LeftToTheProgram, false);
+        // Every standard signal but SIGKILL and SIGSTOP, which cannot be blocked (glibc keeps
+        // two of its own real-time signals out of every mask it sets).
+        let standard = (1u64 << 31) - 1;
+        let unblockable = 1u64 << (libc::SIGKILL - 1) | 1u64 << (libc::SIGSTOP - 1);
+        assert_eq!(
+            mask(&left, "SigBlk:") & standard,
+            standard & !unblockable,
+            "{left}"
+        );
+        assert_eq!(mask(&left, "SigIgn:") & pipe, pipe, "{left}");
     }
 
     #[tokio::test]

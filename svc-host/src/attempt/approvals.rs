@@ -70,7 +70,7 @@ pub(super) async fn request_approval(
 
 /// Writes protocol lines to the provider's stdin (when it is still open).
 pub(super) async fn write_lines(
-    stdin: &mut Option<tokio::process::ChildStdin>,
+    stdin: &mut Option<tokio::net::unix::pipe::Sender>,
     lines: Vec<String>,
 ) {
     use tokio::io::AsyncWriteExt;
@@ -84,7 +84,7 @@ pub(super) async fn write_lines(
 /// Tells the provider the decision and records it.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn answer(
-    stdin: &mut Option<tokio::process::ChildStdin>,
+    stdin: &mut Option<tokio::net::unix::pipe::Sender>,
     adapter: &dyn provider::Adapter,
     sink: &mut EventSink,
     req: &provider::ControlRequest,

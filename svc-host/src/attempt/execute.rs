@@ -14,13 +14,16 @@ use crate::process;
 use crate::provider::{self, Launch, RunAs, TaskDir};
 use agentscope_domain::{AttemptStatus, FailureClass};
 use agentscope_schemas::v1::{ApprovalDecision, execution_event::Body};
-use std::process::Stdio;
 use std::time::Duration;
 use tokio::io::BufReader;
 
-/// A provider process started through its sentinel, in its own process group.
+/// A provider process started through its sentinel (the leader of its own process group), and
+/// the host's ends of its standard streams.
 struct Started {
-    child: tokio::process::Child,
+    child: agentscope_tools::spawn::Child,
+    stdin: Option<tokio::net::unix::pipe::Sender>,
+    stdout: tokio::net::unix::pipe::Receiver,
+    stderr: tokio::net::unix::pipe::Receiver,
     pgid: i32,
 }
 
@@ -384,36 +387,68 @@ async fn launch(
             "the sentinel was not written (svc-host starts providers only through it)",
         ));
     };
-    let mut cmd = tokio::process::Command::new(sentinel);
-    cmd.args(isolation::sentinel_args(
+    let mut argv = vec![sentinel.as_os_str().to_owned()];
+    argv.extend(isolation::sentinel_args(
         std::process::id(),
         who,
         &program,
         &launch.argv,
-    ))
-    .current_dir(&launch.cwd)
-    .env_clear()
-    .envs(env)
-    .stdin(if launch.stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    })
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .process_group(0)
-    .kill_on_drop(true);
-    let child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            return Err(failed(
-                FailureClass::Internal,
-                format!("start {}: {e}", sentinel.display()),
-            ));
-        }
+    ));
+    let spec = agentscope_tools::spawn::Spec {
+        program: sentinel.to_owned(),
+        argv,
+        env: env.into_iter().map(|(k, v)| (k.into(), v.into())).collect(),
+        cwd: launch.cwd.clone(),
+        identity: None,
+        setup: Default::default(),
+        held: None,
+        // The sentinel sets its own mask and SIGPIPE's disposition first thing.
+        signals: agentscope_tools::spawn::Signals::LeftToTheProgram,
     };
+    match start_sentinel(spec, launch.stdin.is_some()) {
+        Ok(started) => Ok((launch, started)),
+        Err(e) => Err(failed(
+            FailureClass::Internal,
+            format!("start {}: {e}", sentinel.display()),
+        )),
+    }
+}
+
+/// Starts the sentinel in a process group of its own (without copying the host's memory, as
+/// std's `posix_spawn` does, and without its per-signal system calls), stdout and stderr into
+/// pipes, stdin from a pipe or /dev/null. Dropped before it is reaped, the child is killed.
+fn start_sentinel(
+    spec: agentscope_tools::spawn::Spec,
+    stdin_piped: bool,
+) -> std::io::Result<Started> {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use tokio::net::unix::pipe;
+    let (out_r, out_w) = std::io::pipe()?;
+    let (err_r, err_w) = std::io::pipe()?;
+    let (in_r, in_w): (OwnedFd, Option<OwnedFd>) = if stdin_piped {
+        let (r, w) = std::io::pipe()?;
+        (r.into(), Some(w.into()))
+    } else {
+        (std::fs::File::open("/dev/null")?.into(), None)
+    };
+    let child = agentscope_tools::spawn::spawn_with(
+        spec,
+        agentscope_tools::spawn::Streams {
+            stdin: in_r.as_raw_fd(),
+            stdout: out_w.as_raw_fd(),
+            stderr: err_w.as_raw_fd(),
+        },
+    )?;
+    // The child's ends close here: EOF on the output once the provider's tree has closed its.
+    drop((in_r, out_w, err_w));
     let pgid = child.id().map(|p| p as i32).unwrap_or(0);
-    Ok((launch, Started { child, pgid }))
+    Ok(Started {
+        child,
+        stdin: in_w.map(pipe::Sender::from_owned_fd).transpose()?,
+        stdout: pipe::Receiver::from_owned_fd(out_r.into())?,
+        stderr: pipe::Receiver::from_owned_fd(err_r.into())?,
+        pgid,
+    })
 }
 
 /// Runs the provider to its end: its output becomes events, its tool requests Approvals, and a
@@ -434,9 +469,14 @@ async fn pump(
     resumed: bool,
     scope: Option<&str>,
 ) -> Pumped {
-    let Started { mut child, pgid } = started;
+    let Started {
+        mut child,
+        mut stdin,
+        stdout,
+        stderr,
+        pgid,
+    } = started;
     // Providers driven over stdin keep it open (approvals); others get their input and EOF.
-    let mut stdin = child.stdin.take();
     if let (Some(text), Some(pipe)) = (launch.stdin.clone(), stdin.as_mut()) {
         use tokio::io::AsyncWriteExt;
         let _ = pipe.write_all(text.as_bytes()).await;
@@ -492,24 +532,9 @@ async fn pump(
     // Both output streams feed one channel so events keep their arrival order.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(&'static str, String, bool)>(256);
     for (name, max, pipe) in [
-        (
-            "stdout",
-            adapter.max_line_bytes(),
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
-        ),
-        (
-            "stderr",
-            ctx.config.max_line_bytes,
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
-        ),
+        ("stdout", adapter.max_line_bytes(), stdout),
+        ("stderr", ctx.config.max_line_bytes, stderr),
     ] {
-        let Some(pipe) = pipe else { continue };
         let tx = tx.clone();
         tokio::spawn(async move {
             let mut r = BufReader::new(pipe);
@@ -696,5 +721,99 @@ fn outcome(run: Pumped, turn_failed: bool) -> Outcome {
             FailureClass::ProviderCrash,
             format!("wait for provider: {e}"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The kernel's signal masks of a process, from its `/proc/<pid>/status`.
+    fn mask(status: &str, field: &str) -> u64 {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(field))
+            .unwrap_or_else(|| panic!("no {field} in {status}"));
+        u64::from_str_radix(line[field.len()..].trim(), 16).unwrap()
+    }
+
+    /// The sentinel as an attempt starts it: its provider gets the environment, directory and
+    /// stdin given, writes stdout and stderr to their own pipes, and runs with no signal
+    /// blocked and SIGPIPE at its default although the host ignores it (the host's spawn
+    /// leaves both to the sentinel); the sentinel leads its own process group and mirrors the
+    /// provider's status.
+    #[tokio::test]
+    async fn the_sentinel_starts_its_provider_with_its_streams_and_clean_signals() {
+        let state = std::env::temp_dir().join(format!("agentscope-start-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&state).unwrap();
+        let sentinel = isolation::publish_sentinel(&state).unwrap();
+        // The test harness, like every std program, ignores SIGPIPE: the provider must not.
+        // SAFETY: reads this process's disposition of SIGPIPE into a zeroed struct.
+        let host_ignores_sigpipe = unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(libc::SIGPIPE, std::ptr::null(), &mut old);
+            old.sa_sigaction == libc::SIG_IGN
+        };
+        assert!(host_ignores_sigpipe);
+        let script = "read line; echo \"out $line $SEEN $(pwd)\"; echo err >&2; echo \"sentinel $(grep SigBlk /proc/$PPID/status)\"; exec cat /proc/self/status";
+        let argv: Vec<String> = ["sh", "-c", script].iter().map(|s| s.to_string()).collect();
+        let mut args = vec![sentinel.as_os_str().to_owned()];
+        args.extend(isolation::sentinel_args(
+            std::process::id(),
+            None,
+            Path::new("/bin/sh"),
+            &argv,
+        ));
+        let spec = agentscope_tools::spawn::Spec {
+            program: sentinel.clone(),
+            argv: args,
+            env: [
+                ("PATH".into(), "/usr/bin:/bin".into()),
+                ("SEEN".into(), "seen".into()),
+            ]
+            .into(),
+            cwd: state.join("bin"),
+            identity: None,
+            setup: Default::default(),
+            held: None,
+            signals: agentscope_tools::spawn::Signals::LeftToTheProgram,
+        };
+        let Started {
+            mut child,
+            stdin,
+            mut stdout,
+            mut stderr,
+            pgid,
+        } = start_sentinel(spec, true).unwrap();
+        assert_eq!(Some(pgid as u32), child.id());
+        // SAFETY: getpgid has no memory arguments.
+        assert_eq!(unsafe { libc::getpgid(pgid) }, pgid);
+        let mut stdin = stdin.unwrap();
+        stdin.write_all(b"hello\n").await.unwrap();
+        drop(stdin);
+        let (mut out, mut err) = (String::new(), String::new());
+        let (o, e) = tokio::join!(
+            stdout.read_to_string(&mut out),
+            stderr.read_to_string(&mut err)
+        );
+        o.unwrap();
+        e.unwrap();
+        let status = child.wait().await.unwrap();
+        assert!(status.success(), "{status:?}: {out} {err}");
+        let bin = state.join("bin").canonicalize().unwrap();
+        assert!(
+            out.starts_with(&format!("out hello seen {}\n", bin.display())),
+            "{out}"
+        );
+        assert_eq!(err, "err\n");
+        assert_eq!(mask(&out, "SigBlk:"), 0, "{out}");
+        // The sentinel blocks what it waits for and nothing else: while it waits for them
+        // (rt_sigtimedwait) the kernel unblocks them, so nothing shows as blocked. (A mask only
+        // added to would show the host's whole blocked set here.)
+        assert_eq!(mask(&out, "sentinel SigBlk:"), 0, "{out}");
+        assert_eq!(mask(&out, "SigIgn:") & 1 << (libc::SIGPIPE - 1), 0, "{out}");
+        std::fs::remove_dir_all(&state).unwrap();
     }
 }
