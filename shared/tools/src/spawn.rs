@@ -244,7 +244,7 @@ pub fn spawn_with(spec: Spec, streams: Streams) -> io::Result<Child> {
         parent: unsafe { libc::getpid() },
         err: AtomicI32::new(0),
     };
-    let stack = Stack::new()?;
+    let stack = Stack::take()?;
 
     let flags = libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PIDFD | libc::SIGCHLD;
     #[cfg(test)]
@@ -260,7 +260,8 @@ pub fn spawn_with(spec: Spec, streams: Streams) -> io::Result<Child> {
         }
         r => r?,
     };
-    drop(stack);
+    // The child has exec'd or exited (CLONE_VFORK): its stack is free for the next one.
+    stack.give_back();
     // SAFETY: a descriptor CLONE_PIDFD stored, which nothing else owns.
     let pidfd = (pidfd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(pidfd) });
     let failed = args.err.load(Ordering::Acquire);
@@ -337,7 +338,36 @@ struct Stack {
     len: usize,
 }
 
+// SAFETY: a mapping of this process, used by one child at a time (the one started on it, while
+// its starting thread waits); any thread may free it.
+unsafe impl Send for Stack {}
+
+/// Stacks of children that have exec'd, for the next ones: unmapping one costs every other
+/// CPU running this process a TLB shootdown (an inter-processor interrupt, a hypervisor exit on
+/// a virtual machine), and mapping one three more system calls.
+static FREE_STACKS: std::sync::Mutex<Vec<Stack>> = std::sync::Mutex::new(Vec::new());
+
+/// How many free stacks are kept (one per thread starting children at the same time).
+const KEPT_STACKS: usize = 8;
+
 impl Stack {
+    /// A free stack, or a new one.
+    fn take() -> io::Result<Stack> {
+        let free = FREE_STACKS.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        match free {
+            Some(s) => Ok(s),
+            None => Stack::new(),
+        }
+    }
+
+    /// Keeps this stack for a later child (or frees it when enough are kept).
+    fn give_back(self) {
+        let mut free = FREE_STACKS.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < KEPT_STACKS {
+            free.push(self);
+        }
+    }
+
     fn new() -> io::Result<Stack> {
         let page = 4096;
         let len = STACK_SIZE + page;
@@ -771,6 +801,36 @@ pub(crate) mod tests {
         .await;
         assert!(reaped.is_ok(), "{pid} was not reaped");
         assert!(!Path::new(&format!("/proc/{pid}")).exists());
+    }
+
+    /// Children started at the same time from several threads each get a stack of their own
+    /// (each runs its own program with its own arguments), and the stacks kept for later
+    /// children stay few.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn children_started_at_once_from_several_threads_each_run_their_own_program() {
+        let rt = tokio::runtime::Handle::current();
+        let threads: Vec<_> = (0..6)
+            .map(|t| {
+                let rt = rt.clone();
+                std::thread::spawn(move || {
+                    let _in = rt.enter();
+                    for i in 0..40 {
+                        let word = format!("t{t}-{i}");
+                        let (child, mut out) =
+                            run(spec(Path::new("/bin/echo"), &["echo", &word], None)).unwrap();
+                        let mut text = String::new();
+                        out.read_to_string(&mut text).unwrap();
+                        assert_eq!(text, format!("{word}\n"));
+                        drop(child);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let kept = FREE_STACKS.lock().unwrap().len();
+        assert!((1..=KEPT_STACKS).contains(&kept), "{kept} stacks kept");
     }
 
     /// A signal mask of `/proc/<pid>/status` (`field` = "SigBlk:", "SigIgn:").
