@@ -184,6 +184,9 @@ pub(crate) struct End<'a> {
     /// Its `running` event's time when that comes in the same batch as its end (the row is
     /// updated once, not twice).
     pub started_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Its last recorded event's seq, when the batch that ends it records events of it (set
+    /// by the same update).
+    pub last_seq: Option<i64>,
 }
 
 /// Moves an attempt to a terminal status and, when the class is retryable and the policy
@@ -203,6 +206,7 @@ pub(crate) async fn finish(
         detail,
         exit_code,
         started_at: None,
+        last_seq: None,
     };
     Ok(finish_many(tx, &[end]).await?.pop().flatten())
 }
@@ -223,14 +227,15 @@ pub(crate) async fn finish_many(
     let exits: Vec<Option<i32>> = ends.iter().map(|e| e.exit_code).collect();
     let started: Vec<Option<chrono::DateTime<chrono::Utc>>> =
         ends.iter().map(|e| e.started_at).collect();
+    let seqs: Vec<Option<i64>> = ends.iter().map(|e| e.last_seq).collect();
     // A task whose cancellation was requested ends cancelled, whatever else happened, except
     // a success. Nobody is waiting for an ended attempt's open tool requests any more.
     let rows = sqlx::query!(
         r#"
         WITH f AS (
             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int4[],
-                                 $6::timestamptz[])
-                AS f(id, status, class, detail, exit_code, started_at)
+                                 $6::timestamptz[], $7::int8[])
+                AS f(id, status, class, detail, exit_code, started_at, last_seq)
         ), u AS (
             UPDATE attempts a SET
                 status = CASE WHEN t.cancel_requested_at IS NOT NULL AND f.status <> 'succeeded'
@@ -240,7 +245,8 @@ pub(crate) async fn finish_many(
                 finished_at = clock_timestamp(),
                 failure_detail = NULLIF(f.detail, ''),
                 exit_code = f.exit_code,
-                started_at = COALESCE(f.started_at, a.started_at)
+                started_at = COALESCE(f.started_at, a.started_at),
+                last_seq = COALESCE(f.last_seq, a.last_seq)
             FROM f, tasks t
             WHERE a.id = f.id AND t.id = a.task_id
             RETURNING a.id, a.status, a.failure_class, t.cancel_requested_at IS NOT NULL AS cancel_requested
@@ -258,6 +264,7 @@ pub(crate) async fn finish_many(
         &details as &[&str],
         &exits as &[Option<i32>],
         &started as &[Option<chrono::DateTime<chrono::Utc>>],
+        &seqs as &[Option<i64>],
     )
     .fetch_all(&mut **tx)
     .await?;

@@ -421,7 +421,8 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     let locked = attempts::lock_many(&mut tx, &ids).await?;
 
     let mut rows = Rows::default();
-    let mut last_seqs: (Vec<Uuid>, Vec<i64>) = (vec![], vec![]);
+    // Each attempt's new last seq, where this batch stores events of it.
+    let mut seq_of: std::collections::HashMap<Uuid, i64> = Default::default();
     let mut changes: Vec<(usize, Change)> = Vec::new();
     for (attempt_id, idx) in &by_attempt {
         let Some(a) = locked.iter().find(|a| a.id == *attempt_id) else {
@@ -526,8 +527,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
             items[i].res = Some(res);
         }
         if a.last_seq > start_seq {
-            last_seqs.0.push(a.id);
-            last_seqs.1.push(a.last_seq);
+            seq_of.insert(a.id, a.last_seq);
             after.recorded.push((a.id, a.task_id, a.last_seq as u64));
             after.stored += (a.last_seq - start_seq) as u64;
         }
@@ -548,18 +548,17 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         )
         .execute(&mut *tx)
         .await?;
-        sqlx::query!(
-            "UPDATE attempts a SET last_seq = u.seq FROM UNNEST($1::uuid[], $2::bigint[]) AS u(id, seq) WHERE a.id = u.id",
-            &last_seqs.0,
-            &last_seqs.1,
-        )
-        .execute(&mut *tx)
-        .await?;
     }
     // The transitions, a statement for each kind: an attempt's `running` comes before its end
     // and nothing after its end (fenced above), and each was decided against the attempt as
     // the events before it left it. A `running` that comes with the end is written by the end.
-    let mut running: (Vec<Uuid>, Vec<chrono::DateTime<chrono::Utc>>) = (vec![], vec![]);
+    // Each statement that changes an attempt's status also sets its `last_seq`: one new version
+    // of the row per attempt and batch, not two.
+    let mut running: (
+        Vec<Uuid>,
+        Vec<chrono::DateTime<chrono::Utc>>,
+        Vec<Option<i64>>,
+    ) = (vec![], vec![], vec![]);
     let mut ends = Vec::new();
     for (i, change) in &changes {
         let attempt_id = items[*i].ev.as_ref().expect("checked item").0;
@@ -567,6 +566,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
             Change::Running { at } => {
                 running.0.push(attempt_id);
                 running.1.push(*at);
+                running.2.push(None);
             }
             Change::Session(s) => {
                 sqlx::query!(
@@ -587,6 +587,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
                 // Its `running`, if any, came before it and is taken over by the end.
                 let started_at = running.0.iter().position(|id| *id == a.id).map(|k| {
                     running.0.swap_remove(k);
+                    running.2.swap_remove(k);
                     running.1.swap_remove(k)
                 });
                 ends.push(attempts::End {
@@ -596,16 +597,34 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
                     detail,
                     exit_code: *exit,
                     started_at,
+                    last_seq: seq_of.remove(&a.id),
                 });
             }
         }
     }
     if !running.0.is_empty() {
+        for (id, seq) in running.0.iter().zip(running.2.iter_mut()) {
+            *seq = seq_of.remove(id);
+        }
         sqlx::query!(
-            "UPDATE attempts a SET status = 'running', started_at = u.at
-             FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at) WHERE a.id = u.id",
+            "UPDATE attempts a SET status = 'running', started_at = u.at,
+                 last_seq = COALESCE(u.seq, a.last_seq)
+             FROM UNNEST($1::uuid[], $2::timestamptz[], $3::int8[]) AS u(id, at, seq)
+             WHERE a.id = u.id",
             &running.0,
             &running.1,
+            &running.2 as &[Option<i64>],
+        )
+        .execute(&mut *tx)
+        .await?;
+    }
+    // The attempts whose status did not change in this batch.
+    if !seq_of.is_empty() {
+        let (ids, seqs): (Vec<Uuid>, Vec<i64>) = seq_of.into_iter().unzip();
+        sqlx::query!(
+            "UPDATE attempts a SET last_seq = u.seq FROM UNNEST($1::uuid[], $2::bigint[]) AS u(id, seq) WHERE a.id = u.id",
+            &ids,
+            &seqs,
         )
         .execute(&mut *tx)
         .await?;

@@ -430,6 +430,74 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
 /// meet: the next one is stored; a repeat changes nothing; a stale holder's is refused; one
 /// ahead of its time waits for the one before it; and once the attempt has ended, nothing more
 /// of it is stored, even under its own token.
+/// The attempt's `last_seq` and its newest stored event, and how many events it has.
+async fn seqs(stack: &Stack, task_id: &str) -> (i64, Option<i64>, i64) {
+    sqlx::query_as(
+        "SELECT a.last_seq, max(e.seq), count(e.seq) FROM attempts a
+         LEFT JOIN execution_events e ON e.attempt_id = a.id
+         WHERE a.task_id = $1::uuid GROUP BY a.id, a.last_seq",
+    )
+    .bind(task_id)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap()
+}
+
+/// Every batch the recorder commits leaves the attempt's `last_seq` at its newest stored event:
+/// the batch that moves it to `running` (which sets `last_seq` in the same update) and the one
+/// that ends it (likewise), as well as those in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_recorded_batch_leaves_last_seq_at_the_newest_event() {
+    let stack = Stack::start("last-seq", StackOptions::default())
+        .await
+        .unwrap();
+    let gate = stack.dir.path.join("gate");
+    let task_id = gated_task(&stack, &gate, 50).await;
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+    // Running, and waiting for the gate with its first line printed.
+    let pg = stack.pg.clone();
+    let tid = task_id.clone();
+    kit::wait_for("the first line recorded", Duration::from_secs(30), || {
+        let (pg, tid) = (pg.clone(), tid.clone());
+        async move {
+            let found: Option<i64> = sqlx::query_scalar(
+                "SELECT e.seq FROM execution_events e JOIN attempts a ON a.id = e.attempt_id
+                 WHERE a.task_id = $1::uuid AND e.kind = 'output' AND e.payload->>'text' = 'ready'",
+            )
+            .bind(tid)
+            .fetch_optional(&pg)
+            .await
+            .ok()?;
+            found
+        }
+    })
+    .await
+    .unwrap();
+    let (last, newest, count) = seqs(&stack, &task_id).await;
+    assert_eq!((Some(last), count), (newest, last), "while running");
+    std::fs::write(&gate, "go").unwrap();
+    stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let (last, newest, count) = seqs(&stack, &task_id).await;
+    assert_eq!((Some(last), count), (newest, last), "after the end");
+    let end: String = sqlx::query_scalar(
+        "SELECT e.kind FROM execution_events e JOIN attempts a ON a.id = e.attempt_id
+         WHERE a.task_id = $1::uuid AND e.seq = a.last_seq",
+    )
+    .bind(&task_id)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(end, "lifecycle");
+    assert!(last > 50, "{last} events for 50 lines");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_one_at_a_time_meet_the_checks_of_a_batch() {
     let stack = Stack::start("one-by-one", StackOptions::default())
