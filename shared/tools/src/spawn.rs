@@ -11,8 +11,9 @@
 //! changes its identity with raw system calls (glibc's `setuid` coordinates the change with the
 //! threads of the process it believes it is in: the caller's).
 //!
-//! The child's steps are std's: standard streams, signal dispositions reset (before a hold, see
-//! [`hold`], so that a held child's start does not pay for them), supplementary groups, gid, uid,
+//! The child's steps are std's: standard streams, signal dispositions reset and every other
+//! descriptor marked close-on-exec (both before a hold, see [`hold`], so that a held child's start
+//! does not pay for them; std leaves descriptors as they are), supplementary groups, gid, uid,
 //! working directory, a process group of its own, the caller's limits (see [`ChildSetup`]), the
 //! signal mask cleared, `execve`. A program that sets its own signal dispositions and mask first
 //! thing (svc-host's sentinel) can skip both ([`Spec::signals`]): it then starts with every signal
@@ -158,6 +159,11 @@ enum Exited {
     /// first look at the child, so no exit is missed between the two).
     Sigchld(tokio::signal::unix::Signal),
 }
+
+/// Tests set this to have the child keep descriptors from the program as an older kernel
+/// makes it: 1, without `CLOSE_RANGE_CLOEXEC`; 2, without `close_range`.
+#[cfg(test)]
+static OLD_KERNEL: AtomicU32 = AtomicU32::new(0);
 
 /// Tests set this to start children as a kernel without pidfds would.
 #[cfg(test)]
@@ -419,6 +425,14 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
     unsafe { libc::_exit(127) }
 }
 
+/// The child's `cgroup.procs` descriptor, when it has one above the standard streams.
+fn cgroup_fd(a: &ChildArgs) -> Option<libc::c_uint> {
+    a.setup
+        .cgroup_procs
+        .and_then(|fd| libc::c_uint::try_from(fd).ok())
+        .filter(|&fd| fd >= 3)
+}
+
 /// Runs the child's steps and execs; returns the errno of the step that failed.
 fn child_setup(a: &ChildArgs) -> libc::c_int {
     let errno = || {
@@ -457,6 +471,39 @@ fn child_setup(a: &ChildArgs) -> libc::c_int {
                     dfl.sa_sigaction = libc::SIG_DFL;
                     libc::sigaction(sig, &dfl, std::ptr::null_mut());
                 }
+            }
+        }
+        // No descriptor of the caller but the three streams reaches the program: every other
+        // one of this child's table (a copy of the caller's) closes at `execve`, also one the
+        // service inherited without close-on-exec from whoever started it. Marked, not closed:
+        // the cgroup's `cgroup.procs` is written below. Before a hold, like the signals.
+        #[cfg(not(test))]
+        let kernel = 0;
+        // What a test says this kernel lacks: 1, CLOSE_RANGE_CLOEXEC (before 5.11); 2,
+        // close_range (before 5.9).
+        #[cfg(test)]
+        let kernel = OLD_KERNEL.load(Ordering::Relaxed);
+        let range = |from: libc::c_uint, to: libc::c_uint, flags: libc::c_uint| {
+            from > to || libc::syscall(libc::SYS_close_range, from, to, flags) == 0
+        };
+        let marked = kernel < 1 && range(3, libc::c_uint::MAX, libc::CLOSE_RANGE_CLOEXEC);
+        // Closed now instead, but for the cgroup's.
+        let closed = marked
+            || kernel < 2
+                && match cgroup_fd(a) {
+                    Some(cg) => range(3, cg - 1, 0) && range(cg + 1, libc::c_uint::MAX, 0),
+                    None => range(3, libc::c_uint::MAX, 0),
+                };
+        if !closed {
+            // One by one, up to the descriptor limit (at most 65,536 of them).
+            let mut lim: libc::rlimit = std::mem::zeroed();
+            let top = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+                lim.rlim_cur.min(1 << 16) as libc::c_int
+            } else {
+                1024
+            };
+            for fd in 3..top {
+                libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
             }
         }
         // Held: wait (signals still blocked) until the caller says, still as the caller's own
@@ -831,6 +878,69 @@ pub(crate) mod tests {
         }
         let kept = FREE_STACKS.lock().unwrap().len();
         assert!((1..=KEPT_STACKS).contains(&kept), "{kept} stacks kept");
+    }
+
+    /// The program gets the three standard streams and no other descriptor of the caller:
+    /// neither one it opened without close-on-exec (as one inherited from whoever started the
+    /// service would be) nor another start's pipe, also when the child was held, and also on a
+    /// kernel without `CLOSE_RANGE_CLOEXEC`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_child_gets_no_descriptor_but_its_standard_streams() {
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        // SAFETY: dup of our own open descriptor; the copy has no FD_CLOEXEC.
+        let inheritable = unsafe { libc::dup(file.as_raw_fd()) };
+        assert!(inheritable > 2);
+        let (_other, _other_out) =
+            run(spec(Path::new("/bin/sleep"), &["sleep", "30"], None)).unwrap();
+        let rt = tokio::runtime::Handle::current();
+        // (signals, held, what the kernel lacks, with a cgroup descriptor written before exec)
+        let cases = [
+            (Signals::Reset, false, 0, false),
+            (Signals::Reset, true, 0, true),
+            (Signals::LeftToTheProgram, false, 0, false),
+            (Signals::LeftToTheProgram, true, 0, false),
+            (Signals::Reset, false, 1, false),
+            (Signals::Reset, true, 1, true),
+            (Signals::Reset, false, 2, false),
+            (Signals::Reset, false, 2, true),
+        ];
+        for (signals, held, old_kernel, cgroup) in cases {
+            OLD_KERNEL.store(old_kernel, Ordering::Relaxed);
+            let mut s = spec(Path::new("/bin/ls"), &["ls", "/proc/self/fd"], None);
+            s.signals = signals;
+            // A pipe stands in for `cgroup.procs`: the child writes "0\n" to it before exec.
+            let procs = cgroup.then(|| std::io::pipe().unwrap());
+            s.setup.cgroup_procs = procs.as_ref().map(|(_, w)| w.as_raw_fd());
+            let release = held.then(|| {
+                let (h, r) = hold();
+                s.held = Some(h);
+                r
+            });
+            let rt = rt.clone();
+            let started = std::thread::spawn(move || {
+                let _in = rt.enter();
+                run(s)
+            });
+            if let Some(r) = release {
+                r.go();
+            }
+            let case = format!("{signals:?}, held {held}, kernel {old_kernel}, cgroup {cgroup}");
+            let (mut child, mut out) = started.join().unwrap().expect(&case);
+            let mut text = String::new();
+            out.read_to_string(&mut text).unwrap();
+            assert!(child.wait().await.unwrap().success(), "{case}");
+            // ls's own descriptor for the directory it reads is 3.
+            assert_eq!(text, "0\n1\n2\n3\n", "{case}");
+            if let Some((mut r, w)) = procs {
+                drop(w);
+                let mut written = String::new();
+                r.read_to_string(&mut written).unwrap();
+                assert_eq!(written, "0\n", "{case}");
+            }
+        }
+        OLD_KERNEL.store(0, Ordering::Relaxed);
+        // SAFETY: our own descriptor, closed once.
+        unsafe { libc::close(inheritable) };
     }
 
     /// A signal mask of `/proc/<pid>/status` (`field` = "SigBlk:", "SigIgn:").
