@@ -199,15 +199,25 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
 /// of a pipe; the caller drops its own copy). An error means the program did not start, and
 /// nothing of the child is left.
 pub(crate) fn spawn(spec: Spec, output: &OwnedFd) -> io::Result<Child> {
-    let stdin = std::fs::File::open("/dev/null")?;
     spawn_with(
         spec,
         Streams {
-            stdin: stdin.as_raw_fd(),
+            stdin: dev_null()?,
             stdout: output.as_raw_fd(),
             stderr: output.as_raw_fd(),
         },
     )
+}
+
+/// `/dev/null`, opened once (close-on-exec) for the children's stdin: a descriptor to pass in
+/// [`Streams`].
+pub fn dev_null() -> io::Result<RawFd> {
+    static DEV_NULL: std::sync::OnceLock<std::fs::File> = std::sync::OnceLock::new();
+    if let Some(f) = DEV_NULL.get() {
+        return Ok(f.as_raw_fd());
+    }
+    let f = std::fs::File::open("/dev/null")?;
+    Ok(DEV_NULL.get_or_init(|| f).as_raw_fd())
 }
 
 /// Starts `spec` with `streams` as its standard streams. An error means the program did not

@@ -425,16 +425,19 @@ fn start_sentinel(
     use tokio::net::unix::pipe;
     let (out_r, out_w) = std::io::pipe()?;
     let (err_r, err_w) = std::io::pipe()?;
-    let (in_r, in_w): (OwnedFd, Option<OwnedFd>) = if stdin_piped {
+    let (in_r, in_w): (Option<OwnedFd>, Option<OwnedFd>) = if stdin_piped {
         let (r, w) = std::io::pipe()?;
-        (r.into(), Some(w.into()))
+        (Some(r.into()), Some(w.into()))
     } else {
-        (std::fs::File::open("/dev/null")?.into(), None)
+        (None, None)
     };
     let child = agentscope_tools::spawn::spawn_with(
         spec,
         agentscope_tools::spawn::Streams {
-            stdin: in_r.as_raw_fd(),
+            stdin: match &in_r {
+                Some(r) => r.as_raw_fd(),
+                None => agentscope_tools::spawn::dev_null()?,
+            },
             stdout: out_w.as_raw_fd(),
             stderr: err_w.as_raw_fd(),
         },
