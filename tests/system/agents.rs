@@ -152,6 +152,26 @@ async fn wait_for_blocking_tool(attempt_id: &str) {
     .unwrap();
 }
 
+/// The attempt's provider session once it is recorded. The provider announces it before its
+/// first tool call, but the record of it may come a recorder batch after the tool started.
+async fn recorded_session(stack: &Stack, attempt_id: &str) -> Value {
+    let path = format!("/v1/attempts/{attempt_id}");
+    kit::wait_for(
+        "the provider session to be recorded",
+        Duration::from_secs(30),
+        || {
+            let api = stack.api.clone();
+            let path = path.clone();
+            async move {
+                let v = api.get(&path).await.ok()?["provider_session_id"].clone();
+                v.as_str().is_some_and(|s| !s.is_empty()).then_some(v)
+            }
+        },
+    )
+    .await
+    .unwrap()
+}
+
 fn script(provider: &str) -> Value {
     json!({
         "turns": [
@@ -918,13 +938,7 @@ async fn host_restart_resumes(provider: &str, params: Value) {
         .unwrap();
     let attempt_id = attempt["id"].as_str().unwrap().to_string();
     wait_for_blocking_tool(&attempt_id).await;
-    let session = stack
-        .api
-        .get(&format!("/v1/attempts/{attempt_id}"))
-        .await
-        .unwrap()["provider_session_id"]
-        .clone();
-    assert!(session.as_str().is_some_and(|s| !s.is_empty()));
+    let session = recorded_session(&stack, &attempt_id).await;
 
     // Crash the host mid-task; the provider is orphaned. Restart it with the same identity.
     std::fs::write(&release, "go").unwrap();
@@ -1121,14 +1135,8 @@ async fn retry_on_the_same_host(break_session: bool) {
         .unwrap();
     let first_id = first["id"].as_str().unwrap().to_string();
     wait_for_blocking_tool(&first_id).await;
-    let session = stack
-        .api
-        .get(&format!("/v1/attempts/{first_id}"))
-        .await
-        .unwrap()["provider_session_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let session = recorded_session(&stack, &first_id).await;
+    let session = session.as_str().unwrap().to_string();
     std::fs::write(&release, "go").unwrap();
     host.kill9_leader();
     for pid in processes_of_attempt(&first_id) {
