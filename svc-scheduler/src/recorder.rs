@@ -112,7 +112,8 @@ async fn worker(ctx: Ctx, mut rx: mpsc::Receiver<JsMessage>) {
     }
 }
 
-/// Records one message (one event, or a batch of them) in its own transaction and settles it.
+/// Records one message (one event, or a batch of them) in its own transaction and settles it:
+/// the same checks and statements as a batch of messages ([`record_checked`]).
 async fn handle_one(ctx: &Ctx, msg: JsMessage) {
     let subject = msg.subject.to_string();
     let ack = match agentscope_schemas::decode_events(msg.payload.as_ref()) {
@@ -127,19 +128,16 @@ async fn handle_one(ctx: &Ctx, msg: JsMessage) {
             .await;
             AckKind::Term
         }
-        Ok(mut events) if events.len() == 1 => {
-            let ev = events.pop().expect("one event");
-            let span = tracing::info_span!("record", attempt_id = %ev.attempt_id, seq = ev.seq);
+        Ok(events) => {
+            let span = match events.as_slice() {
+                [ev] => tracing::info_span!("record", attempt_id = %ev.attempt_id, seq = ev.seq),
+                _ => tracing::info_span!("record_batch", events = events.len()),
+            };
             agentscope_bus::set_parent(
                 &span,
                 agentscope_bus::traceparent(msg.headers.as_ref()).as_deref(),
             );
-            let res = record(ctx, &subject, ev).instrument(span).await;
-            settle(ctx, &msg, res).await
-        }
-        Ok(events) => {
             let mut items = items_of(0, &subject, Ok(events));
-            let span = tracing::info_span!("record_batch", events = items.len());
             let res = match record_checked(ctx, &mut items).instrument(span).await {
                 Ok(after) => {
                     after_commit(ctx, after).await;
@@ -268,8 +266,8 @@ enum Change {
 }
 
 /// Records a batch of messages in one transaction: every attempt's rows locked once, its events
-/// checked in seq order against the lock (fencing, duplicates, gaps) as [`record`] would one by
-/// one, the good rows inserted by one statement, transitions applied in order, then the commit
+/// checked in seq order against the lock (fencing, duplicates, gaps) one by one, the good rows
+/// inserted by one statement, transitions applied in order, then the commit
 /// and only then the acknowledgements. A batch whose transaction fails is recorded again message
 /// by message, so a poison message is rejected alone and the others still land.
 async fn record_batch(ctx: &Ctx, batch: Vec<JsMessage>) {
@@ -772,150 +770,6 @@ enum Outcome {
     Duplicate,
     /// An earlier event of the attempt has not arrived yet.
     Gap,
-}
-
-async fn record(ctx: &Ctx, subject: &str, ev: ExecutionEvent) -> Result<Outcome, Error> {
-    let attempt_id = Uuid::parse_str(&ev.attempt_id)
-        .map_err(|_| Error::Rejected("attempt_id is not a UUID".into()))?;
-    // The subject's host id is the one NATS authorized to publish it; the attempt's host is
-    // checked against it below.
-    if subject != agentscope_bus::subjects::events(&ev.host_id, &ev.attempt_id) {
-        return Err(Error::Rejected(
-            "subject does not match host_id and attempt_id".into(),
-        ));
-    }
-    if ev.seq == 0 || ev.seq > i64::MAX as u64 {
-        return Err(Error::Rejected("seq must be positive".into()));
-    }
-    let Some(body) = ev.body.as_ref() else {
-        return Err(Error::Rejected("event has no body".into()));
-    };
-    if let Some(task_id) = record_plain(ctx, attempt_id, &[&ev]).await? {
-        ctx.metrics.inc("agentscope_events_recorded_total", &[]);
-        crate::intake::notify(ctx, attempt_id, task_id, ev.seq, false).await;
-        return Ok(Outcome::Stored);
-    }
-    let mut tx = ctx.recorder_db.begin().await?;
-    let Some(a) = attempts::lock(&mut tx, attempt_id).await? else {
-        return Err(Error::Rejected(format!("unknown attempt {attempt_id}")));
-    };
-    let seq = ev.seq as i64;
-    if seq <= a.last_seq {
-        // A redelivery of the host's own event is a duplicate; a host event where the scheduler
-        // recorded the attempt's end (lease expiry) comes from a holder that lost its lease.
-        let by_scheduler: Option<bool> = sqlx::query_scalar!(
-            "SELECT payload->>'recorded_by' = 'scheduler' FROM execution_events WHERE attempt_id = $1 AND seq = $2",
-            attempt_id,
-            seq,
-        )
-        .fetch_optional(&mut *tx)
-        .await?
-        .flatten();
-        if by_scheduler != Some(true) {
-            ctx.metrics.inc("agentscope_events_duplicate_total", &[]);
-            return Ok(Outcome::Duplicate);
-        }
-    }
-    if a.lease_token != Some(ev.lease_token as i64)
-        || a.host_id.map(|h| h.to_string()) != Some(ev.host_id.clone())
-    {
-        ctx.metrics.inc("agentscope_events_fenced_total", &[]);
-        return Err(Error::Rejected(format!(
-            "fenced: lease token {} from host {} does not hold attempt {attempt_id}",
-            ev.lease_token, ev.host_id
-        )));
-    }
-    if a.status.is_terminal() {
-        ctx.metrics.inc("agentscope_events_fenced_total", &[]);
-        return Err(Error::Rejected(format!(
-            "fenced: attempt {attempt_id} is already {}",
-            a.status
-        )));
-    }
-    if seq > a.last_seq + 1 {
-        return Ok(Outcome::Gap);
-    }
-    let (kind, payload, at) = row_of(&ev, body);
-    sqlx::query!(
-        "INSERT INTO execution_events (attempt_id, seq, kind, payload, at) VALUES ($1, $2, $3, $4, $5)",
-        attempt_id,
-        seq,
-        kind,
-        &payload,
-        at,
-    )
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query!(
-        "UPDATE attempts SET last_seq = $2 WHERE id = $1",
-        attempt_id,
-        seq,
-    )
-    .execute(&mut *tx)
-    .await?;
-
-    let mut terminal = false;
-    let mut retry_pool = None;
-    match body {
-        Body::Lifecycle(l) => match AttemptState::try_from(l.state).unwrap_or_default() {
-            AttemptState::Running if a.status.can_move_to(AttemptStatus::Running) => {
-                sqlx::query!(
-                    "UPDATE attempts SET status = 'running', started_at = $2 WHERE id = $1",
-                    attempt_id,
-                    at,
-                )
-                .execute(&mut *tx)
-                .await?;
-            }
-            s @ (AttemptState::Succeeded | AttemptState::Failed | AttemptState::Cancelled) => {
-                let (status, class) = match s {
-                    AttemptState::Succeeded => (AttemptStatus::Succeeded, None),
-                    AttemptState::Cancelled => {
-                        (AttemptStatus::Cancelled, Some(FailureClass::Cancelled))
-                    }
-                    _ => (
-                        AttemptStatus::Failed,
-                        Some(FailureClass::parse(&l.failure_class)),
-                    ),
-                };
-                let exit = l.has_exit_code.then_some(l.exit_code);
-                let detail = crate::storable(&l.detail);
-                retry_pool = attempts::finish(&mut tx, &a, status, class, &detail, exit).await?;
-                terminal = true;
-            }
-            _ => {}
-        },
-        Body::SessionStarted(s) => {
-            let session = crate::storable(&s.provider_session_id);
-            sqlx::query!(
-                "UPDATE attempts SET provider_session_id = $2 WHERE id = $1",
-                attempt_id,
-                session.as_ref(),
-            )
-            .execute(&mut *tx)
-            .await?;
-        }
-        _ => {}
-    }
-    tx.commit().await?;
-    ctx.metrics.inc("agentscope_events_recorded_total", &[]);
-    if terminal {
-        // The attempt is over: release its lease so nothing can renew it.
-        if let Some(host) = a.host_id {
-            let _ = ctx
-                .leases
-                .purge(lease_key(&host.to_string(), &attempt_id.to_string()))
-                .await;
-        }
-        if let Some(pool) = a.pool_id {
-            attempts::nudge(ctx, pool).await;
-        }
-    }
-    if let Some(pool) = retry_pool {
-        attempts::nudge(ctx, pool).await;
-    }
-    crate::intake::notify(ctx, attempt_id, a.task_id, seq as u64, terminal).await;
-    Ok(Outcome::Stored)
 }
 
 /// The normalized record of an event: a kind and a JSON payload.
