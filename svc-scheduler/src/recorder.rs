@@ -552,11 +552,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     // the events before it left it. A `running` that comes with the end is written by the end.
     // Each statement that changes an attempt's status also sets its `last_seq`: one new version
     // of the row per attempt and batch, not two.
-    let mut running: (
-        Vec<Uuid>,
-        Vec<chrono::DateTime<chrono::Utc>>,
-        Vec<Option<i64>>,
-    ) = (vec![], vec![], vec![]);
+    let mut running: (Vec<Uuid>, Vec<chrono::DateTime<chrono::Utc>>) = (vec![], vec![]);
     let mut ends = Vec::new();
     for (i, change) in &changes {
         let attempt_id = items[*i].ev.as_ref().expect("checked item").0;
@@ -564,7 +560,6 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
             Change::Running { at } => {
                 running.0.push(attempt_id);
                 running.1.push(*at);
-                running.2.push(None);
             }
             Change::Session(s) => {
                 sqlx::query!(
@@ -585,7 +580,6 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
                 // Its `running`, if any, came before it and is taken over by the end.
                 let started_at = running.0.iter().position(|id| *id == a.id).map(|k| {
                     running.0.swap_remove(k);
-                    running.2.swap_remove(k);
                     running.1.swap_remove(k)
                 });
                 ends.push(attempts::End {
@@ -601,9 +595,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         }
     }
     if !running.0.is_empty() {
-        for (id, seq) in running.0.iter().zip(running.2.iter_mut()) {
-            *seq = seq_of.remove(id);
-        }
+        let seqs: Vec<Option<i64>> = running.0.iter().map(|id| seq_of.remove(id)).collect();
         sqlx::query!(
             "UPDATE attempts a SET status = 'running', started_at = u.at,
                  last_seq = COALESCE(u.seq, a.last_seq)
@@ -611,7 +603,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
              WHERE a.id = u.id",
             &running.0,
             &running.1,
-            &running.2 as &[Option<i64>],
+            &seqs as &[Option<i64>],
         )
         .execute(&mut *tx)
         .await?;

@@ -426,10 +426,6 @@ async fn a_batch_with_a_fenced_event_in_the_middle_records_the_good_ones_and_rej
     assert_eq!((status.as_str(), last_seq), ("running", last + 6));
 }
 
-/// Events that come one message at a time, each recorded alone, meet the checks a batch's
-/// meet: the next one is stored; a repeat changes nothing; a stale holder's is refused; one
-/// ahead of its time waits for the one before it; and once the attempt has ended, nothing more
-/// of it is stored, even under its own token.
 /// The attempt's `last_seq` and its newest stored event, and how many events it has.
 async fn seqs(stack: &Stack, task_id: &str) -> (i64, Option<i64>, i64) {
     sqlx::query_as(
@@ -498,6 +494,10 @@ async fn each_recorded_batch_leaves_last_seq_at_the_newest_event() {
     assert!(last > 50, "{last} events for 50 lines");
 }
 
+/// Events that come one message at a time, each recorded alone, meet the checks a batch's
+/// meet: the next one is stored; a repeat changes nothing; a stale holder's is refused; one
+/// ahead of its time waits for the one before it; and once the attempt has ended, nothing more
+/// of it is stored, even under its own token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_one_at_a_time_meet_the_checks_of_a_batch() {
     let stack = Stack::start("one-by-one", StackOptions::default())
