@@ -1366,3 +1366,75 @@ async fn an_end_is_recorded_while_its_hosts_counter_is_locked() {
     assert_eq!(pending, 0);
     assert_eq!(counter(stack.pg.clone(), "attempt_counts").await, 0);
 }
+
+/// A claim reads the head of its pool's queue, not all of it: with 600 attempts queued and the
+/// planner's statistics taken while the queue was empty (as they are during a burst, between
+/// two analyses), a claim for 4 slots takes the 4 oldest and reads few entries of the queue's
+/// index (its bounded count of waiting work, at most 100, and the candidates it locks), where
+/// reading, joining and sorting the whole queue would read every entry at least once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_reads_the_head_of_a_long_queue() {
+    let stack = Stack::start("claim-queue-head", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("queued", "pool", &["true"], None)
+        .await
+        .unwrap();
+    // Statistics of an empty queue, kept: no automatic analysis while it fills.
+    for sql in [
+        "ALTER TABLE attempts SET (autovacuum_enabled = off)",
+        "ANALYZE attempts",
+    ] {
+        sqlx::query(sql).execute(&stack.pg).await.unwrap();
+    }
+    // No host yet: every task stays queued.
+    const QUEUED: usize = 600;
+    let api = stack.api.clone();
+    let mut submitted = Vec::new();
+    for chunk in (0..QUEUED).collect::<Vec<_>>().chunks(8) {
+        let posts = chunk.iter().map(|i| {
+            api.post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": format!("queued {i}")}),
+            )
+        });
+        submitted.extend(futures::future::try_join_all(posts).await.unwrap());
+    }
+    let (host, _nc) = raw_host(&stack, "reader", 4).await;
+    let oldest: Vec<String> = sqlx::query_scalar(
+        "SELECT id::text FROM attempts WHERE status = 'queued' ORDER BY not_before, created_at LIMIT 4",
+    )
+    .fetch_all(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(submitted.len(), QUEUED);
+
+    // The scheduler's claim statement, in a transaction of the test's own that is rolled back,
+    // so that this backend's counters of the transaction tell what it read.
+    let mut tx = stack.pg.begin().await.unwrap();
+    let taken: Vec<String> = sqlx::query_scalar(
+        "SELECT coalesce(array_agg(x::text ORDER BY n), '{}') FROM claim_attempts($1::uuid, $2::uuid, 4,
+             '{}', '{}', ARRAY['h1', 'h2', 'h3', 'h4'], 3600, 'deployment', 60000) c,
+             unnest(c.r_ids) WITH ORDINALITY AS u(x, n)",
+    )
+    .bind(&host)
+    .bind(&stack.workspace_id)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    let read: i64 =
+        sqlx::query_scalar("SELECT pg_stat_get_xact_tuples_returned('attempts_queued'::regclass)")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        taken, oldest,
+        "the claim takes the oldest attempts, in order"
+    );
+    assert!(
+        read <= 150,
+        "the claim read {read} entries of the queue's index for {QUEUED} queued attempts"
+    );
+}
