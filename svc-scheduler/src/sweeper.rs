@@ -159,8 +159,10 @@ async fn sweep_rest(ctx: &Ctx, cursor: &mut OrphanCursor) -> Result<(), crate::E
     for pool in attempts::rebind_unbound(ctx).await? {
         attempts::nudge_ready(ctx, pool).await;
     }
+    // A skip scan of the queue's index (migration 0017): its cost follows the pools, not the
+    // backlog.
     let ready = sqlx::query_scalar!(
-        r#"SELECT DISTINCT pool_id AS "pool_id!" FROM attempts WHERE status = 'queued' AND pool_id IS NOT NULL AND not_before <= now()"#,
+        r#"SELECT pool_id AS "pool_id!" FROM pools_with_ready_work() AS pool_id"#,
     )
     .fetch_all(&ctx.db)
     .await?;

@@ -1367,13 +1367,15 @@ async fn an_end_is_recorded_while_its_hosts_counter_is_locked() {
     assert_eq!(counter(stack.pg.clone(), "attempt_counts").await, 0);
 }
 
-/// A claim reads the head of its pool's queue, not all of it: with 600 attempts queued and the
-/// planner's statistics taken while the queue was empty (as they are during a burst, between
-/// two analyses), a claim for 4 slots takes the 4 oldest and reads few entries of the queue's
-/// index (its bounded count of waiting work, at most 100, and the candidates it locks), where
-/// reading, joining and sorting the whole queue would read every entry at least once.
+/// A claim and the sweeper's search for pools with ready work read the head of the queue, not
+/// all of it: with 600 attempts queued and the planner's statistics taken while the queue was
+/// empty (as they are during a burst, between two analyses), a claim for 4 slots takes the 4
+/// oldest and reads few entries of the queue's index (its bounded count of waiting work, at
+/// most 100, and the candidates it locks), where reading, joining and sorting the whole queue
+/// would read every entry at least once; the sweep finds the pool from a few entries, and no
+/// pool once its work is not due yet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_reads_the_head_of_a_long_queue() {
+async fn claims_and_the_ready_pools_sweep_read_the_head_of_a_long_queue() {
     let stack = Stack::start("claim-queue-head", StackOptions::default())
         .await
         .unwrap();
@@ -1411,8 +1413,9 @@ async fn a_claim_reads_the_head_of_a_long_queue() {
     assert_eq!(submitted.len(), QUEUED);
 
     // The scheduler's claim statement, in a transaction of the test's own that is rolled back,
-    // so that this backend's counters of the transaction tell what it read.
+    // reading this backend's scan counters before and after it.
     let mut tx = stack.pg.begin().await.unwrap();
+    let before = queue_entries_read(&mut tx).await;
     let taken: Vec<String> = sqlx::query_scalar(
         "SELECT coalesce(array_agg(x::text ORDER BY n), '{}') FROM claim_attempts($1::uuid, $2::uuid, 4,
              '{}', '{}', ARRAY['h1', 'h2', 'h3', 'h4'], 3600, 'deployment', 60000) c,
@@ -1423,11 +1426,7 @@ async fn a_claim_reads_the_head_of_a_long_queue() {
     .fetch_one(&mut *tx)
     .await
     .unwrap();
-    let read: i64 =
-        sqlx::query_scalar("SELECT pg_stat_get_xact_tuples_returned('attempts_queued'::regclass)")
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
+    let read = queue_entries_read(&mut tx).await - before;
     tx.rollback().await.unwrap();
     assert_eq!(
         taken, oldest,
@@ -1437,4 +1436,39 @@ async fn a_claim_reads_the_head_of_a_long_queue() {
         read <= 150,
         "the claim read {read} entries of the queue's index for {QUEUED} queued attempts"
     );
+
+    // The sweeper's pools with ready work (rolled back as well).
+    let pool: String = sqlx::query_scalar("SELECT pool_id::text FROM hosts WHERE id = $1::uuid")
+        .bind(&host)
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+    let ready = "SELECT p::text FROM pools_with_ready_work() AS p";
+    let mut tx = stack.pg.begin().await.unwrap();
+    let before = queue_entries_read(&mut tx).await;
+    let pools: Vec<String> = sqlx::query_scalar(ready).fetch_all(&mut *tx).await.unwrap();
+    let read = queue_entries_read(&mut tx).await - before;
+    assert_eq!(pools, vec![pool], "the pool has ready work");
+    assert!(
+        read <= 5,
+        "the sweep read {read} entries of the queue's index for {QUEUED} queued attempts in one pool"
+    );
+    sqlx::query(
+        "UPDATE attempts SET not_before = now() + interval '1 hour' WHERE status = 'queued'",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let later: Vec<String> = sqlx::query_scalar(ready).fetch_all(&mut *tx).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert!(later.is_empty(), "no pool has work due: {later:?}");
+}
+
+/// Entries of `attempts_queued` this connection's scans returned and has not reported yet (the
+/// statistics are kept per backend until reported: read before and after, on one connection).
+async fn queue_entries_read(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> i64 {
+    sqlx::query_scalar("SELECT pg_stat_get_xact_tuples_returned('attempts_queued'::regclass)")
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap()
 }
