@@ -90,7 +90,9 @@ impl App {
             .context("start svc-scheduler")?;
         agentscope_store::migrate(&db).await?;
         let claim_db = agentscope_store::sibling(&db, config.db_claim_connections);
-        let recorder_db = agentscope_store::sibling(&db, config.db_recorder_connections);
+        // Its statements find attempts by id: planned on a young database, `finish_many`'s join
+        // was kept as a scan of every attempt, once per recorded batch.
+        let recorder_db = agentscope_store::sibling_by_key(&db, config.db_recorder_connections);
         let nats = config
             .nats
             .connect(&config.nats_url, "svc-scheduler")

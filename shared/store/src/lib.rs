@@ -66,6 +66,19 @@ pub fn sibling(pool: &PgPool, max_connections: u32) -> PgPool {
     pool_options(max_connections).connect_lazy_with((*pool.connect_options()).clone())
 }
 
+/// A [`sibling`] whose connections plan no sequential scan where an index can serve
+/// (`enable_seqscan = off`), for a hot path whose statements all reach their rows by key. A
+/// connection plans each statement on its first runs and keeps the plan; planned while the
+/// statistics still describe a small table (a young database, or a table that grew fast since
+/// it was last analyzed), a join by key is kept as a scan of the whole table, and its cost then
+/// grows with the table.
+pub fn sibling_by_key(pool: &PgPool, max_connections: u32) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("enable_seqscan", "off")]);
+    pool_options(max_connections).connect_lazy_with(options)
+}
+
 fn pool_options(max_connections: u32) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(max_connections)
