@@ -1376,33 +1376,10 @@ async fn an_end_is_recorded_while_its_hosts_counter_is_locked() {
 /// pool once its work is not due yet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_and_the_ready_pools_sweep_read_the_head_of_a_long_queue() {
-    let stack = Stack::start("claim-queue-head", StackOptions::default())
-        .await
-        .unwrap();
-    let (agent, _) = stack
-        .command_agent("queued", "pool", &["true"], None)
-        .await
-        .unwrap();
-    // Statistics of an empty queue, kept: no automatic analysis while it fills.
-    for sql in [
-        "ALTER TABLE attempts SET (autovacuum_enabled = off)",
-        "ANALYZE attempts",
-    ] {
-        sqlx::query(sql).execute(&stack.pg).await.unwrap();
-    }
+    let (stack, agent) = stack_with_stale_statistics("claim-queue-head").await;
     // No host yet: every task stays queued.
     const QUEUED: usize = 600;
-    let api = stack.api.clone();
-    let mut submitted = Vec::new();
-    for chunk in (0..QUEUED).collect::<Vec<_>>().chunks(8) {
-        let posts = chunk.iter().map(|i| {
-            api.post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": format!("queued {i}")}),
-            )
-        });
-        submitted.extend(futures::future::try_join_all(posts).await.unwrap());
-    }
+    let submitted = submit_many(&stack, &agent, QUEUED).await;
     let (host, _nc) = raw_host(&stack, "reader", 4).await;
     let oldest: Vec<String> = sqlx::query_scalar(
         "SELECT id::text FROM attempts WHERE status = 'queued' ORDER BY not_before, created_at LIMIT 4",
@@ -1479,44 +1456,19 @@ async fn queue_entries_read(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> i
 /// the whole table once per recorded batch (and kept that plan as the table grew).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recorder_reads_attempts_by_id_while_the_table_grows() {
-    let stack = Stack::start("recorder-by-id", StackOptions::default())
-        .await
-        .unwrap();
-    let (agent, _) = stack
-        .command_agent("quick", "pool", &["true"], None)
-        .await
-        .unwrap();
-    for sql in [
-        "ALTER TABLE attempts SET (autovacuum_enabled = off)",
-        "ANALYZE attempts",
-    ] {
-        sqlx::query(sql).execute(&stack.pg).await.unwrap();
-    }
+    let (mut stack, agent) = stack_with_stale_statistics("recorder-by-id").await;
     let state = stack.dir.path.join("host-h1-state");
     let _h1 = stack.spawn_host("h1", "pool", 8, &state, &[]).unwrap();
     stack.wait_host_ready("h1").await.unwrap();
     const TASKS: usize = 200;
-    let api = stack.api.clone();
-    let mut ids = Vec::new();
-    for chunk in (0..TASKS).collect::<Vec<_>>().chunks(8) {
-        let posts = chunk.iter().map(|i| {
-            api.post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": format!("quick {i}")}),
-            )
-        });
-        for t in futures::future::try_join_all(posts).await.unwrap() {
-            ids.push(t["id"].as_str().unwrap().to_string());
-        }
-    }
-    for id in &ids {
+    for t in submit_many(&stack, &agent, TASKS).await {
+        let id = t["id"].as_str().unwrap();
         stack
             .wait_task(id, "succeeded", Duration::from_secs(120))
             .await
             .unwrap();
     }
     // The scheduler's backends report their counts when they end.
-    let mut stack = stack;
     stack.restart_scheduler(false).await.unwrap();
     let read: i64 = sqlx::query_scalar(
         "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = 'attempts'",
@@ -1529,4 +1481,37 @@ async fn the_recorder_reads_attempts_by_id_while_the_table_grows() {
         read < 10 * TASKS as i64,
         "sequential scans read {read} rows of attempts while {TASKS} tasks ran"
     );
+}
+
+/// A stack with an agent running `true` in pool `pool`, whose database keeps the planner's
+/// statistics of an empty `attempts` (analyzed now, never again automatically): a table that
+/// grows faster than it is analyzed.
+async fn stack_with_stale_statistics(name: &str) -> (Stack, String) {
+    let stack = Stack::start(name, StackOptions::default()).await.unwrap();
+    let (agent, _) = stack
+        .command_agent("quick", "pool", &["true"], None)
+        .await
+        .unwrap();
+    for sql in [
+        "ALTER TABLE attempts SET (autovacuum_enabled = off)",
+        "ANALYZE attempts",
+    ] {
+        sqlx::query(sql).execute(&stack.pg).await.unwrap();
+    }
+    (stack, agent)
+}
+
+/// Submits `n` tasks to `agent`, eight at a time; the tasks as created.
+async fn submit_many(stack: &Stack, agent: &str, n: usize) -> Vec<serde_json::Value> {
+    let mut created = Vec::new();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(8) {
+        let posts = chunk.iter().map(|i| {
+            stack.api.post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": format!("task {i}")}),
+            )
+        });
+        created.extend(futures::future::try_join_all(posts).await.unwrap());
+    }
+    created
 }
