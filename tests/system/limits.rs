@@ -1380,7 +1380,7 @@ async fn claims_and_the_ready_pools_sweep_read_the_head_of_a_long_queue() {
         stack_with_stale_statistics("claim-queue-head", StackOptions::default()).await;
     // No host yet: every task stays queued.
     const QUEUED: usize = 600;
-    let submitted = submit_many(&stack, &agent, QUEUED).await;
+    let submitted = faults::submit(&stack, &agent, QUEUED).await;
     let (host, _nc) = raw_host(&stack, "reader", 4).await;
     let oldest: Vec<String> = sqlx::query_scalar(
         "SELECT id::text FROM attempts WHERE status = 'queued' ORDER BY not_before, created_at LIMIT 4",
@@ -1453,8 +1453,9 @@ async fn queue_entries_read(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> i
 
 /// The recorder reaches attempts by id whatever the statistics say: with the statistics of an
 /// empty `attempts` kept while 200 tasks run on one host, the rows read by sequential scans of
-/// `attempts` stay within a few whole-table reads (a restart's). The recorder's end statement, planned on a young database, used to scan
-/// the whole table once per recorded batch (and kept that plan as the table grew).
+/// `attempts` stay within a few whole-table reads (a restart's). The recorder's end statement,
+/// planned on a young database, used to scan the whole table once per recorded batch (and kept
+/// that plan as the table grew).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recorder_reads_attempts_by_id_while_the_table_grows() {
     // The sweeps (each of which may read `attempts` whole, once per pass, while the statistics
@@ -1469,10 +1470,9 @@ async fn the_recorder_reads_attempts_by_id_while_the_table_grows() {
     let _h1 = stack.spawn_host("h1", "pool", 8, &state, &[]).unwrap();
     stack.wait_host_ready("h1").await.unwrap();
     const TASKS: usize = 200;
-    for t in submit_many(&stack, &agent, TASKS).await {
-        let id = t["id"].as_str().unwrap();
+    for id in faults::submit(&stack, &agent, TASKS).await {
         stack
-            .wait_task(id, "succeeded", Duration::from_secs(120))
+            .wait_task(&id, "succeeded", Duration::from_secs(120))
             .await
             .unwrap();
     }
@@ -1507,19 +1507,4 @@ async fn stack_with_stale_statistics(name: &str, options: StackOptions) -> (Stac
         sqlx::query(sql).execute(&stack.pg).await.unwrap();
     }
     (stack, agent)
-}
-
-/// Submits `n` tasks to `agent`, eight at a time; the tasks as created.
-async fn submit_many(stack: &Stack, agent: &str, n: usize) -> Vec<serde_json::Value> {
-    let mut created = Vec::new();
-    for chunk in (0..n).collect::<Vec<_>>().chunks(8) {
-        let posts = chunk.iter().map(|i| {
-            stack.api.post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": format!("task {i}")}),
-            )
-        });
-        created.extend(futures::future::try_join_all(posts).await.unwrap());
-    }
-    created
 }
