@@ -96,7 +96,7 @@ pub(crate) async fn rebind_unbound(ctx: &Ctx) -> Result<Vec<Uuid>, Error> {
         RETURNING b.pool_id
         "#,
     )
-    .fetch_all(&ctx.db)
+    .fetch_all(&ctx.sweep_db)
     .await?;
     Ok(pools)
 }

@@ -58,6 +58,9 @@ impl Error {
     }
 }
 
+/// The sweeper runs one statement at a time.
+const SWEEP_CONNECTIONS: u32 = 1;
+
 /// Everything the scheduler's tasks share. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Ctx {
@@ -66,6 +69,8 @@ pub(crate) struct Ctx {
     /// (`Config::db_recorder_connections`): a few backends that stay warm.
     pub claim_db: PgPool,
     pub recorder_db: PgPool,
+    /// The sweeper's own reads, by index whatever the statistics say ([`SWEEP_CONNECTIONS`]).
+    pub sweep_db: PgPool,
     pub nats: async_nats::Client,
     pub js: jetstream::Context,
     pub leases: jetstream::kv::Store,
@@ -93,6 +98,9 @@ impl App {
         // Its statements find attempts by id: planned on a young database, `finish_many`'s join
         // was kept as a scan of every attempt, once per recorded batch.
         let recorder_db = agentscope_store::sibling_by_key(&db, config.db_recorder_connections);
+        // Its passes look for a few rows among many (unbound, cancelled, orphaned, lost), once a
+        // second: planned on a young database, such a search was kept as a scan of the table.
+        let sweep_db = agentscope_store::sibling_by_key(&db, SWEEP_CONNECTIONS);
         let nats = config
             .nats
             .connect(&config.nats_url, "svc-scheduler")
@@ -124,6 +132,7 @@ impl App {
                 db,
                 claim_db,
                 recorder_db,
+                sweep_db,
                 nats,
                 js,
                 leases,

@@ -16,33 +16,62 @@ static REJECTED_WARNING: agentscope_telemetry::Throttle =
 pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(ctx.config.sweep_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut orphans = OrphanCursor::default();
+    let mut carried = Carried::default();
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             _ = tick.tick() => {}
         }
-        if let Err(e) = sweep(&ctx, &mut orphans).await {
+        let swept = sweep(&ctx, &mut carried).await;
+        ctx.metrics.inc(
+            "agentscope_sweeps_total",
+            &[("result", if swept.is_ok() { "ok" } else { "error" })],
+        );
+        if let Err(e) = swept {
             tracing::warn!(error = ?e, "sweep failed; next tick retries");
         }
     }
 }
 
-async fn sweep(ctx: &Ctx, orphans: &mut OrphanCursor) -> Result<(), crate::Error> {
+async fn sweep(ctx: &Ctx, carried: &mut Carried) -> Result<(), crate::Error> {
     sweep_leases(ctx).await?;
     crate::approvals::expire(ctx).await?;
-    sweep_rest(ctx, orphans).await
+    sweep_rest(ctx, carried).await
 }
 
-/// Tasks without an attempt one sweep reads at most.
-const ORPHAN_PAGE: i64 = 200;
+/// Rows of a set (tasks without an attempt, pending cancellation requests) one sweep reads at
+/// most.
+const PAGE: i64 = 200;
 
-/// Where the next sweep for tasks without an attempt reads from: after the last task the
-/// previous one read (`created_at`, `id`), or from the oldest once a page came back short. Tasks
-/// that can never have an attempt stay in that set; read from the oldest every time, a page of
-/// them would hide every task after it.
+/// A cancellation request still pending this long after it was made has had its message lost
+/// (the usual path takes milliseconds, and a host stops a cancelled attempt within its grace of
+/// 5 s): the sweeper sends it again.
+const CANCEL_OVERDUE_SECS: f64 = 10.0;
+
+/// Where the next sweep reads a set from: after the last row the previous one read (its time,
+/// `id`), or from the oldest once a page came back short. Rows can stay in a set for long
+/// (a task that can never have an attempt; an attempt whose host does not stop it); read from
+/// the oldest every time, a page of them would hide every row after it.
+#[derive(Default, Clone, Copy)]
+struct Cursor(Option<(chrono::DateTime<chrono::Utc>, Uuid)>);
+
+impl Cursor {
+    fn after(&self) -> (Option<chrono::DateTime<chrono::Utc>>, Option<Uuid>) {
+        self.0.unzip()
+    }
+
+    /// Where to read from after a page whose last row is `last`.
+    fn next(len: usize, last: Option<(chrono::DateTime<chrono::Utc>, Uuid)>) -> Cursor {
+        Cursor(last.filter(|_| len as i64 == PAGE))
+    }
+}
+
+/// What one pass leaves to the next.
 #[derive(Default)]
-struct OrphanCursor(Option<(chrono::DateTime<chrono::Utc>, Uuid)>);
+struct Carried {
+    orphans: Cursor,
+    cancels: Cursor,
+}
 
 async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
     // 1. Active attempts whose lease key is gone (expired or purged) are lost. A claim creates
@@ -57,7 +86,7 @@ async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
              AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $1))"#,
         ctx.config.lease_ttl_ms as f64 / 1000.0,
     )
-    .fetch_all(&ctx.db)
+    .fetch_all(&ctx.sweep_db)
     .await?;
     for a in active {
         let (attempt_id, token, host_id) = (a.id, a.lease_token, a.host_id);
@@ -95,12 +124,12 @@ async fn unrecorded_events(
         }))
 }
 
-async fn sweep_rest(ctx: &Ctx, cursor: &mut OrphanCursor) -> Result<(), crate::Error> {
+async fn sweep_rest(ctx: &Ctx, cursors: &mut Carried) -> Result<(), crate::Error> {
     // 2. Tasks stored without their attempt (by a gateway of an earlier version or a tool, whose
     // submission message may be lost). Only tasks not yet known to have one are read (a partial
     // index, migration 0009), a page per sweep from where the last one ended: those that have one
     // by now are marked, the rest get one.
-    let (after_at, after_id) = cursor.0.unzip();
+    let (after_at, after_id) = cursors.orphans.after();
     let page = sqlx::query!(
         r#"WITH unknown AS (
                SELECT id, created_at FROM tasks WHERE NOT has_attempt
@@ -119,14 +148,11 @@ async fn sweep_rest(ctx: &Ctx, cursor: &mut OrphanCursor) -> Result<(), crate::E
            FROM unknown u ORDER BY u.created_at, u.id"#,
         after_at,
         after_id,
-        ORPHAN_PAGE,
+        PAGE,
     )
-    .fetch_all(&ctx.db)
+    .fetch_all(&ctx.sweep_db)
     .await?;
-    let next = match page.last() {
-        Some(last) if page.len() as i64 == ORPHAN_PAGE => Some((last.created_at, last.id)),
-        _ => None,
-    };
+    let next = Cursor::next(page.len(), page.last().map(|t| (t.created_at, t.id)));
     for task_id in page.into_iter().filter(|t| !t.marked).map(|t| t.id) {
         match attempts::ensure_first_attempt(ctx, task_id).await {
             Ok(_) => tracing::info!(%task_id, "scheduled a task found without attempt"),
@@ -141,19 +167,53 @@ async fn sweep_rest(ctx: &Ctx, cursor: &mut OrphanCursor) -> Result<(), crate::E
         }
     }
     // Only once the page is done: a sweep that failed reads it again.
-    cursor.0 = next;
+    cursors.orphans = next;
 
-    // 3. Queued attempts of tasks whose cancellation message was lost.
-    // (`tasks_cancel_requested`, migration 0009: the tasks read are those with a request.)
-    let stale = sqlx::query_scalar!(
-        "SELECT a.task_id FROM attempts a JOIN tasks t ON t.id = a.task_id
-         WHERE a.status = 'queued' AND t.cancel_requested_at IS NOT NULL LIMIT 200",
+    // 3. Cancellation requests whose message may be lost: pending ones only (migration 0018),
+    // a page per sweep. A request is settled here once its task's newest attempt has ended
+    // (nothing follows it: an end creates no retry for a task whose cancellation was
+    // requested); a queued attempt is cancelled at once, an active one's host is sent the cancel
+    // again once the request is overdue. A task without an attempt gets one cancelled (2).
+    let (after_at, after_id) = cursors.cancels.after();
+    let page = sqlx::query!(
+        r#"WITH pending AS (
+               SELECT id, cancel_requested_at AS at FROM tasks WHERE cancel_pending
+                  AND cancel_requested_at >= COALESCE($1::timestamptz, '-infinity')
+                  AND (cancel_requested_at, id) > (COALESCE($1::timestamptz, '-infinity'), COALESCE($2::uuid, '00000000-0000-0000-0000-000000000000'))
+               ORDER BY cancel_requested_at, id LIMIT $3
+           ), newest AS (
+               SELECT p.id, p.at, n.status FROM pending p LEFT JOIN LATERAL (
+                   SELECT a.status FROM attempts a WHERE a.task_id = p.id
+                    ORDER BY a.number DESC LIMIT 1) n ON true
+           ), settled AS (
+               UPDATE tasks t SET cancel_pending = false FROM newest n
+                WHERE t.id = n.id AND n.status IN ('succeeded', 'failed', 'cancelled', 'lost')
+           )
+           SELECT id AS "id!", at AS "at!", status AS "status?",
+                  at < now() - make_interval(secs => $4) AS "overdue!"
+           FROM newest ORDER BY at, id"#,
+        after_at,
+        after_id,
+        PAGE,
+        CANCEL_OVERDUE_SECS,
     )
-    .fetch_all(&ctx.db)
+    .fetch_all(&ctx.sweep_db)
     .await?;
-    for task_id in stale {
-        crate::intake::cancel_task(ctx, task_id, "cancel requested").await?;
+    let next = Cursor::next(page.len(), page.last().map(|t| (t.at, t.id)));
+    for t in page {
+        let again = match t.status.as_deref() {
+            Some("queued") => true,
+            Some("claimed" | "running") => t.overdue,
+            _ => false,
+        };
+        if again {
+            if t.status.as_deref() != Some("queued") {
+                tracing::warn!(task_id = %t.id, "cancellation still pending; sending it to the host again");
+            }
+            crate::intake::cancel_task(ctx, t.id, "cancel requested").await?;
+        }
     }
+    cursors.cancels = next;
 
     // 4. Attempts created before their agent had a binding, and pools with ready work.
     for pool in attempts::rebind_unbound(ctx).await? {
@@ -164,7 +224,7 @@ async fn sweep_rest(ctx: &Ctx, cursor: &mut OrphanCursor) -> Result<(), crate::E
     let ready = sqlx::query_scalar!(
         r#"SELECT pool_id AS "pool_id!" FROM pools_with_ready_work() AS pool_id"#,
     )
-    .fetch_all(&ctx.db)
+    .fetch_all(&ctx.sweep_db)
     .await?;
     for pool in ready {
         attempts::nudge_ready(ctx, pool).await;

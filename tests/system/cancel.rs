@@ -108,6 +108,69 @@ async fn cancelling_a_queued_task_needs_no_host() {
         .unwrap();
 }
 
+/// A cancellation committed without its message (the gateway died, or lost NATS, between its
+/// commit and its publish) still reaches the work: the sweeper cancels a queued attempt, sends
+/// the cancel again to the host of a running one once the request is overdue, and settles both
+/// requests once their attempts have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_whose_message_was_lost_still_stops_the_work() {
+    let stack = Stack::start("cancel-lost", StackOptions::default())
+        .await
+        .unwrap();
+    let (sleeper, _) = stack
+        .command_agent("sleeper", "pool", &["sleep", "300"], None)
+        .await
+        .unwrap();
+    let (idle, _) = stack
+        .command_agent("idle", "empty-pool", &["true"], None)
+        .await
+        .unwrap();
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    let mut tasks = Vec::new();
+    for (agent, status) in [(&sleeper, "running"), (&idle, "queued")] {
+        let task = stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent}))
+            .await
+            .unwrap();
+        let id = task["id"].as_str().unwrap().to_string();
+        stack
+            .wait_attempt(&id, 1, status, Duration::from_secs(30))
+            .await
+            .unwrap();
+        tasks.push(id);
+    }
+    // What the gateway commits, without the message that follows; made a minute ago, so that
+    // the running attempt's request is overdue at once.
+    sqlx::query(
+        "UPDATE tasks SET cancel_requested_at = now() - interval '1 minute' WHERE id = ANY($1::uuid[])",
+    )
+    .bind(&tasks)
+    .execute(&stack.pg)
+    .await
+    .unwrap();
+    for id in &tasks {
+        let task = stack
+            .wait_task(id, "cancelled", Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(task["attempts"].as_array().unwrap().len(), 1, "{task}");
+        assert_eq!(task["attempts"][0]["failure_class"], "cancelled", "{task}");
+    }
+    kit::wait_for("both requests settled", Duration::from_secs(30), || async {
+        let pending: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM tasks WHERE cancel_pending AND id = ANY($1::uuid[])",
+        )
+        .bind(&tasks)
+        .fetch_one(&stack.pg)
+        .await
+        .ok()?;
+        (pending == 0).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
 /// Live processes whose command line contains `needle`.
 fn processes_with(needle: &str) -> Vec<i32> {
     std::fs::read_dir("/proc")

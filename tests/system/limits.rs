@@ -1491,6 +1491,91 @@ async fn the_recorder_reads_attempts_by_id_while_the_table_grows() {
     );
 }
 
+/// The sweeper's passes read what they look for, not the queue or the tables: with 600
+/// attempts queued, 20 of their tasks cancelled (requests the sweeper settles) and the planner's
+/// statistics of an empty `attempts`, 20 passes read fewer rows of `attempts` and `tasks` than
+/// the queue holds. Searches for rows that are usually absent (attempts without a binding,
+/// queued attempts of cancelled tasks) used to read the whole queue or table on every pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeps_read_what_they_look_for_while_the_queue_is_long() {
+    let (stack, agent) = stack_with_stale_statistics("sweeps-queue", StackOptions::default()).await;
+    // No host: every task stays queued.
+    const QUEUED: usize = 600;
+    let submitted = faults::submit(&stack, &agent, QUEUED).await;
+    let cancelled = &submitted[..20];
+    for id in cancelled {
+        stack
+            .api
+            .post(&format!("/v1/tasks/{id}/cancel"), json!({}))
+            .await
+            .unwrap();
+    }
+    kit::wait_for(
+        "the cancellations settled",
+        Duration::from_secs(60),
+        || async {
+            // By index, so that the test's own reads stay out of the count below.
+            let mut tx = stack.pg.begin().await.ok()?;
+            sqlx::query("SET LOCAL enable_seqscan = off")
+                .execute(&mut *tx)
+                .await
+                .ok()?;
+            let open: i64 = sqlx::query_scalar(
+                "SELECT (SELECT count(*) FROM tasks WHERE cancel_pending)
+                      + (SELECT count(*) FROM attempts
+                          WHERE task_id = ANY($1::uuid[]) AND status <> 'cancelled')",
+            )
+            .bind(cancelled)
+            .fetch_one(&mut *tx)
+            .await
+            .ok()?;
+            (open == 0).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+
+    // Rows read, as the backends report them (each at most a second late): counted over 20
+    // passes, from 8 passes on, once every earlier read has been reported.
+    let (health, passes) = (
+        &stack.scheduler_health,
+        r#"agentscope_sweeps_total{result="ok"}"#,
+    );
+    let after = |n: f64| async move {
+        let start = metric(health, passes).await.unwrap();
+        kit::wait_for(&format!("{n} sweeps"), Duration::from_secs(60), || async {
+            let now = metric(health, passes).await?;
+            (now - start >= n).then_some(())
+        })
+        .await
+        .unwrap();
+    };
+    let rows_read = || async {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT relname::text, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+               FROM pg_stat_user_tables WHERE relname IN ('attempts', 'tasks') ORDER BY relname",
+        )
+        .fetch_all(&stack.pg)
+        .await
+        .unwrap()
+    };
+    after(8.0).await;
+    let before = rows_read().await;
+    after(20.0).await;
+    let read: Vec<(String, i64)> = rows_read()
+        .await
+        .into_iter()
+        .zip(before)
+        .map(|((table, n), (_, m))| (table, n - m))
+        .collect();
+    let total: i64 = read.iter().map(|(_, n)| n).sum();
+    assert!(
+        // One read of the queue per pass: 12,000.
+        total < QUEUED as i64,
+        "20 sweeps read {read:?} rows with {QUEUED} attempts queued"
+    );
+}
+
 /// A stack with an agent running `true` in pool `pool`, whose database keeps the planner's
 /// statistics of an empty `attempts` (analyzed now, never again automatically): a table that
 /// grows faster than it is analyzed.
