@@ -6,6 +6,7 @@ use crate::{Ctx, attempts};
 use agentscope_bus::lease_key;
 use agentscope_domain::{AttemptStatus, FailureClass};
 use async_nats::jetstream::kv::Operation;
+use std::collections::HashMap;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -34,7 +35,7 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
 }
 
 async fn sweep(ctx: &Ctx, carried: &mut Carried) -> Result<(), crate::Error> {
-    sweep_leases(ctx).await?;
+    sweep_leases(ctx, &mut carried.leases).await?;
     crate::approvals::expire(ctx).await?;
     sweep_rest(ctx, carried).await
 }
@@ -71,9 +72,27 @@ impl Cursor {
 struct Carried {
     orphans: Cursor,
     cancels: Cursor,
+    leases: LeaseReads,
 }
 
-async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
+/// When each active attempt's lease (by attempt and fencing token) is next worth reading. A
+/// lease last written at `t` exists until `t` + TTL (the bucket's `max_age`) unless removed,
+/// which its holder and the recorder do once the work is over: read at `t` + TTL, not on every
+/// pass, it is found renewed (and read again a TTL after that renewal) or gone. A long-running
+/// attempt's lease is read about once a TTL, not once a pass. The time is the server's; a
+/// scheduler whose clock is behind the server's by `d` finds an expiry `d` later, at most a TTL.
+#[derive(Default)]
+struct LeaseReads(HashMap<(Uuid, i64), tokio::time::Instant>);
+
+impl LeaseReads {
+    /// When to read a lease found written at `created` again.
+    fn after(ttl: Duration, created_ms: i64) -> tokio::time::Instant {
+        let age = agentscope_bus::now_ms().saturating_sub(created_ms).max(0) as u64;
+        tokio::time::Instant::now() + ttl.saturating_sub(Duration::from_millis(age))
+    }
+}
+
+async fn sweep_leases(ctx: &Ctx, reads: &mut LeaseReads) -> Result<(), crate::Error> {
     // 1. Active attempts whose lease key is gone (expired or purged) are lost. A claim creates
     // its leases just after it commits, and a direct dispatch while its offer travels (so its
     // host may already report the attempt running): an attempt without one is lost only once a
@@ -88,21 +107,29 @@ async fn sweep_leases(ctx: &Ctx) -> Result<(), crate::Error> {
     )
     .fetch_all(&ctx.sweep_db)
     .await?;
+    let ttl = Duration::from_millis(ctx.config.lease_ttl_ms);
+    let now = tokio::time::Instant::now();
+    let mut next = HashMap::with_capacity(active.len());
     for a in active {
         let (attempt_id, token, host_id) = (a.id, a.lease_token, a.host_id);
+        if let Some(&at) = reads.0.get(&(attempt_id, token))
+            && at > now
+        {
+            next.insert((attempt_id, token), at);
+            continue;
+        }
         let key = lease_key(&host_id.to_string(), &attempt_id.to_string());
-        let alive = match ctx.leases.entry(&key).await {
-            Ok(Some(e)) => e.operation == Operation::Put,
-            Ok(None) => false,
-            Err(e) => {
-                tracing::warn!(error = ?e, %attempt_id, "read lease");
-                continue;
+        ctx.metrics.inc("agentscope_lease_reads_total", &[]);
+        match ctx.leases.entry(&key).await {
+            Ok(Some(e)) if e.operation == Operation::Put => {
+                let created_ms = (e.created.unix_timestamp_nanos() / 1_000_000) as i64;
+                next.insert((attempt_id, token), LeaseReads::after(ttl, created_ms));
             }
-        };
-        if !alive {
-            mark_lost(ctx, attempt_id, token).await?;
+            Ok(_) => mark_lost(ctx, attempt_id, token).await?,
+            Err(e) => tracing::warn!(error = ?e, %attempt_id, "read lease"),
         }
     }
+    reads.0 = next;
     Ok(())
 }
 

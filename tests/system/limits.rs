@@ -1576,6 +1576,57 @@ async fn the_sweeps_read_what_they_look_for_while_the_queue_is_long() {
     );
 }
 
+/// The sweeper reads a long-running attempt's lease about once a TTL (when the lease it last
+/// saw would have expired), not on each pass: with 4 attempts running for longer than a TTL,
+/// its lease reads stay under half of one per attempt and pass, where one per attempt and pass
+/// is what reading every active lease each second costs (a NATS round trip each). Lost leases
+/// are still found: `faults_host` kills hosts under the same sweeper.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_running_attempts_leases_are_read_once_a_ttl_not_once_a_pass() {
+    let stack = Stack::start("lease-reads", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("sleeper", "pool", &["sleep", "300"], None)
+        .await
+        .unwrap();
+    let (_host, _) = stack.host("h", "pool", 4).await.unwrap();
+    const RUNNING: usize = 4;
+    let ids = faults::submit(&stack, &agent, RUNNING).await;
+    faults::wait_all_running(&stack, &ids).await;
+    let health = stack.scheduler_health.clone();
+    let passes = r#"agentscope_sweeps_total{result="ok"}"#;
+    let reads = "agentscope_lease_reads_total";
+    // Once every attempt is older than a TTL (3 s; the sweep reads leases of those only), 24
+    // passes (6 s, two TTLs).
+    let after = |from: f64, n: f64| {
+        let health = health.clone();
+        async move {
+            kit::wait_for(&format!("{n} sweeps"), Duration::from_secs(60), || async {
+                let now = metric(&health, passes).await?;
+                (now - from >= n).then_some(now)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let start = after(0.0, 0.0).await;
+    let from = after(start, 16.0).await;
+    let reads_from = metric(&health, reads).await.unwrap();
+    let to = after(from, 24.0).await;
+    let read = metric(&health, reads).await.unwrap() - reads_from;
+    let per_attempt_and_pass = read / ((to - from) * RUNNING as f64);
+    assert!(
+        read >= RUNNING as f64,
+        "every lease is read at least once in two TTLs ({read} reads)"
+    );
+    assert!(
+        per_attempt_and_pass < 0.5,
+        "{read} lease reads in {} passes for {RUNNING} running attempts",
+        to - from
+    );
+}
+
 /// A stack with an agent running `true` in pool `pool`, whose database keeps the planner's
 /// statistics of an empty `attempts` (analyzed now, never again automatically): a table that
 /// grows faster than it is analyzed.
