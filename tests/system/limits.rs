@@ -1576,6 +1576,65 @@ async fn the_sweeps_read_what_they_look_for_while_the_queue_is_long() {
     );
 }
 
+/// The dataplane's sweep for sessions with unanswered input reads those inputs, not the
+/// session history: with 2,000 answered inputs stored after the planner's statistics were taken
+/// (as in a young database), 40 scans of `session_inputs` (20 sweeps) read fewer rows than the
+/// table holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_sweep_reads_unanswered_inputs_not_the_history() {
+    let stack = Stack::start("session-sweep", StackOptions::default())
+        .await
+        .unwrap();
+    let agent = crate::managed::managed_agent(&stack, "quiet", json!({})).await;
+    let session = crate::managed::start_session(&stack, &agent, "sandbox", "hello").await;
+    crate::managed::wait_outcomes(&stack, &session, 1).await;
+    const HISTORY: i64 = 2_000;
+    for sql in [
+        "ALTER TABLE session_inputs SET (autovacuum_enabled = off)",
+        "ANALYZE session_inputs",
+    ] {
+        sqlx::query(sql).execute(&stack.pg).await.unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO session_inputs (id, session_id, workspace_id, text, answered)
+         SELECT gen_random_uuid(), s.id, s.workspace_id, 'earlier input ' || n, true
+           FROM sessions s, generate_series(1, $2) n WHERE s.id = $1::uuid",
+    )
+    .bind(&session)
+    .bind(HISTORY)
+    .execute(&stack.pg)
+    .await
+    .unwrap();
+    // Scans and rows read, as the backends report them (each at most a second late).
+    let counts = || async {
+        sqlx::query_as::<_, (i64, i64)>(
+            "SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0),
+                    coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+               FROM pg_stat_user_tables WHERE relname = 'session_inputs'",
+        )
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap()
+    };
+    let scans_after = |n: i64| async move {
+        let (start, _) = counts().await;
+        kit::wait_for(&format!("{n} scans"), Duration::from_secs(60), || async {
+            let (scans, read) = counts().await;
+            (scans - start >= n).then_some((scans, read))
+        })
+        .await
+        .unwrap()
+    };
+    let (from_scans, from_read) = scans_after(8).await;
+    let (to_scans, to_read) = scans_after(40).await;
+    let read = to_read - from_read;
+    assert!(
+        read < HISTORY,
+        "{} scans of session_inputs read {read} rows with {HISTORY} answered inputs stored",
+        to_scans - from_scans
+    );
+}
+
 /// The sweeper reads a long-running attempt's lease about once a TTL (when the lease it last
 /// saw would have expired), not on each pass: with 4 attempts running for longer than a TTL,
 /// its lease reads stay under half of one per attempt and pass, where one per attempt and pass

@@ -43,6 +43,9 @@ use uuid::Uuid;
 
 pub struct Runner {
     pub db: sqlx::PgPool,
+    /// The sweep's connection: it plans no sequential scan, so that statistics of a young
+    /// `session_inputs` cannot turn its search for unanswered inputs into a read of every input.
+    sweep_db: sqlx::PgPool,
     pub nats: async_nats::Client,
     /// Self-hosted Worker heartbeats.
     pub workers: kv::Store,
@@ -105,6 +108,7 @@ impl Runner {
         // One connection pool for the model and E2B.
         let http = reqwest::Client::new();
         Arc::new(Runner {
+            sweep_db: agentscope_store::sibling_by_key(&db, 1),
             db,
             nats,
             workers,
@@ -156,7 +160,7 @@ impl Runner {
                SELECT DISTINCT i.session_id FROM session_inputs i
                 WHERE NOT i.answered AND i.id NOT IN (SELECT id FROM marked) LIMIT 500"#,
         )
-        .fetch_all(&self.db)
+        .fetch_all(&self.sweep_db)
         .await
     }
 
