@@ -285,7 +285,7 @@ async fn decide(
     let mut tx = ctx.db.begin().await?;
     // status, attempt (hosted) or session (managed), request, workspace.
     let row = sqlx::query!(
-        "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id, ap.session_id FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
+        "SELECT ap.status, ap.attempt_id, ap.request_id, ap.workspace_id, ap.session_id, ap.undelivered FROM approvals ap WHERE ap.id = $1 FOR UPDATE",
         id,
     )
     .fetch_optional(&mut *tx)
@@ -306,6 +306,12 @@ async fn decide(
     if current != "pending" {
         // The same decision again is a harmless replay; a different one is refused.
         let same = current == status;
+        if same && row.undelivered {
+            // Its host may never have been told (the client repeats the decision because the
+            // first answer did not come): told now.
+            drop(tx);
+            deliver(ctx, id).await?;
+        }
         return Ok(DecideApprovalReply {
             ok: same,
             error_code: if same {
@@ -342,43 +348,34 @@ async fn decide(
         }
         host = a.host_id.map(|h| (h, attempt_id));
     }
+    // Undelivered until the host's control stream has the decision (`deliver`).
     sqlx::query!(
-        "UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, '') WHERE id = $1",
+        "UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3, reason = NULLIF($4, ''), undelivered = $5 WHERE id = $1",
         id,
         status,
         &d.decided_by,
         &d.reason,
+        host.is_some(),
     )
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
     if let Some((host, attempt_id)) = host {
-        let cmd = HostCommand {
-            command_id: format!("decision:{id}"),
-            command: Some(host_command::Command::ApprovalDecision(ApprovalDecision {
-                approval_id: id.to_string(),
-                request_id,
-                attempt_id: attempt_id.to_string(),
-                allow: d.allow,
-                reason: if d.reason.is_empty() {
-                    status.to_string()
-                } else {
-                    d.reason.clone()
-                },
-                decided_by: d.decided_by.clone(),
-                always_for_task: d.always_for_task,
-            })),
+        let decision = ApprovalDecision {
+            approval_id: id.to_string(),
+            request_id,
+            attempt_id: attempt_id.to_string(),
+            allow: d.allow,
+            reason: if d.reason.is_empty() {
+                status.to_string()
+            } else {
+                d.reason.clone()
+            },
+            decided_by: d.decided_by.clone(),
+            always_for_task: d.always_for_task,
         };
-        ctx.js
-            .publish_with_headers(
-                subjects::control(&host.to_string()),
-                agentscope_bus::headers(&cmd.command_id),
-                cmd.encode_to_vec().into(),
-            )
-            .await
-            .map_err(Error::bus)?
-            .await
-            .map_err(Error::bus)?;
+        send(ctx, host, decision).await?;
+        delivered(ctx, id).await;
     } else if let Some(session) = session_id {
         let _ = ctx
             .nats
@@ -394,6 +391,90 @@ async fn decide(
         ..Default::default()
     })
 }
+
+/// Publishes a hosted attempt's decision to its host's control stream; returns once the stream
+/// has it (its id dedups a repeat within the stream's window, and the host answers a request
+/// once: a decision for a request it no longer waits on is ignored).
+async fn send(ctx: &Ctx, host: Uuid, decision: ApprovalDecision) -> Result<(), Error> {
+    let cmd = HostCommand {
+        command_id: format!("decision:{}", decision.approval_id),
+        command: Some(host_command::Command::ApprovalDecision(decision)),
+    };
+    ctx.js
+        .publish_with_headers(
+            subjects::control(&host.to_string()),
+            agentscope_bus::headers(&cmd.command_id),
+            cmd.encode_to_vec().into(),
+        )
+        .await
+        .map_err(Error::bus)?
+        .await
+        .map_err(Error::bus)?;
+    Ok(())
+}
+
+/// The decision `id` is in its host's control stream. A failure leaves it to the sweeper, which
+/// sends it once more.
+async fn delivered(ctx: &Ctx, id: Uuid) {
+    if let Err(e) = sqlx::query!("UPDATE approvals SET undelivered = false WHERE id = $1", id)
+        .execute(&ctx.db)
+        .await
+    {
+        tracing::warn!(error = %e, approval_id = %id, "mark a decision delivered");
+    }
+}
+
+/// Sends the committed decision `id` if its host's control stream may not have it
+/// (`undelivered`): one whose attempt has ended needs nothing more. ("Always for the task" was
+/// the decision's message only, so a decision sent again applies to its own request.)
+pub(crate) async fn deliver(ctx: &Ctx, id: Uuid) -> Result<(), Error> {
+    let row = sqlx::query!(
+        r#"SELECT ap.request_id, ap.attempt_id AS "attempt_id!", ap.status, ap.reason,
+                  ap.decided_by, a.host_id, a.status AS attempt_status
+           FROM approvals ap JOIN attempts a ON a.id = ap.attempt_id
+           WHERE ap.id = $1 AND ap.undelivered"#,
+        id,
+    )
+    .fetch_optional(&ctx.db)
+    .await?;
+    let Some(r) = row else { return Ok(()) };
+    let active = matches!(r.attempt_status.as_str(), "claimed" | "running");
+    if let (true, Some(host)) = (active, r.host_id) {
+        tracing::warn!(approval_id = %id, attempt_id = %r.attempt_id, "a decision its host may not have; sending it again");
+        let decision = ApprovalDecision {
+            approval_id: id.to_string(),
+            request_id: r.request_id,
+            attempt_id: r.attempt_id.to_string(),
+            allow: r.status == "allowed",
+            reason: r.reason.unwrap_or_else(|| r.status.clone()),
+            decided_by: r.decided_by.unwrap_or_default(),
+            always_for_task: false,
+        };
+        send(ctx, host, decision).await?;
+    }
+    delivered(ctx, id).await;
+    Ok(())
+}
+
+/// Decisions of hosted attempts committed more than [`UNDELIVERED_AFTER`] ago whose command the
+/// host's control stream may not have (their scheduler died, or lost NATS, after the commit):
+/// sent again.
+pub(crate) async fn deliver_overdue(ctx: &Ctx) -> Result<(), Error> {
+    let due = sqlx::query_scalar!(
+        "SELECT id FROM approvals WHERE undelivered AND decided_at < now() - make_interval(secs => $1)
+         ORDER BY decided_at LIMIT 100",
+        UNDELIVERED_AFTER.as_secs_f64(),
+    )
+    .fetch_all(&ctx.sweep_db)
+    .await?;
+    for id in due {
+        deliver(ctx, id).await?;
+    }
+    Ok(())
+}
+
+/// How long a decision may wait for its own publish before the sweeper sends it.
+const UNDELIVERED_AFTER: Duration = Duration::from_secs(5);
 
 /// Pending approvals past their deadline become denies with the class `approval_timeout`.
 pub(crate) async fn expire(ctx: &Ctx) -> Result<(), Error> {

@@ -37,6 +37,7 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
 async fn sweep(ctx: &Ctx, carried: &mut Carried) -> Result<(), crate::Error> {
     sweep_leases(ctx, &mut carried.leases).await?;
     crate::approvals::expire(ctx).await?;
+    crate::approvals::deliver_overdue(ctx).await?;
     sweep_rest(ctx, carried).await
 }
 

@@ -306,6 +306,84 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
     }
 }
 
+/// A decision committed without its command reaching the host (the scheduler died, or lost
+/// NATS, between its commit and its publish) still reaches the waiting attempt: the sweeper sends
+/// it once it is overdue, and a client repeating the decision sends it at once. Either way the
+/// tool runs once and the decision is marked delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_committed_without_its_command_still_reaches_the_attempt() {
+    let stack = Stack::start("approval-undelivered", StackOptions::default())
+        .await
+        .unwrap();
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo approved-work > ran.txt && cat ran.txt"}}],
+        "final": "Finished."
+    });
+    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
+    let agent = provider_agent(&stack, "a", "codex", json!({"approvals": "ask"}), json!({})).await;
+    let base = format!("{url}/v1");
+    let _host = agent_host(
+        &stack,
+        "h",
+        &stack.dir.path.join("hs"),
+        "codex",
+        &[
+            ("OPENAI_BASE_URL", &base),
+            ("OPENAI_API_KEY", "sk-modelsim"),
+        ],
+    )
+    .await;
+    // Decided a minute ago (the sweeper's to send), or "later" (only a repeat can send it).
+    for (decided_at, repeat) in [
+        ("now() - interval '1 minute'", false),
+        ("now() + interval '1 hour'", true),
+    ] {
+        let t = stack
+            .api
+            .post("/v1/tasks", json!({"agent_id": agent}))
+            .await
+            .unwrap();
+        let task = t["id"].as_str().unwrap().to_string();
+        let ap = pending_approval(&stack, &task).await;
+        let id = ap["id"].as_str().unwrap().to_string();
+        // What the scheduler commits before it publishes the command.
+        sqlx::query(&format!(
+            "UPDATE approvals SET status = 'allowed', decided_at = {decided_at}, decided_by = 'api',
+                    undelivered = true WHERE id = $1::uuid"
+        ))
+        .bind(&id)
+        .execute(&stack.pg)
+        .await
+        .unwrap();
+        if repeat {
+            let (st, v) = decide(&stack, &id, "approve", json!({})).await;
+            assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
+        }
+        let t = stack
+            .wait_task(&task, "succeeded", Duration::from_secs(120))
+            .await
+            .unwrap();
+        let attempt = t["attempts"][0]["id"].as_str().unwrap();
+        let events = stack
+            .events(&format!("/v1/attempts/{attempt}/events"))
+            .await
+            .unwrap();
+        let decided: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["kind"] == "approval_decided")
+            .collect();
+        assert_eq!(decided.len(), 1, "applied once: {decided:?}");
+        assert_eq!(decided[0]["payload"]["allow"], true);
+        let undelivered: bool =
+            sqlx::query_scalar("SELECT undelivered FROM approvals WHERE id = $1::uuid")
+                .bind(&id)
+                .fetch_one(&stack.pg)
+                .await
+                .unwrap();
+        assert!(!undelivered, "repeat {repeat}: marked delivered");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_asks_through_app_server_and_each_decision_applies_once() {
     approve_then_deny("codex-approvals", "codex", "shell").await;
