@@ -468,7 +468,10 @@ pub(crate) async fn deliver_overdue(ctx: &Ctx) -> Result<(), Error> {
     .fetch_all(&ctx.sweep_db)
     .await?;
     for id in due {
-        deliver(ctx, id).await?;
+        // One that cannot be sent now is tried again next pass; the rest of the sweep goes on.
+        if let Err(e) = deliver(ctx, id).await {
+            tracing::warn!(error = ?e, approval_id = %id, "send a decision again");
+        }
     }
     Ok(())
 }

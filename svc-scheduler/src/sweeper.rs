@@ -238,7 +238,10 @@ async fn sweep_rest(ctx: &Ctx, cursors: &mut Carried) -> Result<(), crate::Error
             if t.status.as_deref() != Some("queued") {
                 tracing::warn!(task_id = %t.id, "cancellation still pending; sending it to the host again");
             }
-            crate::intake::cancel_task(ctx, t.id, "cancel requested").await?;
+            // One that fails now is read again when the cursor comes back to it.
+            if let Err(e) = crate::intake::cancel_task(ctx, t.id, "cancel requested").await {
+                tracing::warn!(error = ?e, task_id = %t.id, "apply a pending cancellation");
+            }
         }
     }
     cursors.cancels = next;
