@@ -484,7 +484,7 @@ pub(crate) async fn expire(ctx: &Ctx) -> Result<(), Error> {
     let due = sqlx::query_scalar!(
         "SELECT id FROM approvals WHERE status = 'pending' AND expires_at < now() LIMIT 100",
     )
-    .fetch_all(&ctx.db)
+    .fetch_all(&ctx.sweep_db)
     .await?;
     for id in due {
         let d = DecideApproval {

@@ -1492,9 +1492,9 @@ async fn the_recorder_reads_attempts_by_id_while_the_table_grows() {
 }
 
 /// The sweeper's passes read what they look for, not the queue or the tables: with 600
-/// attempts queued, 20 of their tasks cancelled (requests the sweeper settles) and the planner's
-/// statistics of an empty `attempts`, 20 passes read fewer rows of `attempts` and `tasks` than
-/// the queue holds. Searches for rows that are usually absent (attempts without a binding,
+/// attempts queued, 20 of their tasks cancelled (requests the sweeper settles), 600 decided
+/// approvals and the planner's statistics of an empty `attempts` and `approvals`, 20 passes read
+/// fewer rows of `approvals`, `attempts` and `tasks` than the queue holds. Searches for rows that are usually absent (attempts without a binding,
 /// queued attempts of cancelled tasks) used to read the whole queue or table on every pass.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweeps_read_what_they_look_for_while_the_queue_is_long() {
@@ -1502,6 +1502,22 @@ async fn the_sweeps_read_what_they_look_for_while_the_queue_is_long() {
     // No host: every task stays queued.
     const QUEUED: usize = 600;
     let submitted = faults::submit(&stack, &agent, QUEUED).await;
+    // Decisions of the past, one per attempt, stored after the statistics of an empty table;
+    // the rows this connection read meanwhile (the foreign keys' checks) reported at once.
+    let mut conn = stack.pg.acquire().await.unwrap();
+    for sql in [
+        "ALTER TABLE approvals SET (autovacuum_enabled = off)",
+        "ANALYZE approvals",
+        "INSERT INTO approvals (id, workspace_id, attempt_id, request_id, tool_name, status,
+                                decided_at, decided_by)
+         SELECT gen_random_uuid(), workspace_id, id, 'earlier', 'shell', 'allowed', now(), 'api'
+           FROM attempts",
+        "SELECT pg_stat_force_next_flush()",
+        "SELECT 1",
+    ] {
+        sqlx::query(sql).execute(&mut *conn).await.unwrap();
+    }
+    drop(conn);
     let cancelled = &submitted[..20];
     for id in cancelled {
         stack
@@ -1553,7 +1569,8 @@ async fn the_sweeps_read_what_they_look_for_while_the_queue_is_long() {
     let rows_read = || async {
         sqlx::query_as::<_, (String, i64)>(
             "SELECT relname::text, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
-               FROM pg_stat_user_tables WHERE relname IN ('attempts', 'tasks') ORDER BY relname",
+               FROM pg_stat_user_tables WHERE relname IN ('approvals', 'attempts', 'tasks')
+              ORDER BY relname",
         )
         .fetch_all(&stack.pg)
         .await
