@@ -6,10 +6,10 @@ use crate::{Ctx, Error, attempts};
 use agentscope_bus::{
     CONSUMER_APPROVALS, Consume, Endpoint, Request, SCHEDULER_QUEUE, STREAM_APPROVALS, subjects,
 };
+use agentscope_schemas::DecodeError;
 use agentscope_schemas::v1::{
     ApprovalDecision, DecideApproval, DecideApprovalReply, HostCommand, ToolRequest, host_command,
 };
-use agentscope_schemas::{DecodeError, Message};
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{AckKind, Message as JsMessage};
 use std::sync::Arc;
@@ -400,17 +400,7 @@ async fn send(ctx: &Ctx, host: Uuid, decision: ApprovalDecision) -> Result<(), E
         command_id: format!("decision:{}", decision.approval_id),
         command: Some(host_command::Command::ApprovalDecision(decision)),
     };
-    ctx.js
-        .publish_with_headers(
-            subjects::control(&host.to_string()),
-            agentscope_bus::headers(&cmd.command_id),
-            cmd.encode_to_vec().into(),
-        )
-        .await
-        .map_err(Error::bus)?
-        .await
-        .map_err(Error::bus)?;
-    Ok(())
+    crate::command_host(ctx, host, cmd).await
 }
 
 /// The decision `id` is in its host's control stream. A failure leaves it to the sweeper, which

@@ -135,16 +135,7 @@ pub(crate) async fn cancel_task(ctx: &Ctx, task_id: Uuid, reason: &str) -> Resul
                     grace_ms: 5_000,
                 })),
             };
-            ctx.js
-                .publish_with_headers(
-                    subjects::control(&host.to_string()),
-                    agentscope_bus::headers(&cmd.command_id),
-                    cmd.encode_to_vec().into(),
-                )
-                .await
-                .map_err(Error::bus)?
-                .await
-                .map_err(Error::bus)?;
+            crate::command_host(ctx, host, cmd).await?;
             tracing::info!(attempt_id = %a.id, %host, "cancel sent to host");
         }
         _ => {}

@@ -58,6 +58,27 @@ impl Error {
     }
 }
 
+/// Publishes `cmd` to `host`'s control stream (its durable consumer); returns once the stream
+/// has it. The command's id dedups a repeat within the stream's duplicate window.
+pub(crate) async fn command_host(
+    ctx: &Ctx,
+    host: uuid::Uuid,
+    cmd: agentscope_schemas::v1::HostCommand,
+) -> Result<(), Error> {
+    use agentscope_schemas::Message as _;
+    ctx.js
+        .publish_with_headers(
+            agentscope_bus::subjects::control(&host.to_string()),
+            agentscope_bus::headers(&cmd.command_id),
+            cmd.encode_to_vec().into(),
+        )
+        .await
+        .map_err(Error::bus)?
+        .await
+        .map_err(Error::bus)?;
+    Ok(())
+}
+
 /// The sweeper runs one statement at a time.
 const SWEEP_CONNECTIONS: u32 = 1;
 

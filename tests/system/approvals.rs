@@ -29,6 +29,22 @@ pub(crate) async fn first_pending(stack: &Stack, filter: &str) -> Value {
     .unwrap()
 }
 
+/// The events of `task`'s first attempt and the one decision among them (applied once).
+async fn the_decision(stack: &Stack, task: &Value) -> (Vec<Value>, Value) {
+    let attempt = task["attempts"][0]["id"].as_str().unwrap();
+    let events = stack
+        .events(&format!("/v1/attempts/{attempt}/events"))
+        .await
+        .unwrap();
+    let decided: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "approval_decided")
+        .collect();
+    assert_eq!(decided.len(), 1, "applied once: {decided:?}");
+    let decided = decided[0].clone();
+    (events, decided)
+}
+
 async fn decide(stack: &Stack, id: &str, verb: &str, body: Value) -> (u16, Value) {
     stack
         .api
@@ -278,17 +294,8 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
         if !runs {
             assert_eq!(t["attempts"][0]["failure_class"], "tool_denied", "{t}");
         }
-        let attempt = t["attempts"][0]["id"].as_str().unwrap();
-        let events = stack
-            .events(&format!("/v1/attempts/{attempt}/events"))
-            .await
-            .unwrap();
-        let decided: Vec<&Value> = events
-            .iter()
-            .filter(|e| e["kind"] == "approval_decided")
-            .collect();
-        assert_eq!(decided.len(), 1, "applied once: {decided:?}");
-        assert_eq!(decided[0]["payload"]["allow"], runs);
+        let (events, decided) = the_decision(&stack, &t).await;
+        assert_eq!(decided["payload"]["allow"], runs);
         let ran = events.iter().any(|e| {
             e["kind"] == "tool_result"
                 && !e["payload"]["is_error"].as_bool().unwrap_or(false)
@@ -306,24 +313,19 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
     }
 }
 
-/// A decision committed without its command reaching the host (the scheduler died, or lost
-/// NATS, between its commit and its publish) still reaches the waiting attempt: the sweeper sends
-/// it once it is overdue, and a client repeating the decision sends it at once. Either way the
-/// tool runs once and the decision is marked delivered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decision_committed_without_its_command_still_reaches_the_attempt() {
-    let stack = Stack::start("approval-undelivered", StackOptions::default())
-        .await
-        .unwrap();
+/// A Codex agent (`approvals: ask`) whose model runs `command` in one `shell` call, then
+/// finishes, and a host for it; the model server and the host run while the processes returned
+/// with the agent's id are kept.
+async fn codex_asking(stack: &Stack, command: &str) -> (String, [kit::Proc; 2]) {
     let script = json!({
-        "turns": [{"tool": "shell", "args": {"command": "echo approved-work > ran.txt && cat ran.txt"}}],
+        "turns": [{"tool": "shell", "args": {"command": command}}],
         "final": "Finished."
     });
-    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
-    let agent = provider_agent(&stack, "a", "codex", json!({"approvals": "ask"}), json!({})).await;
+    let (sim, url, _log) = modelsim(&stack.dir.path, &script).await;
+    let agent = provider_agent(stack, "a", "codex", json!({"approvals": "ask"}), json!({})).await;
     let base = format!("{url}/v1");
-    let _host = agent_host(
-        &stack,
+    let host = agent_host(
+        stack,
         "h",
         &stack.dir.path.join("hs"),
         "codex",
@@ -333,6 +335,20 @@ async fn a_decision_committed_without_its_command_still_reaches_the_attempt() {
         ],
     )
     .await;
+    (agent, [sim, host])
+}
+
+/// A decision committed without its command reaching the host (the scheduler died, or lost
+/// NATS, between its commit and its publish) still reaches the waiting attempt: the sweeper sends
+/// it once it is overdue, and a client repeating the decision sends it at once. Either way the
+/// tool runs once and the decision is marked delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_committed_without_its_command_still_reaches_the_attempt() {
+    let stack = Stack::start("approval-undelivered", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _running) =
+        codex_asking(&stack, "echo approved-work > ran.txt && cat ran.txt").await;
     // Decided a minute ago (the sweeper's to send), or "later" (only a repeat can send it).
     for (decided_at, repeat) in [
         ("now() - interval '1 minute'", false),
@@ -363,17 +379,8 @@ async fn a_decision_committed_without_its_command_still_reaches_the_attempt() {
             .wait_task(&task, "succeeded", Duration::from_secs(120))
             .await
             .unwrap();
-        let attempt = t["attempts"][0]["id"].as_str().unwrap();
-        let events = stack
-            .events(&format!("/v1/attempts/{attempt}/events"))
-            .await
-            .unwrap();
-        let decided: Vec<&Value> = events
-            .iter()
-            .filter(|e| e["kind"] == "approval_decided")
-            .collect();
-        assert_eq!(decided.len(), 1, "applied once: {decided:?}");
-        assert_eq!(decided[0]["payload"]["allow"], true);
+        let (_, decided) = the_decision(&stack, &t).await;
+        assert_eq!(decided["payload"]["allow"], true);
         let undelivered: bool =
             sqlx::query_scalar("SELECT undelivered FROM approvals WHERE id = $1::uuid")
                 .bind(&id)
@@ -399,24 +406,7 @@ async fn cancel_reaches_an_attempt_awaiting_approval() {
     let stack = Stack::start("approval-cancel", StackOptions::default())
         .await
         .unwrap();
-    let script = json!({
-        "turns": [{"tool": "shell", "args": {"command": "echo never > ran.txt"}}],
-        "final": "Finished."
-    });
-    let (_sim, url, _log) = modelsim(&stack.dir.path, &script).await;
-    let agent = provider_agent(&stack, "a", "codex", json!({"approvals": "ask"}), json!({})).await;
-    let base = format!("{url}/v1");
-    let _host = agent_host(
-        &stack,
-        "h",
-        &stack.dir.path.join("hs"),
-        "codex",
-        &[
-            ("OPENAI_BASE_URL", &base),
-            ("OPENAI_API_KEY", "sk-modelsim"),
-        ],
-    )
-    .await;
+    let (agent, _running) = codex_asking(&stack, "echo never > ran.txt").await;
     let t = stack
         .api
         .post("/v1/tasks", json!({"agent_id": agent}))
