@@ -13,6 +13,8 @@ use uuid::Uuid;
 
 static REJECTED_WARNING: agentscope_telemetry::Throttle =
     agentscope_telemetry::Throttle::new(Duration::from_secs(60));
+static RESEND_WARNING: agentscope_telemetry::Throttle =
+    agentscope_telemetry::Throttle::new(Duration::from_secs(60));
 
 pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(ctx.config.sweep_interval_ms));
@@ -235,8 +237,11 @@ async fn sweep_rest(ctx: &Ctx, cursors: &mut Carried) -> Result<(), crate::Error
             _ => false,
         };
         if again {
-            if t.status.as_deref() != Some("queued") {
-                tracing::warn!(task_id = %t.id, "cancellation still pending; sending it to the host again");
+            // Once a second while its host stops the attempt (the stream drops the repeats).
+            if t.status.as_deref() != Some("queued")
+                && let Some(more) = RESEND_WARNING.check()
+            {
+                tracing::warn!(task_id = %t.id, "cancellation still pending; sending it to the host again{more}");
             }
             // One that fails now is read again when the cursor comes back to it.
             if let Err(e) = crate::intake::cancel_task(ctx, t.id, "cancel requested").await {
