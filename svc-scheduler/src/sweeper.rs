@@ -56,7 +56,7 @@ const CANCEL_OVERDUE_SECS: f64 = 10.0;
 /// `id`), or from the oldest once a page came back short. Rows can stay in a set for long
 /// (a task that can never have an attempt; an attempt whose host does not stop it); read from
 /// the oldest every time, a page of them would hide every row after it.
-#[derive(Default, Clone, Copy)]
+#[derive(Default)]
 struct Cursor(Option<(chrono::DateTime<chrono::Utc>, Uuid)>);
 
 impl Cursor {
@@ -154,12 +154,12 @@ async fn unrecorded_events(
         }))
 }
 
-async fn sweep_rest(ctx: &Ctx, cursors: &mut Carried) -> Result<(), crate::Error> {
+async fn sweep_rest(ctx: &Ctx, carried: &mut Carried) -> Result<(), crate::Error> {
     // 2. Tasks stored without their attempt (by a gateway of an earlier version or a tool, whose
     // submission message may be lost). Only tasks not yet known to have one are read (a partial
     // index, migration 0009), a page per sweep from where the last one ended: those that have one
     // by now are marked, the rest get one.
-    let (after_at, after_id) = cursors.orphans.after();
+    let (after_at, after_id) = carried.orphans.after();
     let page = sqlx::query!(
         r#"WITH unknown AS (
                SELECT id, created_at FROM tasks WHERE NOT has_attempt
@@ -197,14 +197,14 @@ async fn sweep_rest(ctx: &Ctx, cursors: &mut Carried) -> Result<(), crate::Error
         }
     }
     // Only once the page is done: a sweep that failed reads it again.
-    cursors.orphans = next;
+    carried.orphans = next;
 
     // 3. Cancellation requests whose message may be lost: pending ones only (migration 0018),
     // a page per sweep. A request is settled here once its task's newest attempt has ended
     // (nothing follows it: an end creates no retry for a task whose cancellation was
     // requested); a queued attempt is cancelled at once, an active one's host is sent the cancel
     // again once the request is overdue. A task without an attempt gets one cancelled (2).
-    let (after_at, after_id) = cursors.cancels.after();
+    let (after_at, after_id) = carried.cancels.after();
     let page = sqlx::query!(
         r#"WITH pending AS (
                SELECT id, cancel_requested_at AS at FROM tasks WHERE cancel_pending
@@ -231,25 +231,22 @@ async fn sweep_rest(ctx: &Ctx, cursors: &mut Carried) -> Result<(), crate::Error
     .await?;
     let next = Cursor::next(page.len(), page.last().map(|t| (t.at, t.id)));
     for t in page {
-        let again = match t.status.as_deref() {
-            Some("queued") => true,
-            Some("claimed" | "running") => t.overdue,
-            _ => false,
-        };
-        if again {
+        match t.status.as_deref() {
+            Some("queued") => {}
             // Once a second while its host stops the attempt (the stream drops the repeats).
-            if t.status.as_deref() != Some("queued")
-                && let Some(more) = RESEND_WARNING.check()
-            {
-                tracing::warn!(task_id = %t.id, "cancellation still pending; sending it to the host again{more}");
+            Some("claimed" | "running") if t.overdue => {
+                if let Some(more) = RESEND_WARNING.check() {
+                    tracing::warn!(task_id = %t.id, "cancellation still pending; sending it to the host again{more}");
+                }
             }
-            // One that fails now is read again when the cursor comes back to it.
-            if let Err(e) = crate::intake::cancel_task(ctx, t.id, "cancel requested").await {
-                tracing::warn!(error = ?e, task_id = %t.id, "apply a pending cancellation");
-            }
+            _ => continue,
+        }
+        // One that fails now is read again when the cursor comes back to it.
+        if let Err(e) = crate::intake::cancel_task(ctx, t.id, "cancel requested").await {
+            tracing::warn!(error = ?e, task_id = %t.id, "apply a pending cancellation");
         }
     }
-    cursors.cancels = next;
+    carried.cancels = next;
 
     // 4. Attempts created before their agent had a binding, and pools with ready work.
     for pool in attempts::rebind_unbound(ctx).await? {
