@@ -59,6 +59,11 @@ pub struct Config {
     /// How long an ended attempt's task directory is kept after its last change (a retry on
     /// this host continues the provider session from it) before the host removes it; at least 1.
     pub task_dir_retention_secs: u64,
+    /// Threads of the host's async runtime: 1 (the default) runs its tasks on one thread, so an
+    /// offer and the start of its provider never wait for a hand-over between threads (the
+    /// journal's flushes, the /proc scans and the uid releases have threads of their own); 0 one
+    /// per core.
+    pub worker_threads: usize,
     #[serde(default)]
     pub log_format: String,
 }
@@ -87,6 +92,7 @@ impl Config {
             ("model_retry_secs", 60.into()),
             ("provider_recheck_ms", 60_000.into()),
             ("task_dir_retention_secs", (3 * 24 * 3600).into()),
+            ("worker_threads", 1.into()),
             ("log_format", "".into()),
         ])?;
         config.validate()?;

@@ -1,6 +1,9 @@
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let config = svc_host::Config::load()?;
+    agentscope_telemetry::runtime(config.worker_threads)?.block_on(run(config))
+}
+
+async fn run(config: svc_host::Config) -> anyhow::Result<()> {
     let _telemetry = agentscope_telemetry::init(
         "svc-host",
         &agentscope_telemetry::Options {

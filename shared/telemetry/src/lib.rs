@@ -85,3 +85,35 @@ pub fn init(service: &'static str, options: &Options) -> anyhow::Result<Guard> {
         .try_init()?;
     Ok(Guard { provider })
 }
+
+/// A service's tokio runtime with `worker_threads` threads for its tasks: 1 runs them all on
+/// the thread that calls `block_on` (no hand-over between threads: a message that arrives and
+/// the work it starts stay on one CPU), 0 one thread per core. Blocking work goes to tokio's
+/// blocking pool either way.
+pub fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    if worker_threads == 1 {
+        return tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build();
+    }
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if worker_threads > 1 {
+        b.worker_threads(worker_threads);
+    }
+    b.enable_all().build()
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::runtime::RuntimeFlavor;
+
+    #[test]
+    fn one_worker_thread_is_a_current_thread_runtime_and_zero_one_per_core() {
+        let flavor = |n| super::runtime(n).unwrap().handle().runtime_flavor();
+        assert_eq!(flavor(1), RuntimeFlavor::CurrentThread);
+        assert_eq!(flavor(0), RuntimeFlavor::MultiThread);
+        let two = super::runtime(2).unwrap();
+        assert_eq!(two.handle().runtime_flavor(), RuntimeFlavor::MultiThread);
+        assert_eq!(two.metrics().num_workers(), 2);
+    }
+}
