@@ -118,6 +118,9 @@ impl Config {
         if self.task_dir_retention_secs == 0 {
             return bad("task_dir_retention_secs must be at least 1");
         }
+        if self.worker_threads > 256 {
+            return bad("worker_threads must be between 0 (one per core) and 256");
+        }
         for p in self.provider_list() {
             if agentscope_domain::Provider::parse(&p).is_none() {
                 return Err(config::ConfigError::Message(format!(
@@ -172,5 +175,44 @@ impl Config {
             .filter(|s| !s.is_empty())
             .map(str::to_string)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Config;
+
+    fn config(worker_threads: usize) -> Config {
+        serde_json::from_value(serde_json::json!({
+            "nats_url": "nats://127.0.0.1:4222",
+            "health_addr": "127.0.0.1:0",
+            "state_dir": "/tmp/state",
+            "host_token": "agh_x",
+            "pool": "default",
+            "capacity": 2,
+            "poll_interval_ms": 2000,
+            "kill_grace_ms": 5000,
+            "max_line_bytes": 65536,
+            "api_url": "http://127.0.0.1:8080",
+            "run_as": "auto",
+            "run_as_uids": crate::isolation::DEFAULT_UID_RANGE,
+            "run_as_lock_dir": "/run/agentscope/uids",
+            "providers": "command",
+            "model_retry_limit": 3,
+            "model_retry_secs": 60,
+            "provider_recheck_ms": 60000,
+            "task_dir_retention_secs": 60,
+            "worker_threads": worker_threads,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn worker_threads_run_from_zero_one_per_core_to_256() {
+        for ok in [0, 1, 2, 256] {
+            config(ok).validate().unwrap();
+        }
+        let e = config(257).validate().unwrap_err().to_string();
+        assert!(e.contains("worker_threads"), "{e}");
     }
 }
