@@ -153,7 +153,7 @@ pub async fn terminate_group(pgid: i32, grace: Duration) -> Vec<i32> {
     if wait_group_empty(pgid, Duration::from_secs(10)).await {
         return vec![];
     }
-    group_members(pgid)
+    members(pgid).await
 }
 
 /// Kills the whole group at once (lease lost: the work must stop now).
@@ -162,7 +162,14 @@ pub async fn kill_group(pgid: i32) -> Vec<i32> {
     if wait_group_empty(pgid, Duration::from_secs(10)).await {
         return vec![];
     }
-    group_members(pgid)
+    members(pgid).await
+}
+
+/// [`group_members`] on the blocking pool: a scan of /proc never holds up the host's tasks.
+async fn members(pgid: i32) -> Vec<i32> {
+    tokio::task::spawn_blocking(move || group_members(pgid))
+        .await
+        .unwrap_or_default()
 }
 
 async fn wait_group_empty(pgid: i32, within: Duration) -> bool {
