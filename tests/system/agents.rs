@@ -133,6 +133,23 @@ pub(crate) async fn agent_host(
     host
 }
 
+/// A host "h" (state in `hs`) offering `providers`, whose OpenAI-compatible CLIs (Codex,
+/// opencode) reach the model server at `url`.
+pub(crate) async fn openai_host(stack: &Stack, providers: &str, url: &str) -> kit::Proc {
+    let base = format!("{url}/v1");
+    agent_host(
+        stack,
+        "h",
+        &stack.dir.path.join("hs"),
+        providers,
+        &[
+            ("OPENAI_BASE_URL", &base),
+            ("OPENAI_API_KEY", "sk-modelsim"),
+        ],
+    )
+    .await
+}
+
 /// Waits until the attempt's long tool call (`tail -f /dev/null`) is running.
 async fn wait_for_blocking_tool(attempt_id: &str) {
     let a = attempt_id.to_string();

@@ -2,7 +2,7 @@
 //! decision from the API, and the decision is applied exactly once; an undecided request times
 //! out into a deny with the class `approval_timeout`.
 
-use crate::agents::{agent_host, modelsim, provider_agent};
+use crate::agents::{agent_host, modelsim, openai_host, provider_agent};
 use agentscope_system_tests::*;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -250,18 +250,7 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
         json!({}),
     )
     .await;
-    let base = format!("{url}/v1");
-    let _host = agent_host(
-        &stack,
-        "h",
-        &stack.dir.path.join("hs"),
-        provider,
-        &[
-            ("OPENAI_BASE_URL", &base),
-            ("OPENAI_API_KEY", "sk-modelsim"),
-        ],
-    )
-    .await;
+    let _host = openai_host(&stack, provider, &url).await;
 
     for (verb, runs) in [("approve", true), ("deny", false)] {
         let t = stack
@@ -323,18 +312,7 @@ async fn codex_asking(stack: &Stack, command: &str) -> (String, [kit::Proc; 2]) 
     });
     let (sim, url, _log) = modelsim(&stack.dir.path, &script).await;
     let agent = provider_agent(stack, "a", "codex", json!({"approvals": "ask"}), json!({})).await;
-    let base = format!("{url}/v1");
-    let host = agent_host(
-        stack,
-        "h",
-        &stack.dir.path.join("hs"),
-        "codex",
-        &[
-            ("OPENAI_BASE_URL", &base),
-            ("OPENAI_API_KEY", "sk-modelsim"),
-        ],
-    )
-    .await;
+    let host = openai_host(stack, "codex", &url).await;
     (agent, [sim, host])
 }
 

@@ -6,7 +6,7 @@
 //! a turn that ended because its tool was denied is `failed` with the class `tool_denied`, and
 //! explain says why.
 
-use crate::agents::{agent_host, modelsim, provider_agent, provider_env};
+use crate::agents::{modelsim, openai_host, provider_agent, provider_env};
 use crate::approvals::first_pending;
 use agentscope_system_tests::*;
 use serde_json::{Value, json};
@@ -33,18 +33,7 @@ async fn codex_with_its_default_profile_comments_through_the_platform_tool() {
     let (_sim, url, log) = modelsim(&stack.dir.path, &script).await;
     // The default profile: no parameters at all (sandbox workspace-write, no approvals).
     let agent = provider_agent(&stack, "codex-default", "codex", json!({}), json!({})).await;
-    let base = format!("{url}/v1");
-    let _host = agent_host(
-        &stack,
-        "h",
-        &stack.dir.path.join("hs"),
-        "codex",
-        &[
-            ("OPENAI_BASE_URL", &base),
-            ("OPENAI_API_KEY", "sk-modelsim"),
-        ],
-    )
-    .await;
+    let _host = openai_host(&stack, "codex", &url).await;
     let issue = stack
         .api
         .post(
