@@ -12,6 +12,7 @@
 //! on stderr. docs/BENCHMARKS.md says what each figure measures.
 
 mod cpu;
+mod machine;
 mod managed;
 mod rss;
 mod setup;
@@ -137,7 +138,7 @@ fn headline(name: &str, v: &Value) -> String {
             other => other.to_string(),
         }
     };
-    match name {
+    let figures = match name {
         "w1_low" => format!(
             "submit→provider started p50 {} p99 {} ms; committed {}; claims/task {}; CPU/task {} ms",
             g("submit_to_provider_started_ms.p50"),
@@ -203,6 +204,14 @@ fn headline(name: &str, v: &Value) -> String {
             })
             .unwrap_or_default(),
         _ => String::new(),
+    };
+    let m = &v["machine"];
+    match (&m["wakeup_round_trip_us"], &m["fdatasync_us"]) {
+        (Value::Object(w), Value::Object(f)) => format!(
+            "{figures}; machine: wake-up round trip p50 {} µs, fdatasync p50 {} µs, CPU pass {} ms, syscall pair {} µs",
+            w["p50"], f["p50"], m["cpu_hash_ms"], m["syscall_pair_us"]
+        ),
+        _ => figures,
     }
 }
 
@@ -285,8 +294,13 @@ async fn main() -> Result<()> {
     for round in 1..=args.rounds.max(1) {
         for (i, w) in plan.iter().enumerate() {
             eprintln!("[{round}/{}] {} {}", args.rounds, w.name(), w.params());
+            // The machine's wake-up price just before the round, to read its figures by.
+            let machine = machine::probe().await;
             match w.run().await {
-                Ok(v) => {
+                Ok(mut v) => {
+                    if let (Ok(m), Some(o)) = (machine, v.as_object_mut()) {
+                        o.insert("machine".into(), m);
+                    }
                     eprintln!("    {}", headline(w.name(), &v));
                     rounds[i].push(v);
                 }

@@ -1,0 +1,136 @@
+//! The machine's own prices, measured just before every round, so that figures taken minutes
+//! apart on a shared virtual machine can be read against what the machine gave at the time
+//! (docs/BENCHMARKS.md): each is measured with the CPUs left idle for a millisecond before each
+//! turn, as between one low-load task's hops.
+//! - `wakeup_round_trip_us`: two threads take turns over a pipe, each blocked in `read` until
+//!   the other writes; a round trip is two wake-ups (one task's path is about seven).
+//! - `fdatasync_us`: an 8 KiB write and `fdatasync` of a file in the temporary directory (the
+//!   price of every durable commit, PostgreSQL's included, when it is on the same disk).
+//! - `cpu_hash_ms`: the fastest of five passes of a fixed computation over 4 MiB (the CPU's
+//!   speed as this machine gets it, in user space).
+//! - `syscall_pair_us`: a one-byte pipe write and its read in one thread, the median of 20
+//!   batches of 1,000 (the kernel's speed as this machine gets it: the services' work is
+//!   mostly system calls, and a hypervisor's interference shows here first).
+
+use crate::stats::summary;
+use anyhow::Result;
+use serde_json::{Value, json};
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+/// Round trips measured.
+const TURNS: usize = 300;
+/// Idle time before each.
+const IDLE: Duration = Duration::from_millis(1);
+
+/// Durable writes measured.
+const SYNCS: usize = 100;
+
+/// `{"wakeup_round_trip_us", "fdatasync_us", "cpu_hash_ms"}`.
+pub async fn probe() -> Result<Value> {
+    tokio::task::spawn_blocking(|| {
+        Ok(json!({
+            "wakeup_round_trip_us": wakeups()?,
+            "fdatasync_us": syncs()?,
+            "cpu_hash_ms": crate::stats::num(cpu()),
+            "syscall_pair_us": crate::stats::num(syscalls()?),
+        }))
+    })
+    .await?
+}
+
+fn syncs() -> Result<Value> {
+    let path = std::env::temp_dir().join(format!("agentscope-bench-sync-{}", std::process::id()));
+    let file = std::fs::File::create(&path)?;
+    let block = [0x5au8; 8192];
+    let mut us = Vec::with_capacity(SYNCS);
+    for i in 0..SYNCS {
+        std::thread::sleep(IDLE);
+        std::os::unix::fs::FileExt::write_all_at(&file, &block, (i % 16) as u64 * 8192)?;
+        let t = Instant::now();
+        file.sync_data()?;
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(file);
+    std::fs::remove_file(&path)?;
+    Ok(summary(&us))
+}
+
+fn cpu() -> f64 {
+    let data: Vec<u64> = (0..(4 << 20) / 8).collect();
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            // FNV-1a over the words; black_box keeps the work from being folded away.
+            let h = data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+                (h ^ std::hint::black_box(*w)).wrapping_mul(0x0000_0100_0000_01b3)
+            });
+            std::hint::black_box(h);
+            t.elapsed().as_secs_f64() * 1000.0
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn syscalls() -> Result<f64> {
+    let (mut r, mut w) = std::io::pipe()?;
+    let mut b = [0u8; 1];
+    let mut per = Vec::with_capacity(20);
+    for _ in 0..20 {
+        let t = Instant::now();
+        for _ in 0..1000 {
+            w.write_all(b"x")?;
+            r.read_exact(&mut b)?;
+        }
+        per.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    per.sort_by(f64::total_cmp);
+    Ok(per[per.len() / 2])
+}
+
+fn wakeups() -> Result<Value> {
+    let (mut to_echo, mut echo_in) = {
+        let (r, w) = std::io::pipe()?;
+        (w, r)
+    };
+    let (mut back, mut echo_out) = {
+        let (r, w) = std::io::pipe()?;
+        (r, w)
+    };
+    let echo = std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        // Ends when the writer closes its end.
+        while echo_in.read_exact(&mut b).is_ok() {
+            if echo_out.write_all(&b).is_err() {
+                break;
+            }
+        }
+    });
+    let mut rtt_us = Vec::with_capacity(TURNS);
+    let mut b = [0u8; 1];
+    for _ in 0..TURNS {
+        std::thread::sleep(IDLE);
+        let t = Instant::now();
+        to_echo.write_all(b"x")?;
+        back.read_exact(&mut b)?;
+        rtt_us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(to_echo);
+    let _ = echo.join();
+    Ok(summary(&rtt_us))
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every price is measured: round trips and syncs each as many as said, and the two
+    /// passes as positive durations.
+    #[tokio::test]
+    async fn the_probe_measures_every_price() {
+        let m = super::probe().await.unwrap();
+        assert_eq!(m["wakeup_round_trip_us"]["n"], super::TURNS, "{m}");
+        assert_eq!(m["fdatasync_us"]["n"], super::SYNCS, "{m}");
+        for k in ["cpu_hash_ms", "syscall_pair_us"] {
+            assert!(m[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {m}");
+        }
+        assert!(m["wakeup_round_trip_us"]["p50"].as_f64().unwrap() > 0.0, "{m}");
+    }
+}
