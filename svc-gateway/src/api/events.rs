@@ -250,6 +250,8 @@ fn single(event: &str, data: &str) -> Bytes {
 const FEED_BUFFER: usize = 256;
 /// Events read by one query.
 const PAGE: i64 = 500;
+/// A follower's chunk grows by batches already waiting up to about this size.
+const COALESCE_BYTES: usize = 256 * 1024;
 
 impl Feeds {
     /// Joins the scope's live reader, or starts one. A reader started here begins where
@@ -537,41 +539,71 @@ impl Follow {
                     }
                 },
             };
-            if batch.prev > self.cursor {
-                // Something between our cursor and this batch went by: read it from the database.
-                self.catch_up = true;
+            let mut out = Vec::new();
+            if !self.take(&batch, &mut out) {
                 continue;
             }
-            let mut out = None;
-            if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > self.cursor) {
-                out = Some(if batch.prev == self.cursor {
-                    // The usual case: the whole batch follows on, one shared chunk.
-                    batch.all.clone()
-                } else {
-                    let mut chunk = BytesMut::new();
-                    for (_, f) in batch.events.iter().filter(|(c, _)| *c > self.cursor) {
-                        chunk.put_slice(f);
+            // Batches already waiting go out in the same chunk: a follower that fell behind a
+            // busy feed catches up in one write (fewer system calls and wake-ups on both ends
+            // when they cost the most), without waiting for anything that is not there yet.
+            let mut size: usize = out.iter().map(Bytes::len).sum();
+            while !self.over && size < COALESCE_BYTES {
+                match self.feed.try_recv() {
+                    Ok(b) => {
+                        if !self.take(&b, &mut out) {
+                            break;
+                        }
+                        size = out.iter().map(Bytes::len).sum();
                     }
-                    chunk.freeze()
-                });
-                self.cursor = *last;
-            }
-            if let Some(status) = &batch.end {
-                self.over = true;
-                let end = end_event(status);
-                return Some(match out {
-                    Some(frames) => {
-                        let mut chunk = BytesMut::from(&frames[..]);
-                        chunk.put_slice(&end);
-                        chunk.freeze()
+                    Err(broadcast::error::TryRecvError::Lagged(_)) => {
+                        self.s.metrics.inc("agentscope_sse_lagged_total", &[]);
+                        self.catch_up = true;
+                        break;
                     }
-                    None => end,
-                });
+                    // Nothing more yet, or the feed is gone (the next call sees to it).
+                    Err(_) => break,
+                }
             }
-            if out.is_some() {
-                return out;
+            match out.len() {
+                0 => continue,
+                1 => return out.pop(),
+                _ => {
+                    let mut chunk = BytesMut::with_capacity(size);
+                    for part in &out {
+                        chunk.put_slice(part);
+                    }
+                    return Some(chunk.freeze());
+                }
             }
         }
+    }
+
+    /// Adds what of `batch` follows this follower's cursor to `out` (and the end, when the
+    /// batch brings it), moving the cursor. False, with nothing added, when the batch starts
+    /// after the cursor: something between them went by, to be read from the database.
+    fn take(&mut self, batch: &Batch, out: &mut Vec<Bytes>) -> bool {
+        if batch.prev > self.cursor {
+            self.catch_up = true;
+            return false;
+        }
+        if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > self.cursor) {
+            out.push(if batch.prev == self.cursor {
+                // The usual case: the whole batch follows on, one shared chunk.
+                batch.all.clone()
+            } else {
+                let mut chunk = BytesMut::new();
+                for (_, f) in batch.events.iter().filter(|(c, _)| *c > self.cursor) {
+                    chunk.put_slice(f);
+                }
+                chunk.freeze()
+            });
+            self.cursor = *last;
+        }
+        if let Some(status) = &batch.end {
+            self.over = true;
+            out.push(end_event(status));
+        }
+        true
     }
 }
 
