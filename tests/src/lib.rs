@@ -471,6 +471,12 @@ impl Stack {
         ))
     }
 
+    /// Submits a task (`POST /v1/tasks` with `body`, as the caller wrote it): its id.
+    pub async fn submit(&self, body: Value) -> Result<String> {
+        let t = self.api.post("/v1/tasks", body).await?;
+        Ok(t["id"].as_str().context("task id")?.to_string())
+    }
+
     pub async fn task(&self, id: &str) -> Result<Value> {
         self.api.get(&format!("/v1/tasks/{id}")).await
     }
@@ -707,15 +713,12 @@ pub mod faults {
     pub async fn submit(stack: &Stack, agent: &str, n: usize) -> Vec<String> {
         let mut ids = Vec::new();
         for i in 0..n {
-            let t = stack
-                .api
-                .post(
-                    "/v1/tasks",
-                    json!({"agent_id": agent, "input": i.to_string()}),
-                )
-                .await
-                .expect("submit a task");
-            ids.push(t["id"].as_str().expect("task id").to_string());
+            ids.push(
+                stack
+                    .submit(json!({"agent_id": agent, "input": i.to_string()}))
+                    .await
+                    .expect("submit a task"),
+            );
         }
         ids
     }

@@ -564,24 +564,19 @@ async fn a_provider_missing_or_without_credentials_gets_no_work() {
             .post("/v1/bindings", json!({"agent_id": agent["id"], "pool_id": pool_id, "runtime_profile_id": profile["id"]}))
             .await
             .unwrap();
-        let t = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent["id"]}))
-            .await
-            .unwrap();
-        stuck.push(t["id"].as_str().unwrap().to_string());
+        stuck.push(
+            stack
+                .submit(json!({"agent_id": agent["id"]}))
+                .await
+                .unwrap(),
+        );
     }
     let sentinel = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": command_agent}))
+        .submit(json!({"agent_id": command_agent}))
         .await
         .unwrap();
     stack
-        .wait_task(
-            sentinel["id"].as_str().unwrap(),
-            "succeeded",
-            Duration::from_secs(60),
-        )
+        .wait_task(&sentinel, "succeeded", Duration::from_secs(60))
         .await
         .unwrap();
     for id in stuck {
@@ -617,13 +612,9 @@ async fn a_bad_runtime_parameter_fails_early_and_names_the_field() {
         .spawn_host("h", "agents", 1, &stack.dir.path.join("hs"), &extra)
         .unwrap();
     stack.wait_host_ready("h").await.unwrap();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let t = stack
-        .wait_task(t["id"].as_str().unwrap(), "failed", Duration::from_secs(60))
+        .wait_task(&task_id, "failed", Duration::from_secs(60))
         .await
         .unwrap();
     let a = &t["attempts"][0];
@@ -675,17 +666,9 @@ printf '{"type":"result","subtype":"success","is_error":false,"result":"ok","num
     stack.wait_host_ready("h").await.unwrap();
     // Twice: the host survives the first run and takes the next one.
     for round in 0..2 {
+        let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
         let t = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent}))
-            .await
-            .unwrap();
-        let t = stack
-            .wait_task(
-                t["id"].as_str().unwrap(),
-                "succeeded",
-                Duration::from_secs(60),
-            )
+            .wait_task(&task_id, "succeeded", Duration::from_secs(60))
             .await
             .unwrap();
         let events = stack
@@ -741,12 +724,7 @@ async fn cancelling_claude_code_during_a_long_tool_call_leaves_no_process() {
         ],
     )
     .await;
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = t["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let attempt = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
         .await
@@ -830,20 +808,12 @@ async fn a_provider_login_failure_falls_back_to_codex_with_a_context_pack() {
         .await
         .unwrap();
 
-    let t = stack
-        .api
-        .post(
-            "/v1/tasks",
-            json!({"agent_id": agent, "issue_id": issue_id}),
-        )
+    let task_id = stack
+        .submit(json!({"agent_id": agent, "issue_id": issue_id}))
         .await
         .unwrap();
     let t = stack
-        .wait_task(
-            t["id"].as_str().unwrap(),
-            "succeeded",
-            Duration::from_secs(180),
-        )
+        .wait_task(&task_id, "succeeded", Duration::from_secs(180))
         .await
         .unwrap();
     let attempts = t["attempts"].as_array().unwrap();
@@ -918,12 +888,7 @@ async fn host_restart_resumes(provider: &str, params: Value) {
     ];
     let state = stack.dir.path.join("hs");
     let mut host = agent_host(&stack, "h", &state, provider, &env).await;
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = t["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     // With approvals, someone approves every tool request as it comes, before and after the
     // restart.
     let approver = asks.then(|| {
@@ -1071,12 +1036,7 @@ async fn a_host_that_never_returns_loses_its_lease_and_claude_succeeds_elsewhere
         ("ANTHROPIC_API_KEY", "sk-modelsim"),
     ];
     let mut host_a = agent_host(&stack, "a", &stack.dir.path.join("ha"), "claude-code", &env).await;
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = t["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let first = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
         .await
@@ -1140,12 +1100,7 @@ async fn retry_on_the_same_host(break_session: bool) {
     ];
     let state = stack.dir.path.join("hs");
     let mut host = agent_host(&stack, "h", &state, "claude-code", &env).await;
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = t["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let first = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(60))
         .await

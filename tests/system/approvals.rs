@@ -86,12 +86,7 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
 
     // 1. Approved: the command runs. A conflicting second decision is refused; the same one is
     //    a harmless replay.
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agents[0]}))
-        .await
-        .unwrap();
-    let task1 = t["id"].as_str().unwrap().to_string();
+    let task1 = stack.submit(json!({"agent_id": agents[0]})).await.unwrap();
     let ap = pending_approval(&stack, &task1).await;
     assert_eq!(ap["tool_name"], "Bash");
     assert!(
@@ -143,12 +138,7 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
     );
 
     // 2. Denied: the command does not run and the agent is told why.
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agents[0]}))
-        .await
-        .unwrap();
-    let task2 = t["id"].as_str().unwrap().to_string();
+    let task2 = stack.submit(json!({"agent_id": agents[0]})).await.unwrap();
     let ap = pending_approval(&stack, &task2).await;
     let (st, v) = decide(
         &stack,
@@ -184,12 +174,7 @@ async fn claude_code_waits_for_approval_and_each_decision_applies_once() {
     );
 
     // 3. Undecided: the policy deadline turns it into a deny with the class approval_timeout.
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agents[1]}))
-        .await
-        .unwrap();
-    let task3 = t["id"].as_str().unwrap().to_string();
+    let task3 = stack.submit(json!({"agent_id": agents[1]})).await.unwrap();
     let ap = pending_approval(&stack, &task3).await;
     let t = stack
         .wait_task(&task3, "failed", Duration::from_secs(120))
@@ -253,12 +238,7 @@ async fn approve_then_deny(label: &str, provider: &str, tool_name: &str) {
     let _host = openai_host(&stack, provider, &url).await;
 
     for (verb, runs) in [("approve", true), ("deny", false)] {
-        let t = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent}))
-            .await
-            .unwrap();
-        let task = t["id"].as_str().unwrap().to_string();
+        let task = stack.submit(json!({"agent_id": agent})).await.unwrap();
         let ap = pending_approval(&stack, &task).await;
         assert_eq!(ap["tool_name"], tool_name, "{ap}");
         assert!(
@@ -332,12 +312,7 @@ async fn a_decision_committed_without_its_command_still_reaches_the_attempt() {
         ("now() - interval '1 minute'", false),
         ("now() + interval '1 hour'", true),
     ] {
-        let t = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent}))
-            .await
-            .unwrap();
-        let task = t["id"].as_str().unwrap().to_string();
+        let task = stack.submit(json!({"agent_id": agent})).await.unwrap();
         let ap = pending_approval(&stack, &task).await;
         let id = ap["id"].as_str().unwrap().to_string();
         // What the scheduler commits before it publishes the command.
@@ -385,12 +360,7 @@ async fn cancel_reaches_an_attempt_awaiting_approval() {
         .await
         .unwrap();
     let (agent, _running) = codex_asking(&stack, "echo never > ran.txt").await;
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task = t["id"].as_str().unwrap().to_string();
+    let task = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let ap = pending_approval(&stack, &task).await;
     let attempt = ap["attempt_id"].as_str().unwrap().to_string();
     assert!(

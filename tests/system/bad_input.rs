@@ -324,17 +324,9 @@ async fn a_malformed_bus_message_is_recorded_and_the_consumer_keeps_going() {
         .await
         .unwrap();
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let t = stack
-        .wait_task(
-            task["id"].as_str().unwrap(),
-            "succeeded",
-            Duration::from_secs(60),
-        )
+        .wait_task(&task_id, "succeeded", Duration::from_secs(60))
         .await
         .unwrap();
     let events = stack

@@ -15,12 +15,7 @@ async fn cancelling_a_running_attempt_kills_the_whole_tree() {
         .await
         .unwrap();
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let attempt = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
         .await
@@ -92,12 +87,7 @@ async fn cancelling_a_queued_task_needs_no_host() {
         .command_agent("idle", "empty-pool", &["true"], None)
         .await
         .unwrap();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     stack
         .wait_attempt(&task_id, 1, "queued", Duration::from_secs(30))
         .await
@@ -128,12 +118,7 @@ async fn a_cancellation_whose_message_was_lost_still_stops_the_work() {
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
     let mut tasks = Vec::new();
     for (agent, status) in [(&sleeper, "running"), (&idle, "queued")] {
-        let task = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent}))
-            .await
-            .unwrap();
-        let id = task["id"].as_str().unwrap().to_string();
+        let id = stack.submit(json!({"agent_id": agent})).await.unwrap();
         stack
             .wait_attempt(&id, 1, status, Duration::from_secs(30))
             .await
@@ -199,15 +184,10 @@ async fn cancelling_while_the_repository_is_cloned_stops_git() {
         .await
         .unwrap();
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let task = stack
-        .api
-        .post(
-            "/v1/tasks",
-            json!({"agent_id": agent, "repository": url, "branch": "main"}),
-        )
+    let task_id = stack
+        .submit(json!({"agent_id": agent, "repository": url, "branch": "main"}))
         .await
         .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
     let u = url.clone();
     kit::wait_for("git to be cloning", Duration::from_secs(60), || {
         let u = u.clone();

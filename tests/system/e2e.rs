@@ -183,12 +183,7 @@ async fn a_live_follower_sees_events_as_they_happen() {
         .await
         .unwrap();
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
 
     // Follow from the start while the task is still running.
     let api = stack.api.clone();

@@ -37,12 +37,7 @@ async fn gated_task(stack: &Stack, gate: &std::path::Path, lines: u32) -> String
         .command_agent("busy", "pool", &["sh", "-c", &script], None)
         .await
         .unwrap();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    task["id"].as_str().unwrap().to_string()
+    stack.submit(json!({"agent_id": agent})).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,12 +185,7 @@ async fn a_follower_that_reconnects_with_last_event_id_gets_the_rest() {
         .await
         .unwrap();
     let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let path = format!("/v1/tasks/{task_id}/events");
 
     // The first part, while the task still runs; the connection then goes away.
@@ -624,12 +614,7 @@ async fn a_stopping_gateway_ends_open_streams_and_exits_within_its_grace_period(
         .unwrap();
     let mut paths = Vec::new();
     for _ in 0..2 {
-        let task = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent}))
-            .await
-            .unwrap();
-        let id = task["id"].as_str().unwrap().to_string();
+        let id = stack.submit(json!({"agent_id": agent})).await.unwrap();
         paths.push(format!("/v1/tasks/{id}/events"));
         let attempt: String = kit::wait_for("the first attempt", Duration::from_secs(30), || {
             let (pg, id) = (stack.pg.clone(), id.clone());

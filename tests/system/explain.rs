@@ -91,12 +91,7 @@ fn queued(e: &Value) -> bool {
 }
 
 async fn submit(stack: &Stack, agent: &Value) -> String {
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    t["id"].as_str().unwrap().to_string()
+    stack.submit(json!({"agent_id": agent})).await.unwrap()
 }
 
 fn cli(stack: &Stack, args: &[&str]) -> String {

@@ -33,12 +33,7 @@ async fn a_killed_host_loses_its_lease_and_the_retry_succeeds_elsewhere() {
     let id_a = std::fs::read_to_string(state_a.join("host_id")).unwrap();
     let events_a1 = |a1: &str| format!("agentscope.events.{}.{a1}", id_a.trim());
 
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let first = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
         .await

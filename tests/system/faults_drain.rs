@@ -106,12 +106,10 @@ async fn a_gateway_stopped_with_sigterm_ends_its_live_streams() {
         .await
         .unwrap();
     let _h = stack.host("h", "pool", 1).await.unwrap();
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent, "input": "x"}))
+    let task = stack
+        .submit(json!({"agent_id": agent, "input": "x"}))
         .await
         .unwrap();
-    let task = t["id"].as_str().unwrap().to_string();
     stack
         .wait_attempt(&task, 1, "running", Duration::from_secs(30))
         .await

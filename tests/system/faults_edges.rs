@@ -138,12 +138,7 @@ async fn a_deny_reason_reaches_the_model_and_the_denied_turn_is_tool_denied() {
         if tasks.is_empty() {
             stack.wait_host_ready("h").await.unwrap();
         }
-        let t = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent}))
-            .await
-            .unwrap();
-        tasks.push(t["id"].as_str().unwrap().to_string());
+        tasks.push(stack.submit(json!({"agent_id": agent})).await.unwrap());
     }
     for ((provider, tool), task) in providers.iter().zip(&tasks) {
         let ap = first_pending(&stack, &format!("task_id={task}")).await;

@@ -77,11 +77,7 @@ async fn database_and_bus_outages_answer_503_with_retry_after() {
         .command_agent("outage", "outage-pool", &["true"], None)
         .await
         .unwrap();
-    let task = api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
 
     // PostgreSQL refuses connections: reads, writes and the auth lookup answer 503.
     block_database(&stack.db.name).await;
@@ -178,11 +174,7 @@ async fn a_nul_character_is_refused_on_every_route_and_handled_on_the_bus() {
         .await
         .unwrap();
     let (_host, _) = stack.host("nul-host", "nul-pool", 1).await.unwrap();
-    let task = api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let token_file = stack.shared.join("token");
     let task_token = kit::wait_for("the task credential", Duration::from_secs(30), || {
         let f = token_file.clone();
@@ -434,16 +426,9 @@ async fn a_nul_character_is_refused_on_every_route_and_handled_on_the_bus() {
                 .contains("nul:a\u{FFFD}b")),
         "{events:?}"
     );
-    let next = api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
+    let next = stack.submit(json!({"agent_id": agent})).await.unwrap();
     stack
-        .wait_task(
-            next["id"].as_str().unwrap(),
-            "succeeded",
-            Duration::from_secs(30),
-        )
+        .wait_task(&next, "succeeded", Duration::from_secs(30))
         .await
         .unwrap();
 }
@@ -466,11 +451,7 @@ async fn a_poison_event_is_rejected_after_max_deliver_and_an_offline_host_shows_
         .await
         .unwrap();
     let (mut host, _) = stack.host("poison-host", "poison-pool", 2).await.unwrap();
-    let task = api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let a = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
         .await
@@ -547,17 +528,9 @@ async fn a_poison_event_is_rejected_after_max_deliver_and_an_offline_host_shows_
     // and no readiness from its last heartbeat.
     std::fs::remove_file(stack.shared.join("go")).unwrap();
     std::fs::remove_file(stack.shared.join("token")).unwrap();
-    let second = api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
+    let second = stack.submit(json!({"agent_id": agent})).await.unwrap();
     stack
-        .wait_attempt(
-            second["id"].as_str().unwrap(),
-            1,
-            "running",
-            Duration::from_secs(30),
-        )
+        .wait_attempt(&second, 1, "running", Duration::from_secs(30))
         .await
         .unwrap();
     kit::wait_for("running 1 reported again", Duration::from_secs(30), || {

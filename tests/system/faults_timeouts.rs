@@ -51,12 +51,10 @@ async fn a_profile_timeout_ends_the_attempt_and_explain_names_the_limit() {
         .unwrap();
 
     let started = Instant::now();
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent["id"], "input": "x"}))
+    let id = stack
+        .submit(json!({"agent_id": agent["id"], "input": "x"}))
         .await
         .unwrap();
-    let id = t["id"].as_str().unwrap().to_string();
     let t = stack
         .wait_task(&id, "failed", Duration::from_secs(25))
         .await
@@ -96,15 +94,10 @@ async fn a_profile_timeout_ends_the_attempt_and_explain_names_the_limit() {
     );
 
     // The task's own timeout wins over the profile's.
-    let t = stack
-        .api
-        .post(
-            "/v1/tasks",
-            json!({"agent_id": agent["id"], "input": "x", "timeout_secs": 1}),
-        )
+    let id = stack
+        .submit(json!({"agent_id": agent["id"], "input": "x", "timeout_secs": 1}))
         .await
         .unwrap();
-    let id = t["id"].as_str().unwrap().to_string();
     let t = stack
         .wait_task(&id, "failed", Duration::from_secs(25))
         .await
@@ -132,12 +125,10 @@ async fn a_profile_timeout_ends_the_attempt_and_explain_names_the_limit() {
     );
 
     // Neither sets one: the deployment default, a few hours (not a day).
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": quick, "input": "x"}))
+    let id = stack
+        .submit(json!({"agent_id": quick, "input": "x"}))
         .await
         .unwrap();
-    let id = t["id"].as_str().unwrap().to_string();
     stack
         .wait_task(&id, "succeeded", Duration::from_secs(25))
         .await
@@ -192,15 +183,10 @@ async fn claude_code_against_a_closed_port_ends_model_unreachable() {
     stack.wait_host_ready("h").await.unwrap();
 
     let started = Instant::now();
-    let t = stack
-        .api
-        .post(
-            "/v1/tasks",
-            json!({"agent_id": agent, "input": "Say hello.", "timeout_secs": 600}),
-        )
+    let id = stack
+        .submit(json!({"agent_id": agent, "input": "Say hello.", "timeout_secs": 600}))
         .await
         .unwrap();
-    let id = t["id"].as_str().unwrap().to_string();
     let t = stack
         .wait_task(&id, "failed", Duration::from_secs(90))
         .await
@@ -274,15 +260,10 @@ async fn a_provider_login_failure_takes_the_provider_out_until_a_recheck() {
         .unwrap();
     stack.wait_host_ready("h").await.unwrap();
 
-    let t = stack
-        .api
-        .post(
-            "/v1/tasks",
-            json!({"agent_id": agent, "input": "Say hello."}),
-        )
+    let id = stack
+        .submit(json!({"agent_id": agent, "input": "Say hello."}))
         .await
         .unwrap();
-    let id = t["id"].as_str().unwrap().to_string();
     let t = stack
         .wait_task(&id, "failed", Duration::from_secs(60))
         .await
@@ -320,15 +301,10 @@ async fn a_provider_login_failure_takes_the_provider_out_until_a_recheck() {
         "{down:#}"
     );
     // While it is out, a new task for it waits: the host is not offered its work.
-    let t2 = stack
-        .api
-        .post(
-            "/v1/tasks",
-            json!({"agent_id": agent, "input": "Say hello."}),
-        )
+    let id2 = stack
+        .submit(json!({"agent_id": agent, "input": "Say hello."}))
         .await
         .unwrap();
-    let id2 = t2["id"].as_str().unwrap().to_string();
     let e = stack
         .api
         .get(&format!("/v1/tasks/{id2}/explain"))

@@ -571,14 +571,7 @@ async fn an_ended_attempts_task_directory_goes_after_the_retention_and_a_running
         .unwrap();
     stack.wait_host_ready("keep").await.unwrap();
     let tasks = state.join("tasks");
-    let long = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": long_agent}))
-        .await
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let long = stack.submit(json!({"agent_id": long_agent})).await.unwrap();
     let running = stack
         .wait_attempt(&long, 1, "running", Duration::from_secs(30))
         .await
@@ -598,13 +591,9 @@ async fn an_ended_attempts_task_directory_goes_after_the_retention_and_a_running
 
     // The short attempt ends; its directory goes once the retention has passed.
     let short = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": short_agent}))
+        .submit(json!({"agent_id": short_agent}))
         .await
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+        .unwrap();
     let done = stack
         .wait_task(&short, "succeeded", Duration::from_secs(60))
         .await

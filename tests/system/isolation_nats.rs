@@ -231,15 +231,10 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         .command_agent("victim", "pool", &["sh", "-c", "echo mine; sleep 30"], None)
         .await
         .unwrap();
-    let t = stack
-        .api
-        .post(
-            "/v1/tasks",
-            serde_json::json!({"agent_id": agent, "input": "x"}),
-        )
+    let task = stack
+        .submit(serde_json::json!({"agent_id": agent, "input": "x"}))
         .await
         .unwrap();
-    let task = t["id"].as_str().unwrap().to_string();
     let victim = stack
         .wait_attempt(&task, 1, "running", Duration::from_secs(30))
         .await

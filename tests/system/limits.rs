@@ -65,15 +65,12 @@ async fn concurrency_limits_hold_across_forty_tasks() {
     }
     let mut ids = Vec::new();
     for i in 0..40 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": format!("task {i}")}),
-            )
-            .await
-            .unwrap();
-        ids.push(t["id"].as_str().unwrap().to_string());
+        ids.push(
+            stack
+                .submit(json!({"agent_id": agent, "input": format!("task {i}")}))
+                .await
+                .unwrap(),
+        );
     }
     for id in &ids {
         stack
@@ -163,15 +160,12 @@ async fn limits_hold_with_two_schedulers() {
     }
     let mut ids = Vec::new();
     for i in 0..48 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agents[i % 2], "input": format!("task {i}")}),
-            )
-            .await
-            .unwrap();
-        ids.push(t["id"].as_str().unwrap().to_string());
+        ids.push(
+            stack
+                .submit(json!({"agent_id": agents[i % 2], "input": format!("task {i}")}))
+                .await
+                .unwrap(),
+        );
     }
     for id in &ids {
         stack
@@ -363,20 +357,12 @@ async fn a_host_stops_listing_ends_once_they_are_recorded() {
         .unwrap();
     nc.flush().await.unwrap();
     for i in 0..8 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": format!("task {i}")}),
-            )
+        let task_id = stack
+            .submit(json!({"agent_id": agent, "input": format!("task {i}")}))
             .await
             .unwrap();
         stack
-            .wait_task(
-                t["id"].as_str().unwrap(),
-                "succeeded",
-                Duration::from_secs(60),
-            )
+            .wait_task(&task_id, "succeeded", Duration::from_secs(60))
             .await
             .unwrap();
     }
@@ -1302,12 +1288,10 @@ async fn an_end_is_recorded_while_its_hosts_counter_is_locked() {
         .await
         .unwrap();
     let _host = stack.host("h1", "pool", 2).await.unwrap();
-    let t = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent, "input": "wait"}))
+    let task = stack
+        .submit(json!({"agent_id": agent, "input": "wait"}))
         .await
         .unwrap();
-    let task = t["id"].as_str().unwrap().to_string();
     let a = stack
         .wait_attempt(&task, 1, "running", Duration::from_secs(30))
         .await

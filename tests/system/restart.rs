@@ -42,15 +42,12 @@ async fn a_scheduler_killed_mid_stream_loses_no_work() {
     let _h2 = stack.host("h2", "pool", 2).await.unwrap();
     let mut ids = Vec::new();
     for i in 0..20 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": i.to_string()}),
-            )
-            .await
-            .unwrap();
-        ids.push(t["id"].as_str().unwrap().to_string());
+        ids.push(
+            stack
+                .submit(json!({"agent_id": agent, "input": i.to_string()}))
+                .await
+                .unwrap(),
+        );
     }
     // Kill it while work is in flight, then start a new one.
     let pg = stack.pg.clone();
@@ -70,15 +67,12 @@ async fn a_scheduler_killed_mid_stream_loses_no_work() {
     stack.restart_scheduler(true).await.unwrap();
     // More work accepted while the new scheduler catches up.
     for i in 20..25 {
-        let t = stack
-            .api
-            .post(
-                "/v1/tasks",
-                json!({"agent_id": agent, "input": i.to_string()}),
-            )
-            .await
-            .unwrap();
-        ids.push(t["id"].as_str().unwrap().to_string());
+        ids.push(
+            stack
+                .submit(json!({"agent_id": agent, "input": i.to_string()}))
+                .await
+                .unwrap(),
+        );
     }
     assert_clean(&stack, &ids).await;
 }
@@ -101,12 +95,7 @@ async fn the_bus_restarting_loses_no_work() {
     let _h = stack.host("h", "pool", 2).await.unwrap();
     let mut ids = Vec::new();
     for _ in 0..6 {
-        let t = stack
-            .api
-            .post("/v1/tasks", json!({"agent_id": agent}))
-            .await
-            .unwrap();
-        ids.push(t["id"].as_str().unwrap().to_string());
+        ids.push(stack.submit(json!({"agent_id": agent})).await.unwrap());
     }
     stack.nats.restart().await.unwrap();
     for _ in 0..4 {
@@ -144,12 +133,7 @@ async fn a_host_stopped_with_sigterm_hands_its_work_back() {
         .await
         .unwrap();
     let (mut host_a, _) = stack.host("a", "pool", 1).await.unwrap();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let first = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
         .await
@@ -252,12 +236,7 @@ async fn a_restarted_host_fills_a_gap_left_by_a_lost_event() {
         .unwrap()
         .trim()
         .to_string();
-    let task = stack
-        .api
-        .post("/v1/tasks", json!({"agent_id": agent}))
-        .await
-        .unwrap();
-    let task_id = task["id"].as_str().unwrap().to_string();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
     let attempt = stack
         .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
         .await

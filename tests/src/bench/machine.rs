@@ -131,6 +131,9 @@ mod tests {
         for k in ["cpu_hash_ms", "syscall_pair_us"] {
             assert!(m[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {m}");
         }
-        assert!(m["wakeup_round_trip_us"]["p50"].as_f64().unwrap() > 0.0, "{m}");
+        assert!(
+            m["wakeup_round_trip_us"]["p50"].as_f64().unwrap() > 0.0,
+            "{m}"
+        );
     }
 }
