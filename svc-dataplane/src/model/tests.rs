@@ -618,9 +618,12 @@ fn anthropic_merges_user_text_after_results() {
 
 #[tokio::test]
 async fn connection_refused_is_connection_error() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    drop(listener);
+    // A port bound without listening: every connection to it is refused, and no other test
+    // (each starts its model server on a free port) can take it meanwhile, as it could a port
+    // released again.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = held.local_addr().unwrap().port();
     for api in APIS {
         let mut c = cfg(api, format!("http://127.0.0.1:{port}"), true);
         c.max_retries = 3;
@@ -632,6 +635,7 @@ async fn connection_refused_is_connection_error() {
             other => panic!("expected Connection, got {other:?}"),
         }
     }
+    drop(held);
 }
 
 #[tokio::test]
