@@ -540,21 +540,18 @@ impl Follow {
                 },
             };
             let mut out = Vec::new();
-            if !self.take(&batch, &mut out) {
+            let Some(mut size) = self.take(&batch, &mut out) else {
                 continue;
-            }
+            };
             // Batches already waiting go out in the same chunk: a follower that fell behind a
             // busy feed catches up in one write (fewer system calls and wake-ups on both ends
             // when they cost the most), without waiting for anything that is not there yet.
-            let mut size: usize = out.iter().map(Bytes::len).sum();
             while !self.over && size < COALESCE_BYTES {
                 match self.feed.try_recv() {
-                    Ok(b) => {
-                        if !self.take(&b, &mut out) {
-                            break;
-                        }
-                        size = out.iter().map(Bytes::len).sum();
-                    }
+                    Ok(b) => match self.take(&b, &mut out) {
+                        Some(added) => size += added,
+                        None => break,
+                    },
                     Err(broadcast::error::TryRecvError::Lagged(_)) => {
                         self.s.metrics.inc("agentscope_sse_lagged_total", &[]);
                         self.catch_up = true;
@@ -579,13 +576,15 @@ impl Follow {
     }
 
     /// Adds what of `batch` follows this follower's cursor to `out` (and the end, when the
-    /// batch brings it), moving the cursor. False, with nothing added, when the batch starts
-    /// after the cursor: something between them went by, to be read from the database.
-    fn take(&mut self, batch: &Batch, out: &mut Vec<Bytes>) -> bool {
+    /// batch brings it), moving the cursor; the bytes added. None, with nothing added, when the
+    /// batch starts after the cursor: something between them went by, to be read from the
+    /// database.
+    fn take(&mut self, batch: &Batch, out: &mut Vec<Bytes>) -> Option<usize> {
         if batch.prev > self.cursor {
             self.catch_up = true;
-            return false;
+            return None;
         }
+        let before = out.len();
         if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > self.cursor) {
             out.push(if batch.prev == self.cursor {
                 // The usual case: the whole batch follows on, one shared chunk.
@@ -603,7 +602,7 @@ impl Follow {
             self.over = true;
             out.push(end_event(status));
         }
-        true
+        Some(out[before..].iter().map(Bytes::len).sum())
     }
 }
 

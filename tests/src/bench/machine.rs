@@ -26,7 +26,9 @@ const IDLE: Duration = Duration::from_millis(1);
 /// Durable writes measured.
 const SYNCS: usize = 100;
 
-/// `{"wakeup_round_trip_us", "fdatasync_us", "cpu_hash_ms"}`.
+/// `{"wakeup_round_trip_us", "fdatasync_us", "cpu_hash_ms", "syscall_pair_us"}`. The idle
+/// millisecond before each turn is part of what is measured (the CPUs left to go idle), not a
+/// wait for anything.
 pub async fn probe() -> Result<Value> {
     tokio::task::spawn_blocking(|| {
         Ok(json!({
@@ -88,14 +90,8 @@ fn syscalls() -> Result<f64> {
 }
 
 fn wakeups() -> Result<Value> {
-    let (mut to_echo, mut echo_in) = {
-        let (r, w) = std::io::pipe()?;
-        (w, r)
-    };
-    let (mut back, mut echo_out) = {
-        let (r, w) = std::io::pipe()?;
-        (r, w)
-    };
+    let (mut echo_in, mut to_echo) = std::io::pipe()?;
+    let (mut back, mut echo_out) = std::io::pipe()?;
     let echo = std::thread::spawn(move || {
         let mut b = [0u8; 1];
         // Ends when the writer closes its end.

@@ -294,7 +294,7 @@ async fn main() -> Result<()> {
     for round in 1..=args.rounds.max(1) {
         for (i, w) in plan.iter().enumerate() {
             eprintln!("[{round}/{}] {} {}", args.rounds, w.name(), w.params());
-            // The machine's wake-up price just before the round, to read its figures by.
+            // The machine's prices just before the round, to read its figures by.
             let machine = machine::probe().await;
             match w.run().await {
                 Ok(mut v) => {

@@ -138,16 +138,11 @@ pub async fn next_xid(pg: &sqlx::PgPool) -> Result<i64> {
     )
 }
 
-/// Submits one task; returns its id.
+/// Submits one task of `agent` with `input`; returns its id.
 pub async fn submit(stack: &Stack, agent: &str, input: &str) -> Result<String> {
-    let t = stack
-        .api
-        .post(
-            "/v1/tasks",
-            serde_json::json!({"agent_id": agent, "input": input}),
-        )
-        .await?;
-    Ok(t["id"].as_str().context("task id")?.to_string())
+    stack
+        .submit(serde_json::json!({"agent_id": agent, "input": input}))
+        .await
 }
 
 /// Waits (one indexed read every `every`) until the task's newest attempt is terminal; returns
