@@ -134,8 +134,11 @@ async fn record_request(ctx: &Ctx, subject: &str, req: ToolRequest) -> Result<()
                SELECT $1, s.workspace_id, s.id::text, $3, $4, $5, now() + make_interval(secs => $6::float8 / 1000.0)
                FROM sessions s JOIN session_state st ON st.session_id = s.id
                WHERE s.id = $2 AND st.lease_token = $7
-               ON CONFLICT (session_id, request_id) WHERE session_id IS NOT NULL DO NOTHING"#,
-            Uuid::now_v7(),
+               ON CONFLICT DO NOTHING"#,
+            // Derived from the session and the call: the replica listens for its decision
+            // under this id before it is recorded. A conflict (on the id or on the pair) is
+            // this Approval again.
+            agentscope_domain::session_approval_id(owner_id, &req.request_id),
             owner_id,
             &req.request_id,
             tool_name.as_ref(),
@@ -235,6 +238,7 @@ fn refused(code: &str, message: &str, status: &str) -> DecideApprovalReply {
         error_code: code.into(),
         message: message.into(),
         status: status.into(),
+        approval_json: String::new(),
     }
 }
 
@@ -325,6 +329,7 @@ async fn decide(
                 format!("this approval was already decided: {current}")
             },
             status: current,
+            ..Default::default()
         });
     }
     // A hosted attempt's request is told to the host holding the attempt, which must still be

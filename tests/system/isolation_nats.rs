@@ -132,6 +132,8 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         agentscope_bus::subjects::TASK_CANCEL.to_string(),
         agentscope_bus::subjects::ISSUE_WRITE.to_string(),
         agentscope_bus::subjects::SESSIONS_NUDGE.to_string(),
+        // A decision brought to a session's replica.
+        agentscope_bus::subjects::session_decide(&uuid::Uuid::new_v4().to_string()),
         agentscope_bus::subjects::control(&host_a),
         // Offers: the gateway's to make, to any host, itself included.
         agentscope_bus::subjects::host_offer(&host_a),
@@ -166,6 +168,7 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         "agentscope.events.>".to_string(),
         agentscope_bus::subjects::HOST_CLAIM_ALL.to_string(),
         agentscope_bus::subjects::APPROVAL_DECIDE.to_string(),
+        agentscope_bus::subjects::session_decide("*"),
         "agentscope.pool.*.*.work".to_string(),
         // Another host's offers (they carry its attempts' task credentials).
         agentscope_bus::subjects::host_offer(&host_a),
@@ -431,6 +434,7 @@ async fn a_worker_credential_reaches_only_its_own_operations() {
         agentscope_bus::subjects::events(&uuid::Uuid::new_v4().to_string(), "x"),
         agentscope_bus::subjects::ISSUE_WRITE.to_string(),
         agentscope_bus::subjects::SESSIONS_NUDGE.to_string(),
+        agentscope_bus::subjects::session_decide(&uuid::Uuid::new_v4().to_string()),
     ] {
         nc.publish(subject.clone(), "forged".into()).await.unwrap();
         nc.flush().await.unwrap();

@@ -978,6 +978,135 @@ async fn decision_still_committing(on_worker: bool) {
     assert_eq!(decided[0]["payload"]["allow"], true, "{events:#?}");
 }
 
+/// The replica whose session waits for an Approval listens for its decision (under the Approval's
+/// id, derived from the session and the call): a decision brought
+/// there (as the gateway brings one) is recorded and the allowed call started by the replica's
+/// one statement, and the call runs once. A decision in another workspace's name, or one it
+/// cannot read, does not apply and leaves the Approval pending; a second one does not apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_brought_to_the_waiting_replica_is_recorded_and_started_there_once() {
+    use agentscope_schemas::Message as _;
+    use agentscope_schemas::v1::{DecideApproval, DecideApprovalReply};
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo brought >> ask.txt"}}],
+        "final": "Done."
+    });
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-ask-brought", &script).await;
+    let agent = managed_agent(
+        &stack,
+        "asker",
+        json!({"policy": {"tools": {"shell": "ask"}}}),
+    )
+    .await;
+    let id = start_session(&stack, &agent, "sandbox", "Write the file.").await;
+    let ap = pending_session_approval(&stack, &id).await;
+    let ap_id = ap["id"].as_str().unwrap().to_string();
+    // Its id is the session's and the call's, which the replica knew before it was recorded.
+    let derived = agentscope_domain::session_approval_id(
+        id.parse().unwrap(),
+        ap["request_id"].as_str().unwrap(),
+    );
+    assert_eq!(ap_id, derived.to_string(), "{ap}");
+    let subject = agentscope_bus::subjects::session_decide(&ap_id);
+    let nc = stack.nats.service_client("gateway").await.unwrap();
+    let decision = |workspace: &str| DecideApproval {
+        approval_id: ap_id.clone(),
+        workspace_id: workspace.into(),
+        allow: true,
+        reason: "fine".into(),
+        decided_by: "a-test".into(),
+        always_for_task: false,
+    };
+    let ask = |payload: Vec<u8>| {
+        let nc = nc.clone();
+        let subject = subject.clone();
+        async move {
+            let m = nc.request(subject, payload.into()).await?;
+            Ok::<_, async_nats::RequestError>(
+                DecideApprovalReply::decode(m.payload.as_ref()).unwrap(),
+            )
+        }
+    };
+
+    // Another workspace's decision: refused by the replica (should it not listen yet, nobody
+    // answers).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let refused = loop {
+        let other = uuid::Uuid::new_v4().to_string();
+        match ask(decision(&other).encode_to_vec()).await {
+            Ok(r) => break r,
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the replica never listened"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert!(!refused.ok, "{refused:?}");
+    let unreadable = ask(b"\xff\x00 not a decision".to_vec()).await.unwrap();
+    assert_eq!(
+        (unreadable.ok, unreadable.error_code.as_str()),
+        (false, "invalid")
+    );
+    let still = stack
+        .api
+        .get(&format!("/v1/approvals/{ap_id}"))
+        .await
+        .unwrap();
+    assert_eq!(still["status"], "pending", "{still}");
+
+    let applied = ask(decision(&stack.workspace_id).encode_to_vec())
+        .await
+        .unwrap();
+    assert_eq!(
+        (applied.ok, applied.status.as_str()),
+        (true, "allowed"),
+        "{applied:?}"
+    );
+    // Once decided, a decision does not apply again (the replica left its wait, or refuses it).
+    match ask(decision(&stack.workspace_id).encode_to_vec()).await {
+        Ok(again) => assert!(!again.ok, "{again:?}"),
+        Err(e) => assert_eq!(e.kind(), async_nats::RequestErrorKind::NoResponders, "{e}"),
+    }
+
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let written =
+        std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("ask.txt")).unwrap();
+    assert_eq!(written, "brought\n", "the call ran once");
+    let decided = stack
+        .api
+        .get(&format!("/v1/approvals/{ap_id}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            decided["status"].as_str(),
+            decided["decided_by"].as_str(),
+            decided["reason"].as_str()
+        ),
+        (Some("allowed"), Some("a-test"), Some("fine")),
+        "{decided}"
+    );
+    let events = session_events(&stack, &id).await;
+    let at: Vec<usize> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e["kind"] == "approval_decided")
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(at.len(), 1, "{events:#?}");
+    assert_eq!(
+        events[at[0]]["payload"],
+        json!({"call_id": ap["request_id"], "allow": true, "status": "allowed", "reason": "fine", "decided_by": "a-test"}),
+        "{events:#?}"
+    );
+    assert_eq!(events[at[0] + 1]["kind"], "tool_call", "{events:#?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy() {
     let script = json!({
@@ -1042,8 +1171,10 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
         "the same request is one input"
     );
 
-    // Approving twice runs the tool once.
+    // Approving twice runs the tool once. The answer is the Approval as recorded (the first
+    // one as the replica's statement read it back).
     let approve = format!("/v1/approvals/{}/approve", ap["id"].as_str().unwrap());
+    let mut answers = Vec::new();
     for _ in 0..2 {
         let (st, v) = stack
             .api
@@ -1051,7 +1182,15 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
             .await
             .unwrap();
         assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
+        answers.push(v);
     }
+    let recorded = stack
+        .api
+        .get(&format!("/v1/approvals/{}", ap["id"].as_str().unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(answers[0], recorded);
+    assert_eq!(answers[1], recorded);
     let s = wait_outcomes(&stack, &id, 2).await;
     let statuses: Vec<&str> = s["inputs"]
         .as_array()

@@ -39,6 +39,13 @@ pub mod subjects {
     pub const SESSIONS_NUDGE: &str = "agentscope.sessions.nudge";
     pub const APPROVAL_DECIDE: &str = "agentscope.approvals.decide";
 
+    /// Core request/reply, gateway → the dataplane replica whose session waits for this
+    /// Approval (subscribed only while it waits): `DecideApproval` → `DecideApprovalReply`
+    /// (`ok`: the decision is recorded, and an allowed call started, by the replica's one
+    /// statement). Outside `agentscope.approvals.>`, which a stream keeps.
+    pub fn session_decide(approval_id: &str) -> String {
+        format!("agentscope.sessions.decide.{approval_id}")
+    }
     pub fn worker_ops(worker_id: &str) -> String {
         format!("agentscope.worker.{worker_id}.ops")
     }

@@ -534,6 +534,18 @@ pub const KNOWN_PROVIDERS: [&str; Provider::ALL.len()] = {
 };
 
 /// A self-hosted Worker's id: stable per workspace and worker name.
+/// The id of a managed session's Approval of its call `request_id`, derived from the two (a
+/// UUID of version 8 from SHA-256): the replica whose call waits for it knows it before the
+/// scheduler records it, and listens for its decision from the start.
+pub fn session_approval_id(session_id: uuid::Uuid, request_id: &str) -> uuid::Uuid {
+    use sha2::Digest;
+    // The session id has a fixed form: nothing of the call's id can shift the boundary.
+    let digest = sha2::Sha256::digest(format!("agentscope-approval:{session_id}:{request_id}"));
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
 pub fn worker_id(workspace_id: &str, name: &str) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::digest(format!("agentscope-worker:{workspace_id}:{name}"));
@@ -543,6 +555,17 @@ pub fn worker_id(workspace_id: &str, name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_approval_id_is_one_per_session_and_call() {
+        let s = uuid::Uuid::from_u128(7);
+        let id = session_approval_id(s, "call_1");
+        assert_eq!(id, session_approval_id(s, "call_1"));
+        assert_eq!(id.get_version_num(), 8);
+        assert_ne!(id, session_approval_id(s, "call_2"));
+        assert_ne!(id, session_approval_id(uuid::Uuid::from_u128(8), "call_1"));
+        assert_ne!(session_approval_id(s, "a:b"), session_approval_id(s, "a:c"));
+    }
 
     #[test]
     fn a_trusted_token_is_kept_for_its_period_and_a_refused_one_is_forgotten() {

@@ -169,6 +169,21 @@ async fn decide_session_request(
         return Ok(None);
     }
     let status = if allow { "allowed" } else { "denied" };
+    if let Some(decided) = decided_by_replica(s, auth, id, allow, reason, decided_by).await {
+        s.metrics
+            .inc("agentscope_approvals_decided_total", &[("status", status)]);
+        tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided by its session's replica");
+        // As the replica's statement read it back; read here if that did not come whole.
+        let approval = match serde_json::from_str::<t::Approval>(&decided.approval_json) {
+            Ok(a) if a.id == id => a,
+            _ => {
+                select_approvals!("WHERE ap.id = $1", id)
+                    .fetch_one(&s.db)
+                    .await?
+            }
+        };
+        return Ok(Some(approval));
+    }
     // The nudge leaves once the row is locked, with the commit: the replica's read of the
     // decision (which locks the row, see the dataplane's `start_if_allowed`) waits for this
     // transaction and sees it, so the hop to the replica and its statement overlap the commit.
@@ -222,6 +237,53 @@ async fn decide_session_request(
         .inc("agentscope_approvals_decided_total", &[("status", status)]);
     tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided");
     Ok(Some(decided))
+}
+
+/// How long the gateway waits for a session's replica to record a decision before it decides by
+/// the record itself (which then waits for the replica's update, if it is still running, and
+/// finds the Approval decided).
+const REPLICA_WAIT: Duration = Duration::from_secs(2);
+
+/// Asks the dataplane replica whose session waits for Approval `id` (if one listens) to record
+/// the decision and, if it allows the call, start it in the same statement: one commit and one
+/// hop from the decision to the tool. Its answer when it did; otherwise (no replica listens, it
+/// did not answer in time, or the decision did not apply: not pending, not the caller's) `None`,
+/// and the record decides, as before.
+async fn decided_by_replica(
+    s: &AppState,
+    auth: &Auth,
+    id: Uuid,
+    allow: bool,
+    reason: &str,
+    decided_by: &str,
+) -> Option<DecideApprovalReply> {
+    let req = DecideApproval {
+        approval_id: id.to_string(),
+        workspace_id: auth.workspace_id.to_string(),
+        allow,
+        reason: reason.into(),
+        decided_by: decided_by.into(),
+        always_for_task: false,
+    };
+    let asked = s.nats.request(
+        agentscope_bus::subjects::session_decide(&id.to_string()),
+        req.encode_to_vec().into(),
+    );
+    match tokio::time::timeout(REPLICA_WAIT, asked).await {
+        Ok(Ok(m)) => DecideApprovalReply::decode(m.payload.as_ref())
+            .ok()
+            .filter(|r| r.ok),
+        Ok(Err(e)) => {
+            if e.kind() != async_nats::RequestErrorKind::NoResponders {
+                tracing::warn!(error = %e, approval_id = %id, "ask a session's replica to decide");
+            }
+            None
+        }
+        Err(_) => {
+            tracing::warn!(approval_id = %id, "a session's replica did not answer a decision in time");
+            None
+        }
+    }
 }
 
 pub async fn approve(
