@@ -1107,6 +1107,56 @@ async fn a_decision_brought_to_the_waiting_replica_is_recorded_and_started_there
     assert_eq!(events[at[0] + 1]["kind"], "tool_call", "{events:#?}");
 }
 
+/// A call that waits for a Worker does not listen for its decision (nothing answers on its
+/// subject): the gateway decides it by the record and nudges the replica, which runs the call
+/// on the Worker once; the answer is the Approval as recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_nobody_listens_for_is_decided_by_the_record() {
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": "echo by-record >> ask.txt"}}],
+        "final": "Done."
+    });
+    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-ask-record", &script).await;
+    let agent = managed_agent(
+        &stack,
+        "asker",
+        json!({"policy": {"tools": {"shell": "ask"}}}),
+    )
+    .await;
+    let worker_dir = stack.dir.path.join("worker-record");
+    let _worker = spawn_worker(&stack, "records", &worker_dir).await;
+    let id = start_on_worker(&stack, &agent, "records", "Write the file.").await;
+    let ap = pending_session_approval(&stack, &id).await;
+    let ap_id = ap["id"].as_str().unwrap().to_string();
+    let nc = stack.nats.service_client("gateway").await.unwrap();
+    let nobody = nc
+        .request(agentscope_bus::subjects::session_decide(&ap_id), "x".into())
+        .await
+        .unwrap_err();
+    assert_eq!(nobody.kind(), async_nats::RequestErrorKind::NoResponders);
+
+    let (st, v) = stack
+        .api
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/approvals/{ap_id}/approve"),
+            Some(json!({"reason": "ok"})),
+        )
+        .await
+        .unwrap();
+    assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
+    let recorded = stack
+        .api
+        .get(&format!("/v1/approvals/{ap_id}"))
+        .await
+        .unwrap();
+    assert_eq!(v, recorded);
+    let s = wait_outcomes(&stack, &id, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let written = std::fs::read_to_string(worker_dir.join(&id).join("ask.txt")).unwrap();
+    assert_eq!(written, "by-record\n", "the call ran once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy() {
     let script = json!({
