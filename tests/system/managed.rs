@@ -863,6 +863,28 @@ async fn pending_session_approval(stack: &Stack, session: &str) -> Value {
     crate::approvals::first_pending(stack, &format!("session_id={session}")).await
 }
 
+/// The Approval `id` as the API shows it.
+async fn approval(stack: &Stack, id: &str) -> Value {
+    stack.api.get(&format!("/v1/approvals/{id}")).await.unwrap()
+}
+
+/// A stack whose model makes one turn calling `shell` with `command`, then answers `final_text`,
+/// and an agent whose policy asks before `shell`.
+async fn asking(label: &str, command: &str, final_text: &str) -> (Managed, String) {
+    let script = json!({
+        "turns": [{"tool": "shell", "args": {"command": command}}],
+        "final": final_text
+    });
+    let managed = managed_stack(label, &script).await;
+    let agent = managed_agent(
+        &managed.0,
+        "asker",
+        json!({"policy": {"tools": {"shell": "ask"}}}),
+    )
+    .await;
+    (managed, agent)
+}
+
 /// The gateway nudges the session's replica before its decision commits; the replica's read of
 /// the decision waits for that transaction and sees it (it does not read the Approval as still
 /// pending and sleep until its next poll), and the call then runs once.
@@ -930,11 +952,7 @@ async fn decision_still_committing(on_worker: bool) {
             "{v}"
         );
     }
-    let still = stack
-        .api
-        .get(&format!("/v1/approvals/{ap_id}"))
-        .await
-        .unwrap();
+    let still = approval(&stack, &ap_id).await;
     assert_eq!(still["status"], "pending", "{still}");
 
     // A decision written and not yet committed, and the nudge that goes with it.
@@ -987,17 +1005,8 @@ async fn decision_still_committing(on_worker: bool) {
 async fn a_decision_brought_to_the_waiting_replica_is_recorded_and_started_there_once() {
     use agentscope_schemas::Message as _;
     use agentscope_schemas::v1::{DecideApproval, DecideApprovalReply};
-    let script = json!({
-        "turns": [{"tool": "shell", "args": {"command": "echo brought >> ask.txt"}}],
-        "final": "Done."
-    });
-    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-ask-brought", &script).await;
-    let agent = managed_agent(
-        &stack,
-        "asker",
-        json!({"policy": {"tools": {"shell": "ask"}}}),
-    )
-    .await;
+    let ((stack, _sim, _log, _simdir, _second), agent) =
+        asking("managed-ask-brought", "echo brought >> ask.txt", "Done.").await;
     let id = start_session(&stack, &agent, "sandbox", "Write the file.").await;
     let ap = pending_session_approval(&stack, &id).await;
     let ap_id = ap["id"].as_str().unwrap().to_string();
@@ -1051,11 +1060,7 @@ async fn a_decision_brought_to_the_waiting_replica_is_recorded_and_started_there
         (unreadable.ok, unreadable.error_code.as_str()),
         (false, "invalid")
     );
-    let still = stack
-        .api
-        .get(&format!("/v1/approvals/{ap_id}"))
-        .await
-        .unwrap();
+    let still = approval(&stack, &ap_id).await;
     assert_eq!(still["status"], "pending", "{still}");
 
     let applied = ask(decision(&stack.workspace_id).encode_to_vec())
@@ -1077,11 +1082,7 @@ async fn a_decision_brought_to_the_waiting_replica_is_recorded_and_started_there
     let written =
         std::fs::read_to_string(stack.dir.path.join("sessions").join(&id).join("ask.txt")).unwrap();
     assert_eq!(written, "brought\n", "the call ran once");
-    let decided = stack
-        .api
-        .get(&format!("/v1/approvals/{ap_id}"))
-        .await
-        .unwrap();
+    let decided = approval(&stack, &ap_id).await;
     assert_eq!(
         (
             decided["status"].as_str(),
@@ -1112,17 +1113,8 @@ async fn a_decision_brought_to_the_waiting_replica_is_recorded_and_started_there
 /// on the Worker once; the answer is the Approval as recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_nobody_listens_for_is_decided_by_the_record() {
-    let script = json!({
-        "turns": [{"tool": "shell", "args": {"command": "echo by-record >> ask.txt"}}],
-        "final": "Done."
-    });
-    let (stack, _sim, _log, _simdir, _second) = managed_stack("managed-ask-record", &script).await;
-    let agent = managed_agent(
-        &stack,
-        "asker",
-        json!({"policy": {"tools": {"shell": "ask"}}}),
-    )
-    .await;
+    let ((stack, _sim, _log, _simdir, _second), agent) =
+        asking("managed-ask-record", "echo by-record >> ask.txt", "Done.").await;
     let worker_dir = stack.dir.path.join("worker-record");
     let _worker = spawn_worker(&stack, "records", &worker_dir).await;
     let id = start_on_worker(&stack, &agent, "records", "Write the file.").await;
@@ -1145,11 +1137,7 @@ async fn a_decision_nobody_listens_for_is_decided_by_the_record() {
         .await
         .unwrap();
     assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
-    let recorded = stack
-        .api
-        .get(&format!("/v1/approvals/{ap_id}"))
-        .await
-        .unwrap();
+    let recorded = approval(&stack, &ap_id).await;
     assert_eq!(v, recorded);
     let s = wait_outcomes(&stack, &id, 1).await;
     assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
@@ -1159,15 +1147,10 @@ async fn a_decision_nobody_listens_for_is_decided_by_the_record() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy() {
-    let script = json!({
-        "turns": [{"tool": "shell", "args": {"command": "echo approved-once >> ask.txt"}}],
-        "final": "Done asking."
-    });
-    let (stack, _sim, log, _simdir, _second) = managed_stack("managed-ask", &script).await;
-    let agent = managed_agent(
-        &stack,
-        "asker",
-        json!({"policy": {"tools": {"shell": "ask"}}}),
+    let ((stack, _sim, log, _simdir, _second), agent) = asking(
+        "managed-ask",
+        "echo approved-once >> ask.txt",
+        "Done asking.",
     )
     .await;
     let id = start_session(&stack, &agent, "sandbox", "Write the file.").await;
@@ -1234,11 +1217,7 @@ async fn an_ask_tool_waits_for_one_approval_and_resubmission_follows_its_policy(
         assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
         answers.push(v);
     }
-    let recorded = stack
-        .api
-        .get(&format!("/v1/approvals/{}", ap["id"].as_str().unwrap()))
-        .await
-        .unwrap();
+    let recorded = approval(&stack, ap["id"].as_str().unwrap()).await;
     assert_eq!(answers[0], recorded);
     assert_eq!(answers[1], recorded);
     let s = wait_outcomes(&stack, &id, 2).await;

@@ -53,6 +53,70 @@ struct Approval {
     decided_by: Option<String>,
 }
 
+impl Approval {
+    fn of(id: Uuid, status: String, reason: Option<String>, decided_by: Option<String>) -> Self {
+        Approval {
+            id,
+            status,
+            reason,
+            decided_by,
+        }
+    }
+}
+
+/// The answer to a decision brought here that did not apply (`code`: why).
+fn not_applied(code: &str) -> DecideApprovalReply {
+    DecideApprovalReply {
+        ok: false,
+        error_code: code.into(),
+        ..Default::default()
+    }
+}
+
+/// What a statement of [`start_allowed!`] found: the Approval, and the base of the events it
+/// wrote if it started the call. Allowed but not started: the call was taken over (fenced).
+fn decided(row: Option<(Approval, Option<i64>)>) -> Result<Decided, Stop> {
+    Ok(match row {
+        Some((_, Some(_))) => Decided::Started,
+        Some((a, None)) if a.status == "allowed" => return Err(Stop::Fenced),
+        Some((a, None)) => Decided::Read(Some(a)),
+        None => Decided::Read(None),
+    })
+}
+
+/// `sqlx::query!` of a statement that starts a call its Approval allows, with what else it
+/// writes for it: `$ap` (`WITH ap AS (` the Approval's id, status, reason and decider, read or
+/// decided), then the fence (this replica's token, `$2`, and the call, `$3`, still waiting), the
+/// decision's and the call's events (`$4`: the call), the call `started`, and the select of
+/// `ap` with the events' base, ending in `$tail`.
+macro_rules! start_allowed {
+    ($ap:literal, $tail:literal, $($arg:expr),+ $(,)?) => {
+        sqlx::query!(
+            $ap + r#"), fence AS (
+    UPDATE session_state SET last_seq = last_seq + 2, status = 'running', detail = '', updated_at = now()
+    WHERE session_id = $1 AND lease_token = $2
+      AND EXISTS (SELECT 1 FROM ap WHERE ap.status = 'allowed')
+      AND EXISTS (SELECT 1 FROM session_tool_calls
+          WHERE session_id = $1 AND call_id = $3 AND status = 'awaiting_approval')
+    RETURNING last_seq - 2 AS base
+), events AS (
+    INSERT INTO session_events (session_id, seq, kind, payload)
+    SELECT $1, fence.base + 1, 'approval_decided', jsonb_build_object('call_id', $3::text,
+        'allow', true, 'status', ap.status, 'reason', ap.reason, 'decided_by', ap.decided_by)
+    FROM fence, ap
+    UNION ALL
+    SELECT $1, fence.base + 2, 'tool_call', $4::jsonb FROM fence
+), started AS (
+    UPDATE session_tool_calls c SET status = 'started' FROM fence
+    WHERE c.session_id = $1 AND c.call_id = $3 AND c.status = 'awaiting_approval'
+)
+SELECT ap.id AS "id!", ap.status AS "status!", ap.reason AS "reason?", ap.decided_by AS "decided_by?",
+    (SELECT base FROM fence) AS "base?" "# + $tail,
+            $($arg),+
+        )
+    };
+}
+
 /// The subscription on which a call waiting for its Approval (the id) hears decisions brought to
 /// this replica, while it waits.
 type Listening = Option<(Uuid, async_nats::Subscriber)>;
@@ -75,31 +139,12 @@ impl Session<'_> {
     /// gateway nudges before it commits) is waited for and seen, not read as pending.
     async fn start_if_allowed(&self, call: &ToolCallReq) -> Result<Decided, Stop> {
         let tool_call = json!({"call_id": call.id, "tool": call.name, "input": call.input});
-        let row = sqlx::query!(
+        let row = start_allowed!(
             r#"WITH ap AS (
     SELECT id, status, reason, decided_by FROM approvals WHERE session_id = $1::uuid::text AND request_id = $3
     FOR SHARE
-), fence AS (
-    UPDATE session_state SET last_seq = last_seq + 2, status = 'running', detail = '', updated_at = now()
-    WHERE session_id = $1 AND lease_token = $2
-      AND EXISTS (SELECT 1 FROM ap WHERE ap.status = 'allowed')
-      AND EXISTS (SELECT 1 FROM session_tool_calls
-          WHERE session_id = $1 AND call_id = $3 AND status = 'awaiting_approval')
-    RETURNING last_seq - 2 AS base
-), events AS (
-    INSERT INTO session_events (session_id, seq, kind, payload)
-    SELECT $1, fence.base + 1, 'approval_decided', jsonb_build_object('call_id', $3::text,
-        'allow', true, 'status', ap.status, 'reason', ap.reason, 'decided_by', ap.decided_by)
-    FROM fence, ap
-    UNION ALL
-    SELECT $1, fence.base + 2, 'tool_call', $4::jsonb FROM fence
-), started AS (
-    UPDATE session_tool_calls c SET status = 'started' FROM fence
-    WHERE c.session_id = $1 AND c.call_id = $3 AND c.status = 'awaiting_approval'
-)
-SELECT ap.id AS "id!", ap.status AS "status!", ap.reason AS "reason?", ap.decided_by AS "decided_by?",
-    (SELECT base FROM fence) AS "base?"
-FROM ap"#,
+"#,
+            "FROM ap",
             self.id,
             self.token,
             &call.id,
@@ -107,17 +152,7 @@ FROM ap"#,
         )
         .fetch_optional(&self.r.db)
         .await?;
-        Ok(match row {
-            Some(r) if r.base.is_some() => Decided::Started,
-            Some(r) if r.status == "allowed" => return Err(Stop::Fenced),
-            Some(r) => Decided::Read(Some(Approval {
-                id: r.id,
-                status: r.status,
-                reason: r.reason,
-                decided_by: r.decided_by,
-            })),
-            None => Decided::Read(None),
-        })
+        decided(row.map(|r| (Approval::of(r.id, r.status, r.reason, r.decided_by), r.base)))
     }
 
     /// A decision a gateway brought (`req`) for this call's pending Approval `approval`,
@@ -146,7 +181,7 @@ FROM ap"#,
         let row = match workspace.filter(|_| storable && req.approval_id == approval.to_string()) {
             None => Ok(None),
             Some(workspace) => {
-                sqlx::query!(
+                start_allowed!(
                     r#"WITH ap AS (
     UPDATE approvals SET status = $5, decided_at = now(), decided_by = $6, reason = NULLIF($7, '')
     WHERE id = $8 AND workspace_id = $9 AND session_id = $1::uuid::text AND request_id = $3
@@ -155,27 +190,8 @@ FROM ap"#,
         'task_id', NULL, 'session_id', session_id, 'request_id', request_id, 'tool_name', tool_name,
         'input', input, 'status', status, 'decided_by', decided_by, 'reason', reason,
         'created_at', created_at, 'expires_at', expires_at, 'decided_at', decided_at) AS approval
-), fence AS (
-    UPDATE session_state SET last_seq = last_seq + 2, status = 'running', detail = '', updated_at = now()
-    WHERE session_id = $1 AND lease_token = $2
-      AND EXISTS (SELECT 1 FROM ap WHERE ap.status = 'allowed')
-      AND EXISTS (SELECT 1 FROM session_tool_calls
-          WHERE session_id = $1 AND call_id = $3 AND status = 'awaiting_approval')
-    RETURNING last_seq - 2 AS base
-), events AS (
-    INSERT INTO session_events (session_id, seq, kind, payload)
-    SELECT $1, fence.base + 1, 'approval_decided', jsonb_build_object('call_id', $3::text,
-        'allow', true, 'status', ap.status, 'reason', ap.reason, 'decided_by', ap.decided_by)
-    FROM fence, ap
-    UNION ALL
-    SELECT $1, fence.base + 2, 'tool_call', $4::jsonb FROM fence
-), started AS (
-    UPDATE session_tool_calls c SET status = 'started' FROM fence
-    WHERE c.session_id = $1 AND c.call_id = $3 AND c.status = 'awaiting_approval'
-)
-SELECT ap.id AS "id!", ap.status AS "status!", ap.reason AS "reason?", ap.decided_by AS "decided_by?",
-    (SELECT base FROM fence) AS "base?", ap.approval::text AS "approval!"
-FROM ap"#,
+"#,
+                    r#", ap.approval::text AS "approval!" FROM ap"#,
                     self.id,
                     self.token,
                     &call.id,
@@ -199,9 +215,7 @@ FROM ap"#,
                 status: if applied.is_some() { status } else { "" }.into(),
                 approval_json: applied.map(|r| r.approval.clone()).unwrap_or_default(),
             };
-            if let Err(e) = self.r.nats.publish(to, answer.encode_to_vec().into()).await {
-                tracing::warn!(error = %e, session_id = %self.id, "answer a decision");
-            }
+            self.answer(to, answer).await;
             // The connection's task, just woken to write the answer, would otherwise wait on
             // this thread until the call's process is started.
             tokio::task::yield_now().await;
@@ -209,17 +223,7 @@ FROM ap"#,
         if matches!(row, Ok(Some(_))) {
             self.stop_listening(listening).await;
         }
-        Ok(match row? {
-            Some(r) if r.base.is_some() => Decided::Started,
-            Some(r) if r.status == "allowed" => return Err(Stop::Fenced),
-            Some(r) => Decided::Read(Some(Approval {
-                id: r.id,
-                status: r.status,
-                reason: r.reason,
-                decided_by: r.decided_by,
-            })),
-            None => Decided::Read(None),
-        })
+        decided(row?.map(|r| (Approval::of(r.id, r.status, r.reason, r.decided_by), r.base)))
     }
 
     /// A decision brought to this replica for the pending Approval `approval` of `call` (see
@@ -239,12 +243,7 @@ FROM ap"#,
             Ok(req) => req,
             Err(_) => {
                 if let Some(to) = m.reply {
-                    let answer = DecideApprovalReply {
-                        ok: false,
-                        error_code: "invalid".into(),
-                        ..Default::default()
-                    };
-                    let _ = self.r.nats.publish(to, answer.encode_to_vec().into()).await;
+                    self.answer(to, not_applied("invalid")).await;
                 }
                 return Ok(None);
             }
@@ -300,13 +299,14 @@ FROM ap"#,
         let _ = sub.unsubscribe().await;
         while let Some(Some(m)) = futures::FutureExt::now_or_never(sub.next()) {
             if let Some(to) = m.reply {
-                let answer = DecideApprovalReply {
-                    ok: false,
-                    error_code: "not_applied".into(),
-                    ..Default::default()
-                };
-                let _ = self.r.nats.publish(to, answer.encode_to_vec().into()).await;
+                self.answer(to, not_applied("not_applied")).await;
             }
+        }
+    }
+
+    async fn answer(&self, to: async_nats::Subject, answer: DecideApprovalReply) {
+        if let Err(e) = self.r.nats.publish(to, answer.encode_to_vec().into()).await {
+            tracing::warn!(error = %e, session_id = %self.id, "answer a decision");
         }
     }
 

@@ -169,7 +169,15 @@ async fn decide_session_request(
         return Ok(None);
     }
     let status = if allow { "allowed" } else { "denied" };
-    if let Some(decided) = decided_by_replica(s, auth, id, allow, reason, decided_by).await {
+    let brought = DecideApproval {
+        approval_id: id.to_string(),
+        workspace_id: auth.workspace_id.to_string(),
+        allow,
+        reason: reason.into(),
+        decided_by: decided_by.into(),
+        always_for_task: false,
+    };
+    if let Some(decided) = decided_by_replica(s, id, brought).await {
         s.metrics
             .inc("agentscope_approvals_decided_total", &[("status", status)]);
         tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided by its session's replica");
@@ -245,26 +253,15 @@ async fn decide_session_request(
 const REPLICA_WAIT: Duration = Duration::from_secs(2);
 
 /// Asks the dataplane replica whose session waits for Approval `id` (if one listens) to record
-/// the decision and, if it allows the call, start it in the same statement: one commit and one
-/// hop from the decision to the tool. Its answer when it did; otherwise (no replica listens, it
-/// did not answer in time, or the decision did not apply: not pending, not the caller's) `None`,
-/// and the record decides, as before.
+/// the decision `req` and, if it allows the call, start it in the same statement: one commit and
+/// one hop from the decision to the tool. Its answer when it did; otherwise (no replica listens,
+/// it did not answer in time, or the decision did not apply: not pending, not the caller's)
+/// `None`, and the record decides, as before.
 async fn decided_by_replica(
     s: &AppState,
-    auth: &Auth,
     id: Uuid,
-    allow: bool,
-    reason: &str,
-    decided_by: &str,
+    req: DecideApproval,
 ) -> Option<DecideApprovalReply> {
-    let req = DecideApproval {
-        approval_id: id.to_string(),
-        workspace_id: auth.workspace_id.to_string(),
-        allow,
-        reason: reason.into(),
-        decided_by: decided_by.into(),
-        always_for_task: false,
-    };
     let asked = s.nats.request(
         agentscope_bus::subjects::session_decide(&id.to_string()),
         req.encode_to_vec().into(),
