@@ -1110,7 +1110,8 @@ async fn a_decision_brought_to_the_waiting_replica_is_recorded_and_started_there
 
 /// A call that waits for a Worker does not listen for its decision (nothing answers on its
 /// subject): the gateway decides it by the record and nudges the replica, which runs the call
-/// on the Worker once; the answer is the Approval as recorded.
+/// on the Worker once; the answer is the Approval as recorded. So does a listener that never
+/// answers, after the gateway's wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_nobody_listens_for_is_decided_by_the_record() {
     let ((stack, _sim, _log, _simdir, _second), agent) =
@@ -1127,6 +1128,13 @@ async fn a_decision_nobody_listens_for_is_decided_by_the_record() {
         .unwrap_err();
     assert_eq!(nobody.kind(), async_nats::RequestErrorKind::NoResponders);
 
+    // A listener that never answers (a replica stuck, or gone after it got the request) only
+    // delays the decision by the gateway's wait: it is then decided by the record.
+    let mut silent = nc
+        .subscribe(agentscope_bus::subjects::session_decide(&ap_id))
+        .await
+        .unwrap();
+    nc.flush().await.unwrap();
     let (st, v) = stack
         .api
         .send(
@@ -1137,6 +1145,8 @@ async fn a_decision_nobody_listens_for_is_decided_by_the_record() {
         .await
         .unwrap();
     assert_eq!((st, v["status"].as_str()), (200, Some("allowed")), "{v}");
+    let heard = futures::StreamExt::next(&mut silent).await.unwrap();
+    assert!(heard.reply.is_some(), "the gateway asked first");
     let recorded = approval(&stack, &ap_id).await;
     assert_eq!(v, recorded);
     let s = wait_outcomes(&stack, &id, 1).await;
