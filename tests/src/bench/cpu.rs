@@ -63,8 +63,20 @@ pub fn children() -> Vec<(u32, String)> {
 
 /// Resident set size of `pid` in MiB (VmRSS).
 pub fn rss_mib(pid: u32) -> Option<f64> {
+    status_mib(pid, "VmRSS:")
+}
+
+/// The anonymous part of `pid`'s resident set in MiB (RssAnon): its own memory, without the
+/// pages of its executable and libraries, which count more or less depending on how recently
+/// the file was written (a binary copied just before it runs has more of its pages mapped).
+pub fn rss_anon_mib(pid: u32) -> Option<f64> {
+    status_mib(pid, "RssAnon:")
+}
+
+/// A `/proc/<pid>/status` field given in kB, in MiB.
+fn status_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1024.0)
 }

@@ -198,7 +198,7 @@ fn headline(name: &str, v: &Value) -> String {
             .as_object()
             .map(|o| {
                 o.iter()
-                    .map(|(k, p)| format!("{k} {} MiB", p["rss_mib"]))
+                    .map(|(k, p)| format!("{k} {} MiB ({} anon)", p["rss_mib"], p["rss_anon_mib"]))
                     .collect::<Vec<_>>()
                     .join(", ")
             })

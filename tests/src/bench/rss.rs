@@ -14,7 +14,8 @@ pub struct RssArgs {
     pub settle_s: u64,
 }
 
-/// Starts the stack and one host, lets them idle, and reads each process's VmRSS and threads.
+/// Starts the stack and one host, lets them idle, and reads each process's VmRSS (and of it the
+/// anonymous part) and threads.
 pub async fn idle(args: &RssArgs) -> Result<Value> {
     let stack = setup::stack("bench-rss", setup::bench_options()).await?;
     // The host's pool must exist for it to be ready.
@@ -32,7 +33,11 @@ pub async fn idle(args: &RssArgs) -> Result<Value> {
         };
         out.insert(
             key,
-            json!({"rss_mib": num(cpu::rss_mib(pid).unwrap_or(f64::NAN)), "threads": cpu::threads(pid)}),
+            json!({
+                "rss_mib": num(cpu::rss_mib(pid).unwrap_or(f64::NAN)),
+                "rss_anon_mib": num(cpu::rss_anon_mib(pid).unwrap_or(f64::NAN)),
+                "threads": cpu::threads(pid),
+            }),
         );
     }
     drop(host);
