@@ -533,7 +533,6 @@ pub const KNOWN_PROVIDERS: [&str; Provider::ALL.len()] = {
     names
 };
 
-/// A self-hosted Worker's id: stable per workspace and worker name.
 /// The id of a managed session's Approval of its call `request_id`, derived from the two (a
 /// UUID of version 8 from SHA-256): the replica whose call waits for it knows it before the
 /// scheduler records it, and listens for its decision from the start.
@@ -546,6 +545,7 @@ pub fn session_approval_id(session_id: uuid::Uuid, request_id: &str) -> uuid::Uu
     uuid::Builder::from_custom_bytes(bytes).into_uuid()
 }
 
+/// A self-hosted Worker's id: stable per workspace and worker name.
 pub fn worker_id(workspace_id: &str, name: &str) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::digest(format!("agentscope-worker:{workspace_id}:{name}"));

@@ -216,9 +216,6 @@ impl Session<'_> {
                 approval_json: applied.map(|r| r.approval.clone()).unwrap_or_default(),
             };
             self.answer(to, answer).await;
-            // The connection's task, just woken to write the answer, would otherwise wait on
-            // this thread until the call's process is started.
-            tokio::task::yield_now().await;
         }
         if matches!(row, Ok(Some(_))) {
             self.stop_listening(listening).await;

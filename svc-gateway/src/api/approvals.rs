@@ -152,9 +152,9 @@ pub(crate) async fn decide_as(
     Ok(Json(approval))
 }
 
-/// A managed session's pending request, decided here: one statement applies the decision once
-/// (the row lock of the update), and the dataplane replica holding the session is nudged at once
-/// to read it from the record. `None` when the approval is not a pending session request of the
+/// A managed session's pending request, decided without the scheduler: by the dataplane replica
+/// whose call waits for it (see [`decided_by_replica`]), or else here by the record
+/// ([`decide_by_record`]). `None` when the approval is not a pending session request of the
 /// caller's workspace (a hosted attempt's, a replay, another workspace, an unknown id) or a field
 /// could not be stored: the scheduler's path decides those, as it did before.
 async fn decide_session_request(
@@ -177,21 +177,39 @@ async fn decide_session_request(
         decided_by: decided_by.into(),
         always_for_task: false,
     };
-    if let Some(decided) = decided_by_replica(s, id, brought).await {
-        s.metrics
-            .inc("agentscope_approvals_decided_total", &[("status", status)]);
-        tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided by its session's replica");
+    let (decided, by) = match decided_by_replica(s, id, brought).await {
         // As the replica's statement read it back; read here if that did not come whole.
-        let approval = match serde_json::from_str::<t::Approval>(&decided.approval_json) {
-            Ok(a) if a.id == id => a,
+        Some(reply) => match serde_json::from_str::<t::Approval>(&reply.approval_json) {
+            Ok(a) if a.id == id => (a, "replica"),
             _ => {
-                select_approvals!("WHERE ap.id = $1", id)
+                let a = select_approvals!("WHERE ap.id = $1", id)
                     .fetch_one(&s.db)
-                    .await?
+                    .await?;
+                (a, "replica")
             }
-        };
-        return Ok(Some(approval));
-    }
+        },
+        None => match decide_by_record(s, auth, id, status, reason, decided_by).await? {
+            Some(a) => (a, "gateway"),
+            None => return Ok(None),
+        },
+    };
+    s.metrics
+        .inc("agentscope_approvals_decided_total", &[("status", status)]);
+    tracing::info!(approval_id = %id, status, by = %decided_by, applied_by = by, "approval decided");
+    Ok(Some(decided))
+}
+
+/// A session's pending request decided here: one statement applies the decision once (the row
+/// lock of the update), and the dataplane replica holding the session is nudged at once to read
+/// it from the record. `None` when it is not such a request of the caller's workspace.
+async fn decide_by_record(
+    s: &AppState,
+    auth: &Auth,
+    id: Uuid,
+    status: &str,
+    reason: &str,
+    decided_by: &str,
+) -> ApiResult<Option<t::Approval>> {
     // The nudge leaves once the row is locked, with the commit: the replica's read of the
     // decision (which locks the row, see the dataplane's `start_if_allowed`) waits for this
     // transaction and sees it, so the hop to the replica and its statement overlap the commit.
@@ -241,9 +259,6 @@ async fn decide_session_request(
     };
     let ((), committed) = tokio::join!(nudge, tx.commit());
     committed?;
-    s.metrics
-        .inc("agentscope_approvals_decided_total", &[("status", status)]);
-    tracing::info!(approval_id = %id, status, by = %decided_by, "approval decided");
     Ok(Some(decided))
 }
 

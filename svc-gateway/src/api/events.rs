@@ -526,8 +526,7 @@ impl Follow {
                 b = self.feed.recv() => match b {
                     Ok(b) => b,
                     Err(broadcast::error::RecvError::Lagged(_)) => {
-                        self.s.metrics.inc("agentscope_sse_lagged_total", &[]);
-                        self.catch_up = true;
+                        self.fell_behind();
                         continue;
                     }
                     Err(broadcast::error::RecvError::Closed) => {
@@ -553,8 +552,7 @@ impl Follow {
                         None => break,
                     },
                     Err(broadcast::error::TryRecvError::Lagged(_)) => {
-                        self.s.metrics.inc("agentscope_sse_lagged_total", &[]);
-                        self.catch_up = true;
+                        self.fell_behind();
                         break;
                     }
                     // Nothing more yet, or the feed is gone (the next call sees to it).
@@ -575,6 +573,12 @@ impl Follow {
         }
     }
 
+    /// The feed dropped batches this follower had not taken: it reads them from the database.
+    fn fell_behind(&mut self) {
+        self.s.metrics.inc("agentscope_sse_lagged_total", &[]);
+        self.catch_up = true;
+    }
+
     /// Adds what of `batch` follows this follower's cursor to `out` (and the end, when the
     /// batch brings it), moving the cursor; the bytes added. None, with nothing added, when the
     /// batch starts after the cursor: something between them went by, to be read from the
@@ -586,16 +590,13 @@ impl Follow {
         }
         let before = out.len();
         if let Some((last, _)) = batch.events.last().filter(|(l, _)| *l > self.cursor) {
-            out.push(if batch.prev == self.cursor {
+            if batch.prev == self.cursor {
                 // The usual case: the whole batch follows on, one shared chunk.
-                batch.all.clone()
+                out.push(batch.all.clone());
             } else {
-                let mut chunk = BytesMut::new();
-                for (_, f) in batch.events.iter().filter(|(c, _)| *c > self.cursor) {
-                    chunk.put_slice(f);
-                }
-                chunk.freeze()
-            });
+                let after = batch.events.iter().filter(|(c, _)| *c > self.cursor);
+                out.extend(after.map(|(_, f)| f.clone()));
+            }
             self.cursor = *last;
         }
         if let Some(status) = &batch.end {
