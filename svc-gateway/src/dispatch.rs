@@ -11,6 +11,12 @@
 //! hosts are busy, their own claims take work in batches, which costs less per attempt than a
 //! claim and an offer each.
 //!
+//! The host the pool's last dispatch went to is told of the attempt before the statement runs
+//! (the early word, [`tell_early`]), and the statement prefers it among the idle hosts: while
+//! PostgreSQL executes and flushes the statement, that host prepares the task directory, and the
+//! offer that follows the commit starts the provider at once. The word claims nothing: a host
+//! starts only what an offer or a claim brings, and removes a preparation nothing brings.
+//!
 //! Everything the scheduler's claims guarantee holds: the same counters, locked in the same
 //! order, decide, the lease is created after the commit with the claim's fencing
 //! token, and an attempt nobody got is never left to lapse:
@@ -33,7 +39,7 @@ use agentscope_bus::{BUCKET_LEASES, lease_key, subjects};
 use agentscope_schemas::Message;
 use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, OfferReply};
 use async_nats::jetstream::kv;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use uuid::Uuid;
@@ -44,26 +50,56 @@ const OFFER_WAIT: Duration = Duration::from_secs(2);
 static WARNING: agentscope_telemetry::Throttle =
     agentscope_telemetry::Throttle::new(Duration::from_secs(5));
 
-/// The pools this gateway is dispatching to now.
+/// The pools this gateway is dispatching to now, and the host each pool's last direct dispatch
+/// went to.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct InFlight(Arc<Mutex<HashSet<Uuid>>>);
+pub(crate) struct InFlight(Arc<Mutex<Pools>>);
+
+#[derive(Debug, Default)]
+struct Pools {
+    turns: HashSet<Uuid>,
+    last_host: HashMap<Uuid, Uuid>,
+}
+
+/// What a submission needs to dispatch directly: the settings, this gateway's pools under way
+/// and its NATS connection (for the early word).
+#[derive(Clone, Copy)]
+pub(crate) struct Dispatching<'a> {
+    pub(crate) pools: &'a InFlight,
+    pub(crate) config: &'a crate::Config,
+    pub(crate) nats: &'a async_nats::Client,
+}
 
 /// A pool's turn to dispatch; ends when dropped.
 pub(crate) struct Turn {
     pools: InFlight,
     pool: Uuid,
+    /// The host the pool's last direct dispatch went to: the one likely idle now (at low load,
+    /// the one that ran the previous task), which the statement prefers and which prepares the
+    /// attempt while it runs.
+    pub(crate) last_host: Option<Uuid>,
 }
 
 impl InFlight {
     pub(crate) fn enter(&self, pool: Uuid) -> Option<Turn> {
-        self.0
-            .lock()
-            .expect("dispatching pools")
-            .insert(pool)
-            .then(|| Turn {
-                pools: self.clone(),
-                pool,
-            })
+        let mut p = self.0.lock().expect("dispatching pools");
+        p.turns.insert(pool).then(|| Turn {
+            pools: self.clone(),
+            pool,
+            last_host: p.last_host.get(&pool).copied(),
+        })
+    }
+}
+
+impl Turn {
+    /// Records where the statement put the pool's attempt: claimed for `host`, or queued (None;
+    /// the pool is busy: no early word goes out until a dispatch finds an idle host again).
+    pub(crate) fn went_to(&self, host: Option<Uuid>) {
+        let mut p = self.pools.0.lock().expect("dispatching pools");
+        match host {
+            Some(h) => p.last_host.insert(self.pool, h),
+            None => p.last_host.remove(&self.pool),
+        };
     }
 }
 
@@ -73,8 +109,42 @@ impl Drop for Turn {
             .0
             .lock()
             .expect("dispatching pools")
+            .turns
             .remove(&self.pool);
     }
+}
+
+/// Tells `host` of an attempt the statement now running may claim for it
+/// (`ClaimOffer.prepare_only`): an idle host prepares its task directory meanwhile, so that the
+/// offer, once the statement has committed, starts the provider at once. Only a word: nothing
+/// is claimed and nothing starts, and a host that does not hear it, or is not chosen, loses
+/// nothing (it removes a preparation nothing brings). Published, not awaited.
+pub(crate) async fn tell_early(
+    nats: &async_nats::Client,
+    host: Uuid,
+    workspace_id: Uuid,
+    task_id: Uuid,
+    attempt_id: Uuid,
+    spec: &serde_json::Value,
+) {
+    let word = ClaimOffer {
+        assignments: vec![AttemptAssignment {
+            attempt_id: attempt_id.to_string(),
+            task_id: task_id.to_string(),
+            workspace_id: workspace_id.to_string(),
+            attempt_number: 1,
+            spec: Some(spec_from_json(spec)),
+            ..Default::default()
+        }],
+        prepare_only: true,
+        ..Default::default()
+    };
+    let _ = nats
+        .publish(
+            subjects::host_offer(&host.to_string()),
+            word.encode_to_vec().into(),
+        )
+        .await;
 }
 
 /// What direct dispatch did for the attempt the gateway just stored.

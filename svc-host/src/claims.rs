@@ -33,6 +33,8 @@ pub(crate) async fn claim_loop(
     let mut claim_now = true;
     // The last claim's answer: more work waits than it could take.
     let mut work_waiting = false;
+    // When the directory prepared on the gateway's early word expires, if one was.
+    let mut prepared_until: Option<std::time::Instant> = None;
     // Attempts the gateway claimed for this host when it stored their tasks.
     let mut offers = ctx
         .nats
@@ -72,6 +74,12 @@ pub(crate) async fn claim_loop(
             }
             _ => {}
         }
+        let expiry = async {
+            match prepared_until {
+                Some(t) => tokio::time::sleep_until(t.into()).await,
+                None => futures::future::pending::<()>().await,
+            }
+        };
         let nudge = async {
             match nudges.as_mut() {
                 Some(n) => n.next().await.is_some(),
@@ -79,9 +87,21 @@ pub(crate) async fn claim_loop(
             }
         };
         tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
+            _ = cancel.cancelled() => {
+                attempt::discard_prepared(&ctx, false);
+                return Ok(());
+            }
+            // A directory prepared ahead that nothing brought goes.
+            _ = expiry => {
+                attempt::discard_prepared(&ctx, true);
+                prepared_until = None;
+            }
             offer = offers.next() => match offer {
-                Some(msg) => take_offer(&ctx, &slots, &attempts, msg).await,
+                Some(msg) => {
+                    if let Some(until) = take_offer(&ctx, &slots, &attempts, msg).await {
+                        prepared_until = Some(until);
+                    }
+                }
                 None => {
                     offers = ctx
                         .nats
@@ -190,13 +210,26 @@ async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usiz
 /// An offer the gateway made: attempts it claimed for this host (`ClaimOffer`). The answer says
 /// which are taken (also one this host already has: an offer is never run twice) and which are
 /// declined (no free slot, or the host is stopping), which the gateway puts back in the queue.
-/// The answer goes first, then the attempts start.
-async fn take_offer(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work, msg: async_nats::Message) {
-    let Some(reply) = msg.reply else { return };
+/// The answer goes first, then the attempts start. The gateway's early word
+/// (`prepare_only`, no answer) only has a host with a free slot prepare the first attempt's
+/// directory;
+/// returns when that preparation expires, if one was made.
+async fn take_offer(
+    ctx: &Ctx,
+    slots: &Arc<Semaphore>,
+    attempts: &Work,
+    msg: async_nats::Message,
+) -> Option<std::time::Instant> {
     let Ok(offer) = ClaimOffer::decode(msg.payload.as_ref()) else {
         tracing::warn!("malformed offer");
-        return;
+        return None;
     };
+    if offer.prepare_only {
+        let free = slots.available_permits() > 0 && !attempts.stopping().is_cancelled();
+        let a = offer.assignments.into_iter().next()?;
+        return attempt::prepare_ahead(ctx, a.into(), free);
+    }
+    let reply = msg.reply?;
     let mut answer = OfferReply::default();
     let mut start = Vec::new();
     for a in offer.assignments {
@@ -224,6 +257,7 @@ async fn take_offer(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work, msg: asy
     for (a, permit) in start {
         spawn_attempt(ctx, attempts, a.into(), permit, None);
     }
+    None
 }
 
 /// Runs an attempt as work of the host's supervisor, holding `permit` (a capacity slot) until it

@@ -75,6 +75,9 @@ struct State {
     finished: std::collections::VecDeque<String>,
     /// Providers whose login failed in an attempt, and when: not ready until a re-check passes.
     login_failed: HashMap<String, std::time::Instant>,
+    /// A task directory prepared on the gateway's early word, until its attempt comes or it
+    /// expires (`attempt::prepare_ahead`).
+    prepared: Option<attempt::Prepared>,
 }
 
 impl Ctx {

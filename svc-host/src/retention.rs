@@ -16,7 +16,8 @@ pub(crate) async fn prune_task_dirs(ctx: Ctx, stop: CancellationToken) -> anyhow
         let (dir, state) = (ctx.tasks_dir.clone(), ctx.state.clone());
         let pruned = tokio::task::spawn_blocking(move || {
             prune(&dir, keep, |id| {
-                state.lock().expect("host state").running.contains_key(id)
+                let st = state.lock().expect("host state");
+                st.running.contains_key(id) || st.prepared.as_ref().is_some_and(|p| p.is_for(id))
             })
         })
         .await?;

@@ -962,12 +962,187 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
     assert_eq!(attempts, 4, "one attempt per task");
 }
 
+/// The gateway's early word (`ClaimOffer.prepare_only`, published while its statement may claim
+/// the attempt for the host) only has an idle host prepare the attempt's task directory, given
+/// to the uid it holds for it: nothing starts, nothing is recorded, and what nothing brings goes
+/// after a few seconds, its uid free again. A word with an id that is no plain UUID, or for a
+/// task with a repository to clone, prepares nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_word_prepares_an_idle_hosts_directory_and_starts_nothing() {
+    use agentscope_schemas::v1::{AttemptAssignment, ClaimOffer, TaskSpec};
+    use prost::Message as _;
+    use std::os::unix::fs::MetadataExt as _;
+    let stack = Stack::start("dispatch-early-word", StackOptions::default())
+        .await
+        .unwrap();
+    let (agent, _) = stack
+        .command_agent("after", "pool", &["true"], None)
+        .await
+        .unwrap();
+    let (_h1, state) = stack.host("h1", "pool", 1).await.unwrap();
+    let host: String = sqlx::query_scalar("SELECT id::text FROM hosts WHERE name = 'h1'")
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap();
+    let service = stack.nats.service_client("gateway").await.unwrap();
+    let word = |attempt: &str, input: &str, repository: &str| ClaimOffer {
+        assignments: vec![AttemptAssignment {
+            attempt_id: attempt.into(),
+            task_id: uuid::Uuid::now_v7().to_string(),
+            workspace_id: uuid::Uuid::now_v7().to_string(),
+            attempt_number: 1,
+            spec: Some(TaskSpec {
+                provider: "command".into(),
+                command: vec!["true".into()],
+                input: input.into(),
+                repository: repository.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+        prepare_only: true,
+        ..Default::default()
+    };
+    let say = |w: ClaimOffer| {
+        let (service, subject) = (service.clone(), agentscope_bus::subjects::host_offer(&host));
+        async move {
+            service
+                .publish(subject, w.encode_to_vec().into())
+                .await
+                .unwrap();
+            service.flush().await.unwrap();
+        }
+    };
+    let tasks = state.join("tasks");
+    let cloned = uuid::Uuid::now_v7().to_string();
+    say(word("../../escaped", "tricked", "")).await;
+    say(word(&cloned, "to clone", "/nonexistent/repo")).await;
+    let attempt = uuid::Uuid::now_v7().to_string();
+    say(word(&attempt, "early input", "")).await;
+    // The host takes its offers in order: once the last word's directory is there, the two
+    // before it were handled.
+    let input = tasks.join(&attempt).join("input").join("INPUT.md");
+    let written = kit::wait_for("the directory prepared", Duration::from_secs(10), || {
+        let input = input.clone();
+        async move { std::fs::read_to_string(&input).ok() }
+    })
+    .await
+    .unwrap();
+    assert_eq!(written, "early input");
+    let root = std::fs::metadata(tasks.join(&attempt)).unwrap();
+    assert_ne!(root.uid(), 0, "the directory is given to the attempt's uid");
+    assert_eq!(root.mode() & 0o777, 0o700);
+    for entry in ["home", "tmp", "input", "input/INPUT.md", "input/ISSUE.md"] {
+        let m = std::fs::metadata(tasks.join(&attempt).join(entry)).unwrap();
+        assert_eq!(m.uid(), root.uid(), "{entry} is the attempt's");
+    }
+    assert!(
+        !tasks.join(&cloned).exists(),
+        "a clone is not prepared ahead"
+    );
+    assert!(!state.join("escaped").exists() && !stack.dir.path.join("escaped").exists());
+    let names: Vec<String> = std::fs::read_dir(&tasks)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec![attempt.clone()], "only the prepared directory");
+    // Nothing nobody brought goes; nothing ran, nothing was recorded.
+    kit::wait_for("the preparation removed", Duration::from_secs(10), || {
+        let root = tasks.join(&attempt);
+        async move { (!root.exists()).then_some(()) }
+    })
+    .await
+    .unwrap();
+    let recorded: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM attempts) + (SELECT count(*) FROM execution_events)",
+    )
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    assert_eq!(recorded, 0);
+    // Its uid is free again: the host's one slot runs a task.
+    let t = stack
+        .submit(json!({"agent_id": agent, "input": "after"}))
+        .await
+        .unwrap();
+    stack
+        .wait_task(&t, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+}
+
+/// A task directly dispatched to the host that ran the pool's previous one is prepared there
+/// while the gateway's statement runs (the early word) and starts in that directory, with its
+/// own input, given to its uid; the next task, with other input, gets a directory of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatched_attempt_starts_in_the_directory_prepared_for_it() {
+    let stack = Stack::start("dispatch-prepared", StackOptions::default())
+        .await
+        .unwrap();
+    let script = r#"stat -c '%u %a' "$AGENTSCOPE_TASK_DIR"; id -u; cat "$AGENTSCOPE_INPUT_DIR/INPUT.md"; echo"#;
+    let (agent, _) = stack
+        .command_agent("prepared", "pool", &["sh", "-c", script], None)
+        .await
+        .unwrap();
+    // Two slots: the word finds one free even while the previous attempt's end is still
+    // being handled on the host after it was recorded.
+    let _h1 = stack.host("h1", "pool", 2).await.unwrap();
+    let mut attempts = Vec::new();
+    for i in 0..3 {
+        let t = stack
+            .api
+            .post(
+                "/v1/tasks",
+                json!({"agent_id": agent, "input": format!("input {i}")}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(t["attempts"][0]["status"], "claimed", "{t:#}");
+        let id = t["id"].as_str().unwrap();
+        let done = stack
+            .wait_task(id, "succeeded", Duration::from_secs(60))
+            .await
+            .unwrap();
+        let attempt = done["attempts"][0]["id"].as_str().unwrap().to_string();
+        let texts: Vec<String> = stack
+            .events(&format!("/v1/attempts/{attempt}/events"))
+            .await
+            .unwrap()
+            .iter()
+            .filter(|e| e["kind"] == "output")
+            .map(|e| e["payload"]["text"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(texts.len(), 3, "{texts:?}");
+        let uid = texts[1].clone();
+        assert_ne!(uid, "0");
+        assert_eq!(
+            texts[0],
+            format!("{uid} 700"),
+            "the directory is the attempt's own"
+        );
+        assert_eq!(texts[2], format!("input {i}"));
+        attempts.push(attempt);
+    }
+    // The first had no host to tell early; the others were prepared ahead.
+    let log = stack.log("host-h1");
+    let ahead: Vec<&String> = attempts
+        .iter()
+        .filter(|a| {
+            log.lines().any(|l| {
+                l.contains("starts in the task directory prepared ahead") && l.contains(a.as_str())
+            })
+        })
+        .collect();
+    assert_eq!(ahead, vec![&attempts[1], &attempts[2]], "host log:\n{log}");
+}
+
 /// An offer nobody takes goes back to the queue before the answer: a host that is not listening
 /// (no responders) and one that declines (no free slot) leave the attempt queued, without a host,
 /// a fencing token or a lease key, and the host's counter where it was; one that accepts has it
 /// claimed under the offer's token and lease, which its next claim does not offer again. No offer
 /// while older work of the pool waits (the hosts' claims take the oldest first), nor to a host
-/// with work active (a busy pool is left to the hosts' claims).
+/// with work active (a busy pool is left to the hosts' claims). The early words go only to the
+/// host the pool's last dispatch was stored for, ask no answer and carry no credential.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offer_nobody_takes_goes_back_to_the_queue() {
     use agentscope_schemas::v1::{ClaimOffer, OfferReply};
@@ -1051,12 +1226,20 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
     raw.1.flush().await.unwrap();
     let nc = raw.1.clone();
     let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (words_tx, mut words_rx) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
-        for accept in [false, true] {
-            let Some(msg) = offers.next().await else {
-                return;
-            };
+        let mut answers = [false, true].into_iter();
+        while let Some(msg) = offers.next().await {
             let offer = ClaimOffer::decode(msg.payload.as_ref()).unwrap();
+            if offer.prepare_only {
+                // The gateway's early word: no answer asked, nothing claimed, no credential.
+                let a = &offer.assignments[0];
+                assert!(msg.reply.is_none());
+                assert!(a.task_token.is_empty() && a.lease_token == 0 && a.lease_key.is_empty());
+                let _ = words_tx.send(a.attempt_id.clone());
+                continue;
+            }
+            let accept = answers.next().expect("two offers");
             let ids: Vec<String> = offer
                 .assignments
                 .iter()
@@ -1088,7 +1271,7 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
     }
 
     // The first task still waits: the host is idle, but older work goes first, by claims.
-    let (second, _) = queued_again(submit("second").await).await;
+    let (second, second_attempt) = queued_again(submit("second").await).await;
     assert_eq!(dispatches(&stack, "declined").await, 1);
     assert!(
         seen_rx.try_recv().is_err(),
@@ -1153,6 +1336,17 @@ async fn an_offer_nobody_takes_goes_back_to_the_queue() {
         .map(|a| a.attempt_id.as_str())
         .collect();
     assert_eq!(got, [fifth.as_str()]);
+    // The early words: to the host the pool's last dispatch was stored for (the first's, then
+    // the fourth's), none after a dispatch that stayed queued (the second's).
+    let mut words = Vec::new();
+    while words.len() < 3 {
+        let w = tokio::time::timeout(Duration::from_secs(10), words_rx.recv())
+            .await
+            .expect("an early word");
+        words.push(w.expect("the responder runs"));
+    }
+    assert_eq!(words, [second_attempt, fourth, fifth]);
+    assert!(words_rx.try_recv().is_err());
 }
 
 /// An offer whose answer never comes (the host got it and its answer was lost, or it never got

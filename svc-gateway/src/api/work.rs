@@ -1,7 +1,6 @@
 //! Issues, comments, tasks (submission, cancellation) and attempts.
 
 use crate::AppState;
-use crate::Config;
 use crate::api::resources::check_name;
 use crate::dispatch::Dispatched;
 use crate::error::{ApiError, ApiResult};
@@ -281,7 +280,7 @@ struct Stored {
 async fn insert_task(
     db: &mut sqlx::PgConnection,
     sub: &Submission<'_>,
-    dispatching: Option<(&crate::dispatch::InFlight, &Config)>,
+    dispatching: Option<crate::dispatch::Dispatching<'_>>,
     plans: &crate::plans::Plans,
 ) -> Result<Option<Stored>, sqlx::Error> {
     let task = &sub.task;
@@ -323,31 +322,38 @@ async fn store_task(
     db: &mut sqlx::PgConnection,
     sub: &Submission<'_>,
     p: agentscope_store::first_attempt::Plan,
-    dispatching: Option<(&crate::dispatch::InFlight, &Config)>,
+    dispatching: Option<crate::dispatch::Dispatching<'_>>,
 ) -> Result<Option<Stored>, sqlx::Error> {
     let task = &sub.task;
     let (id, attempt_id) = (Uuid::now_v7(), Uuid::now_v7());
     let turn = match (dispatching, p.pool_id) {
-        (Some((pools, _)), Some(pool)) => pools.enter(pool),
+        (Some(d), Some(pool)) => d.pools.enter(pool),
         _ => None,
     };
     // Only a submission that may dispatch needs a credential for its attempt (its hash is
     // stored only if the attempt is stored claimed).
     let (fresh_ms, run_timeout, task_token) = match (&turn, dispatching) {
-        (Some(_), Some((_, c))) => (
-            c.host_offline_after_ms.min(i64::MAX as u64) as i64,
-            c.run_timeout_secs as i64,
+        (Some(_), Some(d)) => (
+            d.config.host_offline_after_ms.min(i64::MAX as u64) as i64,
+            d.config.run_timeout_secs as i64,
             Some(agentscope_domain::new_token(
                 agentscope_domain::TokenKind::Task,
             )),
         ),
         _ => (0, 0, None),
     };
+    // The host the pool's last dispatch went to hears of the attempt while the statement runs
+    // (and the statement prefers it among the idle hosts): with a slot free, it prepares the
+    // task directory meanwhile.
+    let prefer = turn.as_ref().and_then(|t| t.last_host);
+    if let (Some(host), Some(d)) = (prefer, dispatching) {
+        crate::dispatch::tell_early(d.nats, host, task.workspace_id, id, attempt_id, &p.spec).await;
+    }
     let row = sqlx::query!(
         r#"SELECT r_stale AS "stale!", r_created_at AS created_at, r_host AS host,
                   r_token AS token, r_spec AS spec
            FROM submit_task($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-                            $17, $18, $19, $20, $21)"#,
+                            $17, $18, $19, $20, $21, $22)"#,
         id,
         task.workspace_id,
         task.issue_id,
@@ -369,12 +375,16 @@ async fn store_task(
         task_token.as_deref().map(agentscope_domain::hash_token),
         run_timeout,
         DEFAULT_TIMEOUT_SOURCE,
+        prefer,
     )
     .fetch_one(&mut *db)
     .await?;
     let (false, Some(created_at)) = (row.stale, row.created_at) else {
         return Ok(None);
     };
+    if let Some(t) = &turn {
+        t.went_to(row.host);
+    }
     let claim = match (row.host, row.token, row.spec, task_token) {
         (Some(host), Some(token), Some(spec), Some(task_token)) => Some((
             crate::dispatch::Claim {
@@ -445,8 +455,8 @@ async fn batched(s: &AppState, sub: &Submission<'_>) -> Result<Option<Stored>, s
     };
     let mut p = kept.plan(task, None);
     // One that may be dispatched directly goes on its own (the turn is taken again there).
-    if let (Some((pools, _)), Some(pool)) = (dispatching(s), p.pool_id)
-        && pools.enter(pool).is_some()
+    if let (Some(d), Some(pool)) = (dispatching(s), p.pool_id)
+        && d.pools.enter(pool).is_some()
     {
         return Ok(None);
     }
@@ -481,11 +491,16 @@ async fn batched(s: &AppState, sub: &Submission<'_>) -> Result<Option<Stored>, s
     )
 }
 
-/// Direct dispatch's settings and this gateway's pools under way, if it is on.
-fn dispatching(s: &AppState) -> Option<(&crate::dispatch::InFlight, &Config)> {
+/// Direct dispatch's settings, this gateway's pools under way and its NATS connection, if it is
+/// on.
+fn dispatching(s: &AppState) -> Option<crate::dispatch::Dispatching<'_>> {
     s.config
         .direct_dispatch
-        .then_some((&s.dispatching, &*s.config))
+        .then_some(crate::dispatch::Dispatching {
+            pools: &s.dispatching,
+            config: &s.config,
+            nats: &s.nats,
+        })
 }
 
 /// A stored task's attempt 1: the work its statement claimed for an idle host is offered there;

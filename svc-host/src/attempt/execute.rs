@@ -6,7 +6,7 @@ use super::approvals::{answer, denied_outcome, request_approval, write_lines};
 use super::limits::{ModelWatch, run_limit};
 use super::scope::{scope_ids, scoped_id};
 use super::sink::EventSink;
-use super::task_dir::{INPUT_FILES, existing_task_dir, prepare};
+use super::task_dir::{existing_task_dir, plain_entries, prepare};
 use super::{Assignment, Outcome, Spec, Stops, failed};
 use crate::Ctx;
 use crate::isolation;
@@ -50,6 +50,7 @@ pub(super) async fn execute(
     decisions: &mut tokio::sync::mpsc::Receiver<ApprovalDecision>,
     resume: Option<&str>,
     fresh_only: bool,
+    ready: Option<TaskDir>,
     who: Option<RunAs>,
     gone: &mut bool,
 ) -> Outcome {
@@ -62,7 +63,9 @@ pub(super) async fn execute(
             format!("provider `{}` is not available on this host", spec.provider),
         );
     };
-    let dir = match task_dir(ctx, a, sink, stops, resume).await {
+    // Given to the uid already when prepared ahead.
+    let given = ready.is_some();
+    let dir = match task_dir(ctx, a, sink, stops, resume, ready).await {
         Ok(dir) => dir,
         Err(outcome) => return outcome,
     };
@@ -76,11 +79,21 @@ pub(super) async fn execute(
     let resumed_session = resume.map(str::to_string).or(reuse);
     // The journal's entry is written before the provider starts.
     sink.saved().await;
-    let (launch, started) =
-        match launch(ctx, a, adapter, spec, &dir, resumed_session.as_deref(), who).await {
-            Ok(l) => l,
-            Err(outcome) => return outcome,
-        };
+    let (launch, started) = match launch(
+        ctx,
+        a,
+        adapter,
+        spec,
+        &dir,
+        resumed_session.as_deref(),
+        who,
+        given,
+    )
+    .await
+    {
+        Ok(l) => l,
+        Err(outcome) => return outcome,
+    };
     *gone = false;
     let pgid = started.pgid;
     // Every process of the provider's tree carries this, even one that left the process group.
@@ -120,23 +133,29 @@ pub(super) async fn execute(
     {
         sink.diag("warn", "resume_rejected", "the provider rejected the session resume; starting a fresh session in this attempt, once").await;
         return Box::pin(execute(
-            ctx, a, sink, stops, decisions, None, true, who, gone,
+            ctx, a, sink, stops, decisions, None, true, None, who, gone,
         ))
         .await;
     }
     outcome(pumped, turn_failed)
 }
 
-/// The task directory: the one an earlier run of this host prepared (`resume`), or a fresh one.
-/// Err: the attempt ends here (cancelled, the host shutting down, or no directory).
+/// The task directory: the one an earlier run of this host prepared (`resume`), the one
+/// prepared ahead of the offer (`ready`), or a fresh one. Err: the attempt ends here (cancelled,
+/// the host shutting down, or no directory).
 async fn task_dir(
     ctx: &Ctx,
     a: &Assignment,
     sink: &mut EventSink,
     stops: &Stops,
     resume: Option<&str>,
+    ready: Option<TaskDir>,
 ) -> Result<TaskDir, Outcome> {
-    let dir = if let Some(session) = resume {
+    let dir = if let Some(dir) = ready {
+        sink.diag("info", "preparing", "preparing task directory")
+            .await;
+        dir
+    } else if let Some(session) = resume {
         sink.diag(
             "info",
             "resuming",
@@ -236,6 +255,7 @@ async fn reuse_session(
 /// The provider's command line, files and environment from its adapter, the task directory given
 /// to the attempt's uid, and the provider started through the sentinel. Err: the attempt ends
 /// here.
+#[allow(clippy::too_many_arguments)]
 async fn launch(
     ctx: &Ctx,
     a: &Assignment,
@@ -244,6 +264,7 @@ async fn launch(
     dir: &TaskDir,
     resumed_session: Option<&str>,
     who: Option<RunAs>,
+    given: bool,
 ) -> Result<(Launch, Started), Outcome> {
     let launch_ctx = provider::LaunchCtx {
         spec,
@@ -310,17 +331,11 @@ async fn launch(
     }
     // The whole directory is the attempt's: also an earlier attempt's copied HOME, or the
     // directory a restarted host resumes in.
-    if let Some(who) = who {
+    if let Some(who) = who
+        && !(plain && given)
+    {
         let owned = if plain {
-            let mut entries: Vec<std::path::PathBuf> =
-                INPUT_FILES.iter().map(|f| dir.input_dir.join(f)).collect();
-            entries.extend([
-                dir.input_dir.clone(),
-                dir.home.clone(),
-                dir.tmp.clone(),
-                dir.root.clone(),
-            ]);
-            entries
+            plain_entries(dir)
                 .iter()
                 .try_for_each(|p| std::os::unix::fs::lchown(p, Some(who.uid), Some(who.gid)))
         } else {

@@ -17,7 +17,8 @@ pub use limits::{ModelWatch, run_limit};
 pub use scope::{scope_ids, scoped_id};
 pub(crate) use sink::WINDOW as PUBLISH_WINDOW;
 pub use sink::{EventSink, wire_state};
-pub use task_dir::existing_task_dir;
+pub use task_dir::{Prepared, existing_task_dir};
+pub(crate) use task_dir::{discard_prepared, prepare_ahead};
 pub use truncate::shrink;
 
 use crate::Ctx;
@@ -87,23 +88,14 @@ pub async fn run(
             renew_done.clone(),
         ));
 
-        // The attempt's own uid, held until its last process is gone.
-        let lease = match ctx.identities.clone() {
-            None => Ok(None),
-            // A uid released clean is taken here; one that needs a scan for leftovers (or none
-            // free) on a blocking thread.
-            Some(ids) => match ids.acquire_quick() {
-                Ok(None) => tokio::task::spawn_blocking(move || ids.acquire().map(Some))
-                    .await
-                    .unwrap_or_else(|e| {
-                        Err(isolation::Error::Io {
-                            action: "acquire a uid",
-                            path: Default::default(),
-                            source: std::io::Error::other(e),
-                        })
-                    }),
-                quick => quick,
-            },
+        // The directory and uid prepared on the gateway's early word, if they were.
+        let prepared = match resuming {
+            None => task_dir::take_prepared(&ctx, &a),
+            Some(_) => None,
+        };
+        let (lease, ready) = match prepared {
+            Some(p) => (Ok(p.lease), Some(p.dir)),
+            None => (acquire_uid(&ctx).await, None),
         };
         // Whether the provider's whole tree is known to be gone (its sentinel ended by itself).
         let mut gone = false;
@@ -117,6 +109,7 @@ pub async fn run(
                     &mut decisions,
                     resuming.as_deref(),
                     false,
+                    ready,
                     l.as_ref().map(|l| l.who),
                     &mut gone,
                 )
@@ -175,6 +168,27 @@ pub async fn run(
     }
     .instrument(span)
     .await
+}
+
+/// The attempt's own uid, held until its last process is gone (None: providers run as the
+/// host's). A uid released clean is taken here; one that needs a scan for leftovers (or none
+/// free) on a blocking thread.
+async fn acquire_uid(ctx: &Ctx) -> Result<Option<isolation::Lease>, isolation::Error> {
+    let Some(ids) = ctx.identities.clone() else {
+        return Ok(None);
+    };
+    match ids.acquire_quick() {
+        Ok(None) => tokio::task::spawn_blocking(move || ids.acquire().map(Some))
+            .await
+            .unwrap_or_else(|e| {
+                Err(isolation::Error::Io {
+                    action: "acquire a uid",
+                    path: Default::default(),
+                    source: std::io::Error::other(e),
+                })
+            }),
+        quick => quick,
+    }
 }
 
 type Outcome = (AttemptStatus, Option<FailureClass>, String, Option<i32>);

@@ -1,8 +1,8 @@
 //! The attempt's task directory: a fresh one (clone, input material), or the one an earlier run
 //! of this host prepared.
 
-use super::Assignment;
 use super::sink::EventSink;
+use super::{Assignment, Spec};
 use crate::Ctx;
 use crate::isolation;
 use crate::process;
@@ -39,26 +39,16 @@ pub(super) async fn prepare(
     let spec = &a.spec;
     let root = ctx.tasks_dir.join(&a.attempt_id);
     // A fresh directory: one left by an earlier run of this attempt is cleared first.
-    if let Err(e) = isolation::create_private_dir_new(&root) {
-        if e.kind() != std::io::ErrorKind::AlreadyExists {
-            return Err(format!("create {}: {e}", root.display()));
+    let mut dir = match make_dirs(&root) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            tokio::fs::remove_dir_all(&root)
+                .await
+                .map_err(|e| format!("clear {}: {e}", root.display()))?;
+            make_dirs(&root).map_err(|e| format!("create {}: {e}", root.display()))?
         }
-        tokio::fs::remove_dir_all(&root)
-            .await
-            .map_err(|e| format!("clear {}: {e}", root.display()))?;
-        isolation::create_private_dir(&root)
-            .map_err(|e| format!("create {}: {e}", root.display()))?;
-    }
-    let input_dir = root.join("input");
-    let home = root.join("home");
-    let tmp = root.join("tmp");
-    // The task directory is its attempt's only (0700; given to the attempt's uid before start).
-    for d in [&home, &tmp, &input_dir] {
-        isolation::create_private_dir(d).map_err(|e| format!("create {}: {e}", d.display()))?;
-    }
-    let repo = if spec.repository.is_empty() {
-        None
-    } else {
+        r => r.map_err(|e| format!("create {}: {e}", root.display()))?,
+    };
+    if !spec.repository.is_empty() {
         let dest = root.join("repo");
         clone(&spec.repository, &spec.branch, &dest, cancel).await?;
         sink.diag(
@@ -75,26 +65,200 @@ pub(super) async fn prepare(
             ),
         )
         .await;
-        Some(dest)
+        dir.repo = Some(dest);
+    }
+    write_input(&dir, spec)?;
+    Ok(dir)
+}
+
+/// A new task directory at `root` (0700, `AlreadyExists` if it is there) with its empty `home`,
+/// `tmp` and `input`: the attempt's only (given to its uid before it starts).
+fn make_dirs(root: &Path) -> std::io::Result<TaskDir> {
+    isolation::create_private_dir_new(root)?;
+    let dir = TaskDir {
+        repo: None,
+        input_dir: root.join("input"),
+        home: root.join("home"),
+        tmp: root.join("tmp"),
+        root: root.to_path_buf(),
     };
+    for d in [&dir.home, &dir.tmp, &dir.input_dir] {
+        isolation::create_private_dir(d)?;
+    }
+    Ok(dir)
+}
+
+/// The input material, as new files of a fresh directory (nobody reads them before the provider
+/// starts).
+fn write_input(dir: &TaskDir, spec: &Spec) -> Result<(), String> {
     let issue = format!("# {}\n\n{}\n", spec.issue_title, spec.issue_body);
-    // A fresh directory: plain new files (nobody reads them before the provider starts).
     for (name, body) in INPUT_FILES.iter().zip([
         spec.input.as_str(),
         issue.as_str(),
         spec.instructions.as_str(),
     ]) {
-        let p = input_dir.join(name);
+        let p = dir.input_dir.join(name);
         isolation::write_new_private(&p, body.as_bytes())
             .map_err(|e| format!("write {}: {e}", p.display()))?;
     }
-    Ok(TaskDir {
-        root,
-        repo,
-        input_dir,
-        home,
-        tmp,
-    })
+    Ok(())
+}
+
+/// Everything a fresh directory without a repository holds (its entries are known: giving it to
+/// the attempt's uid needs no walk), deepest first.
+pub(super) fn plain_entries(dir: &TaskDir) -> Vec<std::path::PathBuf> {
+    let mut entries: Vec<std::path::PathBuf> =
+        INPUT_FILES.iter().map(|f| dir.input_dir.join(f)).collect();
+    entries.extend([
+        dir.input_dir.clone(),
+        dir.home.clone(),
+        dir.tmp.clone(),
+        dir.root.clone(),
+    ]);
+    entries
+}
+
+/// An attempt's task directory prepared on the gateway's early word
+/// (`ClaimOffer.prepare_only`), before the attempt is claimed, and given to the uid it holds for
+/// it: the offer or claim that brings the attempt starts its provider there without preparing.
+pub struct Prepared {
+    attempt_id: String,
+    /// What the directory was made from: it is used only for an offer of the same input.
+    spec: Spec,
+    pub(super) dir: TaskDir,
+    pub(super) lease: Option<isolation::Lease>,
+    /// When it is removed if nothing has brought its attempt.
+    pub until: std::time::Instant,
+}
+
+/// How long a preparation waits for its attempt: the gateway's offer follows its statement's
+/// commit within milliseconds, and it gives up on an offer's answer after 2 s.
+const PREPARED_FOR: Duration = Duration::from_secs(3);
+
+/// On the gateway's early word: prepares `a`'s task directory if this host can take it (`free`:
+/// a slot free, not stopping), the attempt is new here and fresh (attempt 1, no repository to
+/// clone: a clone is not worth starting for a word), and a uid is free at once.
+/// One preparation at a time: an older one is removed first. Returns when the new one expires.
+pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std::time::Instant> {
+    discard_prepared(ctx, false);
+    let fresh = a.attempt_number == 1
+        && a.spec.repository.is_empty()
+        && a.spec.resume_session_id.is_empty()
+        && uuid::Uuid::parse_str(&a.attempt_id).is_ok_and(|u| u.to_string() == a.attempt_id);
+    if !free || !fresh || ctx.adapter(&a.spec.provider).is_none() {
+        return None;
+    }
+    {
+        let st = ctx.state.lock().expect("host state");
+        if st.running.contains_key(&a.attempt_id)
+            || st.finished.contains(&a.attempt_id)
+            || st.reported.contains(&a.attempt_id)
+        {
+            return None;
+        }
+    }
+    let lease = match &ctx.identities {
+        None => None,
+        Some(ids) => Some(ids.acquire_quick().ok().flatten()?),
+    };
+    let root = ctx.tasks_dir.join(&a.attempt_id);
+    let made = match make_dirs(&root) {
+        // Not this preparation's to touch.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err((false, e)),
+        Err(e) => Err((true, e)),
+        Ok(dir) => write_input(&dir, &a.spec)
+            .map_err(std::io::Error::other)
+            .and_then(|()| match &lease {
+                None => Ok(()),
+                Some(l) => plain_entries(&dir).iter().try_for_each(|p| {
+                    std::os::unix::fs::lchown(p, Some(l.who.uid), Some(l.who.gid))
+                }),
+            })
+            .map(|()| dir)
+            .map_err(|e| (true, e)),
+    };
+    let dir = match made {
+        Ok(dir) => dir,
+        Err((ours, e)) => {
+            // Nothing half made is left.
+            if ours {
+                let _ = std::fs::remove_dir_all(&root);
+            }
+            if let (Some(ids), Some(l)) = (&ctx.identities, lease) {
+                ids.release(l, true);
+            }
+            tracing::debug!(error = %e, attempt_id = %a.attempt_id, "not prepared ahead");
+            return None;
+        }
+    };
+    let until = std::time::Instant::now() + PREPARED_FOR;
+    ctx.state.lock().expect("host state").prepared = Some(Prepared {
+        attempt_id: a.attempt_id,
+        spec: a.spec,
+        dir,
+        lease,
+        until,
+    });
+    Some(until)
+}
+
+impl Prepared {
+    pub fn is_for(&self, attempt_id: &str) -> bool {
+        self.attempt_id == attempt_id
+    }
+}
+
+/// The directory prepared for `a`, if one was and from the same input.
+pub(super) fn take_prepared(ctx: &Ctx, a: &Assignment) -> Option<Prepared> {
+    let mut st = ctx.state.lock().expect("host state");
+    if st.prepared.as_ref()?.attempt_id != a.attempt_id {
+        return None;
+    }
+    let p = st.prepared.take()?;
+    drop(st);
+    fn made_from(s: &Spec) -> [&str; 7] {
+        [
+            &s.provider,
+            &s.input,
+            &s.instructions,
+            &s.issue_title,
+            &s.issue_body,
+            &s.repository,
+            &s.resume_session_id,
+        ]
+    }
+    if made_from(&p.spec) == made_from(&a.spec) && a.attempt_number == 1 {
+        tracing::info!(attempt_id = %a.attempt_id, "the attempt starts in the task directory prepared ahead");
+        Some(p)
+    } else {
+        remove(ctx, p);
+        None
+    }
+}
+
+/// Removes the preparation nothing brought (`expired_only`: only once its time is up), and gives
+/// its uid back.
+pub(crate) fn discard_prepared(ctx: &Ctx, expired_only: bool) {
+    let p = {
+        let mut st = ctx.state.lock().expect("host state");
+        match &st.prepared {
+            Some(p) if !expired_only || p.until <= std::time::Instant::now() => st.prepared.take(),
+            _ => None,
+        }
+    };
+    if let Some(p) = p {
+        remove(ctx, p);
+    }
+}
+
+fn remove(ctx: &Ctx, p: Prepared) {
+    // Nothing ever ran as its uid: the directory goes, then the uid.
+    if let Err(e) = std::fs::remove_dir_all(&p.dir.root) {
+        tracing::warn!(error = %e, attempt_id = %p.attempt_id, "remove a directory prepared ahead");
+    }
+    if let (Some(ids), Some(l)) = (&ctx.identities, p.lease) {
+        ids.release(l, true);
+    }
 }
 
 async fn clone(
