@@ -225,6 +225,7 @@ async fn take_offer(
         return None;
     };
     if offer.prepare_only {
+        tracing::debug!(attempts = offer.assignments.len(), "early word");
         let free = slots.available_permits() > 0 && !attempts.stopping().is_cancelled();
         let a = offer.assignments.into_iter().next()?;
         return attempt::prepare_ahead(ctx, a.into(), free);

@@ -136,8 +136,21 @@ impl Identities {
     /// its last holder released it clean (nothing of it left to kill). None when that uid needs
     /// the scan for leftovers (`acquire` then takes it from there) or none is free.
     pub fn acquire_quick(&self) -> Result<Option<Lease>, Error> {
+        self.quick(0)
+    }
+
+    /// [`Identities::acquire_quick`] passing over up to `pass` uids that need the scan for
+    /// leftovers (hosts of this machine that died leave them so), which stay next for
+    /// `acquire`: for work that can do without a uid (a directory prepared ahead).
+    pub fn acquire_clean(&self, pass: usize) -> Result<Option<Lease>, Error> {
+        self.quick(pass)
+    }
+
+    fn quick(&self, pass: usize) -> Result<Option<Lease>, Error> {
         let len = self.range.len();
         let mut inner = self.inner.lock().expect("identities");
+        let mut unclean = None;
+        let mut passed = 0;
         for _ in 0..len {
             let off = inner.next % len;
             inner.next = (off + 1) % len;
@@ -153,12 +166,20 @@ impl Identities {
             }
             let mark = read_mark(&lock);
             if !(mark.is_empty() || mark == CLEAN) {
-                // Unlocked as `lock` closes; the blocking path starts at this uid.
-                inner.next = off;
-                return Ok(None);
+                // Unlocked as `lock` closes; the blocking path starts at the first such uid.
+                let first = *unclean.get_or_insert(off);
+                if passed == pass {
+                    inner.next = first;
+                    return Ok(None);
+                }
+                passed += 1;
+                continue;
             }
             write_mark(&lock, HELD).map_err(io("mark", &path))?;
             inner.held.insert(uid);
+            if let Some(first) = unclean {
+                inner.next = first;
+            }
             return Ok(Some(Lease {
                 who: RunAs { uid, gid: uid },
                 lock,
@@ -1398,6 +1419,32 @@ mod tests {
         assert_eq!(c.who.uid, 1_900_009_100);
         assert!(ids.acquire_quick().unwrap().is_none(), "none free");
         assert!(matches!(ids.acquire(), Err(Error::Exhausted { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_clean_uid_is_taken_past_ones_left_held_which_stay_next_for_the_scan() {
+        let dir = std::env::temp_dir().join(format!("agentscope-locks-{}", uuid::Uuid::new_v4()));
+        let range = UidRange {
+            first: 1_900_009_200,
+            last: 1_900_009_203,
+        };
+        std::fs::create_dir_all(&dir).unwrap();
+        for uid in ["1900009200", "1900009201"] {
+            std::fs::write(dir.join(uid), b"held").unwrap();
+        }
+        let ids = Identities::open(range, &dir, 0).unwrap();
+        assert!(
+            ids.acquire_clean(1).unwrap().is_none(),
+            "two left held, one may be passed"
+        );
+        let a = ids.acquire_clean(2).unwrap().expect("past two left held");
+        assert_eq!(a.who.uid, 1_900_009_202);
+        // Those left held are still unmarked and come next, for the blocking path's scan.
+        assert_eq!(std::fs::read(dir.join("1900009200")).unwrap(), b"held");
+        assert!(ids.acquire_quick().unwrap().is_none());
+        let b = ids.acquire().unwrap();
+        assert_eq!(b.who.uid, 1_900_009_200);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -962,6 +962,34 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
     assert_eq!(attempts, 4, "one attempt per task");
 }
 
+/// A host whose uids are its own: a directory is prepared ahead only with a uid free at once,
+/// and hosts of other tests on this machine, killed holding uids of the shared range, leave
+/// uids that need a scan first.
+async fn private_uids_host(
+    stack: &Stack,
+    name: &str,
+    capacity: u32,
+    first_uid: u32,
+) -> (kit::Proc, std::path::PathBuf) {
+    let state = stack.dir.path.join(format!("host-{name}-state"));
+    let locks = stack.dir.path.join(format!("host-{name}-uids"));
+    let uids = format!("{first_uid}-{}", first_uid + 15);
+    let p = stack
+        .spawn_host(
+            name,
+            "pool",
+            capacity,
+            &state,
+            &[
+                ("AGENTSCOPE_RUN_AS_UIDS", uids.as_str()),
+                ("AGENTSCOPE_RUN_AS_LOCK_DIR", locks.to_str().unwrap()),
+            ],
+        )
+        .unwrap();
+    stack.wait_host_ready(name).await.unwrap();
+    (p, state)
+}
+
 /// The gateway's early word (`ClaimOffer.prepare_only`, published while its statement may claim
 /// the attempt for the host) only has an idle host prepare the attempt's task directory, given
 /// to the uid it holds for it: nothing starts, nothing is recorded, and what nothing brings goes
@@ -979,7 +1007,7 @@ async fn an_early_word_prepares_an_idle_hosts_directory_and_starts_nothing() {
         .command_agent("after", "pool", &["true"], None)
         .await
         .unwrap();
-    let (_h1, state) = stack.host("h1", "pool", 1).await.unwrap();
+    let (_h1, state) = private_uids_host(&stack, "h1", 1, 1_900_100_000).await;
     let host: String = sqlx::query_scalar("SELECT id::text FROM hosts WHERE name = 'h1'")
         .fetch_one(&stack.pg)
         .await
@@ -1086,7 +1114,7 @@ async fn a_dispatched_attempt_starts_in_the_directory_prepared_for_it() {
         .unwrap();
     // Two slots: the word finds one free even while the previous attempt's end is still
     // being handled on the host after it was recorded.
-    let _h1 = stack.host("h1", "pool", 2).await.unwrap();
+    let _h1 = private_uids_host(&stack, "h1", 2, 1_900_100_100).await;
     let mut attempts = Vec::new();
     for i in 0..3 {
         let t = stack
@@ -1123,13 +1151,16 @@ async fn a_dispatched_attempt_starts_in_the_directory_prepared_for_it() {
         assert_eq!(texts[2], format!("input {i}"));
         attempts.push(attempt);
     }
-    // The first had no host to tell early; the others were prepared ahead.
+    // The first had no host to tell early; the others were prepared ahead (as each attempt's
+    // last log line on the host says).
     let log = stack.log("host-h1");
     let ahead: Vec<&String> = attempts
         .iter()
         .filter(|a| {
             log.lines().any(|l| {
-                l.contains("starts in the task directory prepared ahead") && l.contains(a.as_str())
+                l.contains("attempt done on this host")
+                    && l.contains(a.as_str())
+                    && (l.contains("prepared_ahead=true") || l.contains("\"prepared_ahead\":true"))
             })
         })
         .collect();

@@ -93,6 +93,8 @@ pub async fn run(
             None => task_dir::take_prepared(&ctx, &a),
             Some(_) => None,
         };
+        // Said in the attempt's last log line, not here: nothing is written before the start.
+        let prepared_ahead = prepared.is_some();
         let (lease, ready) = match prepared {
             Some(p) => (Ok(p.lease), Some(p.dir)),
             None => (acquire_uid(&ctx).await, None),
@@ -164,7 +166,7 @@ pub async fn run(
         if let Err(e) = ctx.journal.remove(&a.attempt_id) {
             tracing::error!(error = ?e, "remove journal entry");
         }
-        tracing::info!("attempt done on this host");
+        tracing::info!(prepared_ahead, "attempt done on this host");
     }
     .instrument(span)
     .await

@@ -146,6 +146,7 @@ pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std:
         && a.spec.resume_session_id.is_empty()
         && uuid::Uuid::parse_str(&a.attempt_id).is_ok_and(|u| u.to_string() == a.attempt_id);
     if !free || !fresh || ctx.adapter(&a.spec.provider).is_none() {
+        tracing::debug!(free, fresh, attempt_id = %a.attempt_id, "not prepared ahead");
         return None;
     }
     {
@@ -154,12 +155,20 @@ pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std:
             || st.finished.contains(&a.attempt_id)
             || st.reported.contains(&a.attempt_id)
         {
+            tracing::debug!(attempt_id = %a.attempt_id, "not prepared ahead: known here");
             return None;
         }
     }
     let lease = match &ctx.identities {
         None => None,
-        Some(ids) => Some(ids.acquire_quick().ok().flatten()?),
+        // Passing over a few uids that need a scan first (which stays the run's to make).
+        Some(ids) => match ids.acquire_clean(8) {
+            Ok(Some(l)) => Some(l),
+            _ => {
+                tracing::debug!(attempt_id = %a.attempt_id, "not prepared ahead: no uid free at once");
+                return None;
+            }
+        },
     };
     let root = ctx.tasks_dir.join(&a.attempt_id);
     let made = match make_dirs(&root) {
@@ -228,9 +237,9 @@ pub(super) fn take_prepared(ctx: &Ctx, a: &Assignment) -> Option<Prepared> {
         ]
     }
     if made_from(&p.spec) == made_from(&a.spec) && a.attempt_number == 1 {
-        tracing::info!(attempt_id = %a.attempt_id, "the attempt starts in the task directory prepared ahead");
         Some(p)
     } else {
+        tracing::debug!(attempt_id = %a.attempt_id, "the directory prepared ahead was made from other input");
         remove(ctx, p);
         None
     }
