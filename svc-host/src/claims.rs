@@ -33,8 +33,6 @@ pub(crate) async fn claim_loop(
     let mut claim_now = true;
     // The last claim's answer: more work waits than it could take.
     let mut work_waiting = false;
-    // When the directory prepared on the gateway's early word expires, if one was.
-    let mut prepared_until: Option<std::time::Instant> = None;
     // Attempts the gateway claimed for this host when it stored their tasks.
     let mut offers = ctx
         .nats
@@ -74,6 +72,8 @@ pub(crate) async fn claim_loop(
             }
             _ => {}
         }
+        // When the directory prepared on the gateway's early word expires, if one is.
+        let prepared_until = attempt::prepared_until(&ctx);
         let expiry = async {
             match prepared_until {
                 Some(t) => tokio::time::sleep_until(t.into()).await,
@@ -92,16 +92,9 @@ pub(crate) async fn claim_loop(
                 return Ok(());
             }
             // A directory prepared ahead that nothing brought goes.
-            _ = expiry => {
-                attempt::discard_prepared(&ctx, true);
-                prepared_until = None;
-            }
+            _ = expiry => attempt::discard_prepared(&ctx, true),
             offer = offers.next() => match offer {
-                Some(msg) => {
-                    if let Some(until) = take_offer(&ctx, &slots, &attempts, msg).await {
-                        prepared_until = Some(until);
-                    }
-                }
+                Some(msg) => take_offer(&ctx, &slots, &attempts, msg).await,
                 None => {
                     offers = ctx
                         .nats
@@ -212,34 +205,25 @@ async fn claim_once(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work) -> (usiz
 /// declined (no free slot, or the host is stopping), which the gateway puts back in the queue.
 /// The answer goes first, then the attempts start. The gateway's early word
 /// (`prepare_only`, no answer) only has a host with a free slot prepare the first attempt's
-/// directory;
-/// returns when that preparation expires, if one was made.
-async fn take_offer(
-    ctx: &Ctx,
-    slots: &Arc<Semaphore>,
-    attempts: &Work,
-    msg: async_nats::Message,
-) -> Option<std::time::Instant> {
+/// directory.
+async fn take_offer(ctx: &Ctx, slots: &Arc<Semaphore>, attempts: &Work, msg: async_nats::Message) {
     let Ok(offer) = ClaimOffer::decode(msg.payload.as_ref()) else {
         tracing::warn!("malformed offer");
-        return None;
+        return;
     };
     if offer.prepare_only {
         tracing::debug!(attempts = offer.assignments.len(), "early word");
         let free = slots.available_permits() > 0 && !attempts.stopping().is_cancelled();
-        let a = offer.assignments.into_iter().next()?;
-        return attempt::prepare_ahead(ctx, a.into(), free);
+        if let Some(a) = offer.assignments.into_iter().next() {
+            attempt::prepare_ahead(ctx, a.into(), free);
+        }
+        return;
     }
-    let reply = msg.reply?;
+    let Some(reply) = msg.reply else { return };
     let mut answer = OfferReply::default();
     let mut start = Vec::new();
     for a in offer.assignments {
-        let known = {
-            let st = ctx.state.lock().expect("host state");
-            st.running.contains_key(&a.attempt_id)
-                || st.finished.contains(&a.attempt_id)
-                || st.reported.contains(&a.attempt_id)
-        };
+        let known = ctx.state.lock().expect("host state").knows(&a.attempt_id);
         if known {
             answer.accepted.push(a.attempt_id);
             continue;
@@ -258,7 +242,6 @@ async fn take_offer(
     for (a, permit) in start {
         spawn_attempt(ctx, attempts, a.into(), permit, None);
     }
-    None
 }
 
 /// Runs an attempt as work of the host's supervisor, holding `permit` (a capacity slot) until it

@@ -80,6 +80,16 @@ struct State {
     prepared: Option<attempt::Prepared>,
 }
 
+impl State {
+    /// Whether `attempt_id` runs here, ran here, or was reported ended by a previous run of this
+    /// host: an offer of it is never run again, nor prepared ahead.
+    fn knows(&self, attempt_id: &str) -> bool {
+        self.running.contains_key(attempt_id)
+            || self.finished.iter().any(|id| id == attempt_id)
+            || self.reported.iter().any(|id| id == attempt_id)
+    }
+}
+
 impl Ctx {
     pub fn adapter(&self, name: &str) -> Option<&dyn Adapter> {
         self.adapters

@@ -6,7 +6,7 @@ use super::approvals::{answer, denied_outcome, request_approval, write_lines};
 use super::limits::{ModelWatch, run_limit};
 use super::scope::{scope_ids, scoped_id};
 use super::sink::EventSink;
-use super::task_dir::{existing_task_dir, plain_entries, prepare};
+use super::task_dir::{existing_task_dir, give_plain, prepare};
 use super::{Assignment, Outcome, Spec, Stops, failed};
 use crate::Ctx;
 use crate::isolation;
@@ -335,9 +335,7 @@ async fn launch(
         && !(plain && given)
     {
         let owned = if plain {
-            plain_entries(dir)
-                .iter()
-                .try_for_each(|p| std::os::unix::fs::lchown(p, Some(who.uid), Some(who.gid)))
+            give_plain(dir, who)
         } else {
             let root = dir.root.clone();
             tokio::task::spawn_blocking(move || isolation::chown_tree(&root, who))

@@ -18,7 +18,7 @@ pub use scope::{scope_ids, scoped_id};
 pub(crate) use sink::WINDOW as PUBLISH_WINDOW;
 pub use sink::{EventSink, wire_state};
 pub use task_dir::{Prepared, existing_task_dir};
-pub(crate) use task_dir::{discard_prepared, prepare_ahead};
+pub(crate) use task_dir::{discard_prepared, prepare_ahead, prepared_until};
 pub use truncate::shrink;
 
 use crate::Ctx;

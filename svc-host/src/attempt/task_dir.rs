@@ -104,18 +104,19 @@ fn write_input(dir: &TaskDir, spec: &Spec) -> Result<(), String> {
     Ok(())
 }
 
-/// Everything a fresh directory without a repository holds (its entries are known: giving it to
-/// the attempt's uid needs no walk), deepest first.
-pub(super) fn plain_entries(dir: &TaskDir) -> Vec<std::path::PathBuf> {
-    let mut entries: Vec<std::path::PathBuf> =
-        INPUT_FILES.iter().map(|f| dir.input_dir.join(f)).collect();
-    entries.extend([
-        dir.input_dir.clone(),
-        dir.home.clone(),
-        dir.tmp.clone(),
-        dir.root.clone(),
-    ]);
-    entries
+/// Gives a fresh directory without a repository to `who`: its entries are known (no walk),
+/// deepest first.
+pub(super) fn give_plain(dir: &TaskDir, who: crate::provider::RunAs) -> std::io::Result<()> {
+    INPUT_FILES
+        .iter()
+        .map(|f| dir.input_dir.join(f))
+        .chain([
+            dir.input_dir.clone(),
+            dir.home.clone(),
+            dir.tmp.clone(),
+            dir.root.clone(),
+        ])
+        .try_for_each(|p| std::os::unix::fs::lchown(p, Some(who.uid), Some(who.gid)))
 }
 
 /// An attempt's task directory prepared on the gateway's early word
@@ -128,7 +129,7 @@ pub struct Prepared {
     pub(super) dir: TaskDir,
     pub(super) lease: Option<isolation::Lease>,
     /// When it is removed if nothing has brought its attempt.
-    pub until: std::time::Instant,
+    until: std::time::Instant,
 }
 
 /// How long a preparation waits for its attempt: the gateway's offer follows its statement's
@@ -138,8 +139,8 @@ const PREPARED_FOR: Duration = Duration::from_secs(3);
 /// On the gateway's early word: prepares `a`'s task directory if this host can take it (`free`:
 /// a slot free, not stopping), the attempt is new here and fresh (attempt 1, no repository to
 /// clone: a clone is not worth starting for a word), and a uid is free at once.
-/// One preparation at a time: an older one is removed first. Returns when the new one expires.
-pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std::time::Instant> {
+/// One preparation at a time: an older one is removed first.
+pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) {
     discard_prepared(ctx, false);
     let fresh = a.attempt_number == 1
         && a.spec.repository.is_empty()
@@ -147,16 +148,12 @@ pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std:
         && uuid::Uuid::parse_str(&a.attempt_id).is_ok_and(|u| u.to_string() == a.attempt_id);
     if !free || !fresh || ctx.adapter(&a.spec.provider).is_none() {
         tracing::debug!(free, fresh, attempt_id = %a.attempt_id, "not prepared ahead");
-        return None;
+        return;
     }
     {
-        let st = ctx.state.lock().expect("host state");
-        if st.running.contains_key(&a.attempt_id)
-            || st.finished.contains(&a.attempt_id)
-            || st.reported.contains(&a.attempt_id)
-        {
+        if ctx.state.lock().expect("host state").knows(&a.attempt_id) {
             tracing::debug!(attempt_id = %a.attempt_id, "not prepared ahead: known here");
-            return None;
+            return;
         }
     }
     let lease = match &ctx.identities {
@@ -166,7 +163,7 @@ pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std:
             Ok(Some(l)) => Some(l),
             _ => {
                 tracing::debug!(attempt_id = %a.attempt_id, "not prepared ahead: no uid free at once");
-                return None;
+                return;
             }
         },
     };
@@ -179,9 +176,7 @@ pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std:
             .map_err(std::io::Error::other)
             .and_then(|()| match &lease {
                 None => Ok(()),
-                Some(l) => plain_entries(&dir).iter().try_for_each(|p| {
-                    std::os::unix::fs::lchown(p, Some(l.who.uid), Some(l.who.gid))
-                }),
+                Some(l) => give_plain(&dir, l.who),
             })
             .map(|()| dir)
             .map_err(|e| (true, e)),
@@ -197,18 +192,26 @@ pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) -> Option<std:
                 ids.release(l, true);
             }
             tracing::debug!(error = %e, attempt_id = %a.attempt_id, "not prepared ahead");
-            return None;
+            return;
         }
     };
-    let until = std::time::Instant::now() + PREPARED_FOR;
     ctx.state.lock().expect("host state").prepared = Some(Prepared {
         attempt_id: a.attempt_id,
         spec: a.spec,
         dir,
         lease,
-        until,
+        until: std::time::Instant::now() + PREPARED_FOR,
     });
-    Some(until)
+}
+
+/// When the directory prepared ahead expires, if one is.
+pub(crate) fn prepared_until(ctx: &Ctx) -> Option<std::time::Instant> {
+    ctx.state
+        .lock()
+        .expect("host state")
+        .prepared
+        .as_ref()
+        .map(|p| p.until)
 }
 
 impl Prepared {
