@@ -29,7 +29,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -48,9 +47,9 @@ pub struct AppState {
     pub(crate) batches: batch::Batches,
     pub config: Arc<Config>,
     pub metrics: Metrics,
-    /// (attempt id, task id, whether the attempt ended) of every commit of the recorder (and of
-    /// the scheduler's own ends): wakes live streams.
-    pub recorded: broadcast::Sender<(Uuid, Uuid, bool)>,
+    /// Every commit notice of the recorder (and of the scheduler's own ends): wakes live
+    /// streams, and brings them the events it carries.
+    pub recorded: broadcast::Sender<Arc<api::events::Notice>>,
     /// Live readers of followed attempts and tasks, shared by their SSE clients.
     pub feeds: api::events::Feeds,
     /// Fired when the gateway stops: live streams end (clients resume with `Last-Event-ID`).
@@ -170,9 +169,9 @@ async fn fan_out_recorded(s: AppState, cancel: CancellationToken) -> anyhow::Res
             },
         };
         if let Ok(n) = agentscope_schemas::v1::Recorded::decode(msg.payload.as_ref())
-            && let (Ok(a), Ok(t)) = (Uuid::parse_str(&n.attempt_id), Uuid::parse_str(&n.task_id))
+            && let Some(n) = api::events::Notice::of(n)
         {
-            let _ = s.recorded.send((a, t, n.ended));
+            let _ = s.recorded.send(Arc::new(n));
         }
     }
 }

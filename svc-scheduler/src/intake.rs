@@ -150,12 +150,13 @@ pub(crate) async fn notify(ctx: &Ctx, attempt_id: Uuid, task_id: Uuid, seq: u64,
         seq,
         task_id: task_id.to_string(),
         ended,
+        ..Default::default()
     };
-    let _ = ctx
-        .nats
-        .publish(
-            subjects::recorded(&attempt_id.to_string()),
-            n.encode_to_vec().into(),
-        )
-        .await;
+    publish_recorded(ctx, n).await;
+}
+
+/// Publishes a commit notice (core NATS: a lost one delays a live stream, never breaks it).
+pub(crate) async fn publish_recorded(ctx: &Ctx, n: agentscope_schemas::v1::Recorded) {
+    let subject = subjects::recorded(&n.attempt_id);
+    let _ = ctx.nats.publish(subject, n.encode_to_vec().into()).await;
 }

@@ -5,7 +5,9 @@
 use crate::{Ctx, Error, attempts};
 use agentscope_bus::{CONSUMER_RECORDER, STREAM_EVENTS, lease_key};
 use agentscope_domain::{AttemptStatus, FailureClass};
-use agentscope_schemas::v1::{AttemptState, ExecutionEvent, execution_event::Body};
+use agentscope_schemas::v1::{
+    AttemptState, ExecutionEvent, Recorded, RecordedEvent, execution_event::Body,
+};
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{AckKind, Message as JsMessage};
 use chrono::TimeZone;
@@ -19,6 +21,12 @@ use uuid::Uuid;
 
 /// Events of one attempt always go to the same worker, so they are handled in order.
 const WORKERS: usize = 4;
+
+/// A commit notice carries the rows it announces when there are at most this many of them...
+const NOTICE_EVENTS: usize = 64;
+/// ... and their payloads come to at most this many bytes (a busy attempt's large batches are
+/// read back by the gateways instead).
+const NOTICE_BYTES: usize = 16 * 1024;
 
 /// "will retry" warnings: one line per interval during an outage.
 static RETRY_WARNING: agentscope_telemetry::Throttle =
@@ -317,8 +325,8 @@ struct AfterCommit {
     /// Ended attempts: (host, attempt, pool).
     ended: Vec<(Option<Uuid>, Uuid, Option<Uuid>)>,
     retry_pools: Vec<Uuid>,
-    /// (attempt, task, newest stored seq).
-    recorded: Vec<(Uuid, Uuid, u64)>,
+    /// A notice per attempt with newly stored events (`ended` is set when it is published).
+    recorded: Vec<Recorded>,
     stored: u64,
     duplicates: u64,
     fenced: u64,
@@ -353,9 +361,9 @@ async fn after_commit(ctx: &Ctx, after: AfterCommit) {
     for pool in after.retry_pools {
         attempts::nudge(ctx, pool).await;
     }
-    for (attempt_id, task_id, seq) in after.recorded {
-        let end = ended.contains(&attempt_id);
-        crate::intake::notify(ctx, attempt_id, task_id, seq, end).await;
+    for mut notice in after.recorded {
+        notice.ended = ended.iter().any(|a| a.to_string() == notice.attempt_id);
+        crate::intake::publish_recorded(ctx, notice).await;
     }
 }
 
@@ -403,12 +411,11 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
             .iter()
             .map(|&i| &items[i].ev.as_ref().expect("checked item").1)
             .collect();
-        if let Some(task_id) = record_plain(ctx, *attempt_id, &events).await? {
-            let last = events.last().map_or(0, |e| e.seq);
+        if let Some(notice) = record_plain(ctx, *attempt_id, &events).await? {
             for &i in idx {
                 items[i].res = Some(Ok(Outcome::Stored));
             }
-            after.recorded.push((*attempt_id, task_id, last));
+            after.recorded.push(notice);
             after.stored += idx.len() as u64;
             return Ok(after);
         }
@@ -526,7 +533,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         }
         if a.last_seq > start_seq {
             seq_of.insert(a.id, a.last_seq);
-            after.recorded.push((a.id, a.task_id, a.last_seq as u64));
+            after.recorded.push(notice(&a, a.task_id, rows.of(a.id)));
             after.stored += (a.last_seq - start_seq) as u64;
         }
         if ended {
@@ -664,7 +671,7 @@ async fn record_plain(
     ctx: &Ctx,
     attempt_id: Uuid,
     events: &[&ExecutionEvent],
-) -> Result<Option<Uuid>, Error> {
+) -> Result<Option<Recorded>, Error> {
     let Some(first) = events.first() else {
         return Ok(None);
     };
@@ -689,19 +696,19 @@ async fn record_plain(
     }
     // `last_seq` before the first of them, and after the last.
     let before = first.seq as i64 - 1;
-    let task = sqlx::query_scalar!(
+    let stored = sqlx::query!(
         "WITH a AS (
              UPDATE attempts SET last_seq = $5
              WHERE id = $1 AND lease_token = $2 AND host_id = $3
                AND status IN ('claimed', 'running') AND last_seq = $4
-             RETURNING task_id
+             RETURNING task_id, number
          ), stored AS (
              INSERT INTO execution_events (attempt_id, seq, kind, payload, at)
              SELECT $1, u.seq, u.kind, u.payload, u.at
              FROM a, UNNEST($6::bigint[], $7::text[], $8::jsonb[], $9::timestamptz[])
                  AS u(seq, kind, payload, at)
          )
-         SELECT task_id FROM a",
+         SELECT task_id, number FROM a",
         attempt_id,
         first.lease_token as i64,
         host,
@@ -714,8 +721,63 @@ async fn record_plain(
     )
     .fetch_optional(&ctx.recorder_db)
     .await?;
-    Ok(task)
+    Ok(stored.map(|a| Recorded {
+        attempt_id: attempt_id.to_string(),
+        seq: (before + events.len() as i64) as u64,
+        task_id: a.task_id.to_string(),
+        ended: false,
+        number: a.number,
+        events: carried(rows.of(attempt_id)),
+    }))
 }
+
+/// The notice of an attempt's newly stored rows (`rows`, in seq order).
+fn notice<'a>(
+    a: &attempts::Active,
+    task_id: Uuid,
+    rows: impl Iterator<Item = RowRef<'a>>,
+) -> Recorded {
+    Recorded {
+        attempt_id: a.id.to_string(),
+        seq: a.last_seq as u64,
+        task_id: task_id.to_string(),
+        ended: false,
+        number: a.number,
+        events: carried(rows),
+    }
+}
+
+/// The rows a notice carries: all of them, as stored, or none when they are too many or too
+/// large (a gateway then reads them).
+fn carried<'a>(rows: impl Iterator<Item = RowRef<'a>>) -> Vec<RecordedEvent> {
+    let mut out = Vec::new();
+    let mut bytes = 0;
+    for (seq, kind, payload, at) in rows {
+        if out.len() == NOTICE_EVENTS {
+            return vec![];
+        }
+        let payload = payload.to_string();
+        bytes += payload.len();
+        if bytes > NOTICE_BYTES {
+            return vec![];
+        }
+        out.push(RecordedEvent {
+            seq: seq as u64,
+            kind: kind.to_string(),
+            payload,
+            at_us: at.timestamp_micros(),
+        });
+    }
+    out
+}
+
+/// One row as [`Rows::of`] lists it: seq, kind, payload, time.
+type RowRef<'a> = (
+    i64,
+    &'static str,
+    &'a serde_json::Value,
+    chrono::DateTime<chrono::Utc>,
+);
 
 /// Rows of `execution_events` as the columns of one multi-row INSERT.
 #[derive(Default)]
@@ -741,6 +803,13 @@ impl Rows {
         self.kind.push(kind);
         self.payload.push(payload);
         self.at.push(at);
+    }
+
+    /// The rows of one attempt, in the order they were pushed.
+    fn of(&self, attempt_id: Uuid) -> impl Iterator<Item = RowRef<'_>> {
+        (0..self.seq.len())
+            .filter(move |&i| self.attempt_id[i] == attempt_id)
+            .map(|i| (self.seq[i], self.kind[i], &self.payload[i], self.at[i]))
     }
 }
 
@@ -818,5 +887,44 @@ pub(crate) fn to_record(body: &Body) -> (&'static str, serde_json::Value) {
             "approval_decided",
             json!({"request_id": a.request_id, "allow": a.allow, "reason": a.reason, "decided_by": a.decided_by, "failure_class": (!a.failure_class.is_empty()).then_some(&a.failure_class)}),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{NOTICE_BYTES, NOTICE_EVENTS, Rows, carried};
+    use uuid::Uuid;
+
+    fn rows(n: usize, text: &str) -> Rows {
+        let mut rows = Rows::default();
+        let at = chrono::DateTime::from_timestamp_micros(1_700_000_000_123_000).unwrap();
+        for k in 0..n {
+            // Another attempt's row between each of this one's.
+            rows.push(Uuid::from_u128(9), k as i64, "output", "x".into(), at);
+            let payload = serde_json::json!({"text": text, "seq": k});
+            rows.push(Uuid::from_u128(1), 10 + k as i64, "output", payload, at);
+        }
+        rows
+    }
+
+    /// A notice carries an attempt's rows as stored (its own only, in order), or none at all
+    /// when they are too many or too large for it.
+    #[test]
+    fn a_notice_carries_all_of_an_attempts_rows_or_none() {
+        let r = rows(3, "a \"q\" é");
+        let got = carried(r.of(Uuid::from_u128(1)));
+        let seqs: Vec<u64> = got.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, vec![10, 11, 12]);
+        assert_eq!(got[1].kind, "output");
+        assert_eq!(got[1].payload, r#"{"seq":1,"text":"a \"q\" é"}"#);
+        assert_eq!(got[1].at_us, 1_700_000_000_123_000);
+        assert_eq!(
+            carried(rows(NOTICE_EVENTS, "a").of(Uuid::from_u128(1))).len(),
+            NOTICE_EVENTS
+        );
+        assert!(carried(rows(NOTICE_EVENTS + 1, "a").of(Uuid::from_u128(1))).is_empty());
+        let big = "b".repeat(NOTICE_BYTES / 2);
+        assert_eq!(carried(rows(1, &big).of(Uuid::from_u128(1))).len(), 1);
+        assert!(carried(rows(2, &big).of(Uuid::from_u128(1))).is_empty());
     }
 }

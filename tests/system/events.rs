@@ -169,6 +169,105 @@ async fn twenty_followers_of_a_busy_task_each_get_every_event_once_in_order() {
     }
 }
 
+/// The gateway's count of live pages its shared readers sent, by where they came from
+/// (`notice`: the recorder's commit notice carried the rows; `database`: read back).
+async fn live_pages(api: &Api, from: &str) -> f64 {
+    metric(
+        &api.base,
+        &format!("agentscope_sse_pages_total{{from=\"{from}\"}}"),
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_followers_get_events_from_the_commit_notices_exactly_as_stored() {
+    let stack = Stack::start("notice-pages", StackOptions::default())
+        .await
+        .unwrap();
+    let gate = stack.dir.path.join("gate");
+    // Lines a few milliseconds apart (each commit brings one or two), with quotes, backslashes,
+    // tabs, non-ASCII text and a NUL (stored as U+FFFD) in them.
+    let script = format!(
+        "echo ready; while [ ! -e '{}' ]; do sleep 0.02; done; i=0; \
+         while [ $i -lt 60 ]; do i=$((i+1)); printf 'line %s \"q\" \\\\ \\t é 😀 {{\"k\": [1]}}\\n' $i; sleep 0.005; done; \
+         printf 'nul\\000byte\\n'",
+        gate.display()
+    );
+    let (agent, _) = stack
+        .command_agent("tricky", "pool", &["sh", "-c", &script], None)
+        .await
+        .unwrap();
+    let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
+    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
+    stack
+        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let attempt_id: String =
+        sqlx::query_scalar("SELECT id::text FROM attempts WHERE task_id = $1::uuid")
+            .bind(&task_id)
+            .fetch_one(&stack.pg)
+            .await
+            .unwrap();
+
+    // Two followers of the task and one of its attempt (two scopes, two shared readers).
+    let before = sse_streams(&stack.api).await.unwrap();
+    let from_notices = live_pages(&stack.api, "notice").await;
+    let paths = [
+        format!("/v1/tasks/{task_id}/events"),
+        format!("/v1/tasks/{task_id}/events"),
+        format!("/v1/attempts/{attempt_id}/events"),
+    ];
+    let mut followers = Vec::new();
+    for path in &paths {
+        let (api, path) = (stack.api.clone(), path.clone());
+        followers.push(tokio::spawn(async move {
+            sse_collect(&api, &path, None, None, Duration::from_secs(120)).await
+        }));
+    }
+    let (api, attached) = (stack.api.clone(), before + paths.len() as u64);
+    kit::wait_for("the followers to attach", Duration::from_secs(30), || {
+        let api = api.clone();
+        async move { (sse_streams(&api).await? >= attached).then_some(()) }
+    })
+    .await
+    .unwrap();
+    std::fs::write(&gate, "go").unwrap();
+    stack
+        .wait_task(&task_id, "succeeded", Duration::from_secs(60))
+        .await
+        .unwrap();
+
+    for (path, f) in paths.iter().zip(followers) {
+        let got = f.await.unwrap().unwrap();
+        let (end, live) = got.split_last().unwrap();
+        assert_eq!(end.event, "end", "{path}");
+        // The same scope read as a page after the end: each live event's frame is the stored
+        // event, byte for byte as a page renders it.
+        let page = stack.api.get(&format!("{path}?limit=5000")).await.unwrap();
+        let stored = page["items"].as_array().unwrap();
+        assert_eq!(live.len(), stored.len(), "{path}: every event once");
+        for (e, row) in live.iter().zip(stored) {
+            assert_eq!(e.id, row["id"].as_str().unwrap(), "{path}");
+            assert_eq!(e.event, row["kind"].as_str().unwrap(), "{path}");
+            assert_eq!(e.data, row.to_string(), "{path}");
+        }
+        let texts: Vec<&str> = stored
+            .iter()
+            .filter_map(|r| r["payload"]["text"].as_str())
+            .collect();
+        assert!(
+            texts.contains(&"line 60 \"q\" \\ \t é 😀 {\"k\": [1]}"),
+            "{texts:?}"
+        );
+        assert!(texts.contains(&"nul\u{fffd}byte"), "{texts:?}");
+    }
+    // The followers' live pages came from the notices, not from reading them back.
+    let carried = live_pages(&stack.api, "notice").await - from_notices;
+    assert!(carried >= 10.0, "{carried} live pages from notices");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_that_reconnects_with_last_event_id_gets_the_rest() {
     let stack = Stack::start("resume-sse", StackOptions::default())

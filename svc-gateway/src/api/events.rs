@@ -9,6 +9,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{Auth, Id};
 use agentscope_api::EventQuery;
 use agentscope_domain::AttemptStatus;
+use agentscope_schemas::v1::{Recorded, RecordedEvent};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::HeaderMap;
@@ -186,6 +187,81 @@ async fn events(
         .into_response())
 }
 
+/// A commit notice of the recorder (or of the scheduler's own end of an attempt), as live
+/// streams use it.
+pub struct Notice {
+    attempt: Uuid,
+    task: Uuid,
+    /// The attempt's end was committed with it.
+    ended: bool,
+    /// The attempt's number (with `events`) and newest stored seq.
+    number: i32,
+    seq: i64,
+    /// The rows this commit stored for the attempt, consecutive and ending at `seq`; empty when
+    /// the notice came without them (too many or too large, or not the recorder's).
+    events: Vec<RecordedEvent>,
+}
+
+impl Notice {
+    /// None for a notice whose ids or seq do not parse (it wakes nothing).
+    pub fn of(n: Recorded) -> Option<Notice> {
+        Some(Notice {
+            attempt: Uuid::parse_str(&n.attempt_id).ok()?,
+            task: Uuid::parse_str(&n.task_id).ok()?,
+            ended: n.ended,
+            number: n.number,
+            seq: i64::try_from(n.seq).ok()?,
+            events: n.events,
+        })
+    }
+
+    fn hits(&self, scope: Scope) -> bool {
+        match scope {
+            Scope::Attempt(a) => a == self.attempt,
+            Scope::Task(t) => t == self.task,
+        }
+    }
+
+    /// The scope's events after `head` as the notice brings them, when it brings every one of
+    /// them: not an end, of the scope's newest attempt (as its reader last read it), its rows
+    /// consecutive, ending at its seq and starting no later than just after `head` (an empty page
+    /// when `head` is past them already). None: the database is read instead. The page is what
+    /// that read would return: each row as it was stored, rendered by [`event`].
+    fn page(
+        &self,
+        scope: Scope,
+        head: Cursor,
+        newest: Option<&Newest>,
+    ) -> Option<Vec<(Cursor, Value)>> {
+        let first = i64::try_from(self.events.first()?.seq).ok()?;
+        let number = match scope {
+            Scope::Attempt(_) => 0,
+            Scope::Task(_) => self.number,
+        };
+        if self.ended || newest?.number != number || head.number != number {
+            return None;
+        }
+        let consecutive = self
+            .events
+            .iter()
+            .zip(first..)
+            .all(|(e, seq)| i64::try_from(e.seq) == Ok(seq));
+        let last = first.checked_add(self.events.len() as i64 - 1)?;
+        if !consecutive || last != self.seq || first > head.seq.checked_add(1)? {
+            return None;
+        }
+        let skip = usize::try_from(head.seq + 1 - first).ok()?;
+        let mut page = Vec::with_capacity(self.events.len().saturating_sub(skip));
+        for e in self.events.iter().skip(skip) {
+            let payload = serde_json::from_str(&e.payload).ok()?;
+            let at = chrono::DateTime::from_timestamp_micros(e.at_us)?;
+            let row = (self.attempt, self.number, e.seq as i64, e.kind.as_str());
+            page.push(event(scope, row, at, payload));
+        }
+        Some(page)
+    }
+}
+
 /// A live stream's first read: its page, and where the scope's reader would start from it.
 struct First {
     page: Vec<(Cursor, Value)>,
@@ -300,7 +376,7 @@ impl Feeds {
 /// notices heard since just before that read.
 struct Seed {
     newest: Option<Newest>,
-    wake: broadcast::Receiver<(Uuid, Uuid, bool)>,
+    wake: broadcast::Receiver<Arc<Notice>>,
 }
 
 /// A shared reader's scope (of `workspace`) and its ends.
@@ -363,21 +439,32 @@ async fn read_feed(s: AppState, r: Reader, seed: Option<Seed>) {
         // Until a notice for the scope, or a while without one (a notice may be lost).
         let deadline = tokio::time::sleep(Duration::from_secs(2));
         tokio::pin!(deadline);
-        loop {
+        let heard = loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = &mut deadline => break,
+                _ = &mut deadline => break None,
                 r = wake.recv() => match r {
-                    Ok((attempt, task, _)) => {
-                        let hit = match scope { Scope::Attempt(a) => a == attempt, Scope::Task(t) => t == task };
-                        if hit {
-                            break;
-                        }
-                    }
-                    Err(broadcast::error::RecvError::Lagged(_)) => break,
+                    Ok(n) if n.hits(scope) => break Some(n),
+                    Ok(_) => {}
+                    Err(broadcast::error::RecvError::Lagged(_)) => break None,
                     Err(broadcast::error::RecvError::Closed) => return,
                 },
             }
+        };
+        // The usual case while an attempt runs: the notice brings what its commit stored, just
+        // after `head`, and the page is sent without reading it back.
+        if let Some(n) = heard.as_deref()
+            && let Some(page) = n.page(scope, head, newest.as_ref())
+        {
+            if let Some(newest) = newest.as_mut() {
+                newest.last_seq = newest.last_seq.max(n.seq);
+            }
+            if !page.is_empty() {
+                s.metrics
+                    .inc("agentscope_sse_pages_total", &[("from", "notice")]);
+                head = send_page(&tx, scope, head, &page);
+            }
+            continue;
         }
         // Everything committed after `head`, page by page. A read that fails leaves `newest` and
         // `head` as the last page that came in left them (still a pair read together).
@@ -393,37 +480,49 @@ async fn read_feed(s: AppState, r: Reader, seed: Option<Seed>) {
             if page.is_empty() {
                 break;
             }
-            let full = page.len() as i64 == PAGE;
-            let prev = head;
-            let mut all = BytesMut::new();
-            let mut bounds = Vec::with_capacity(page.len());
-            for (c, v) in &page {
-                event_frame(&mut all, scope, *c, v);
-                bounds.push((*c, all.len()));
-            }
-            let all = all.freeze();
-            let mut start = 0;
-            let events: Vec<(Cursor, Bytes)> = bounds
-                .into_iter()
-                .map(|(c, end)| {
-                    let f = all.slice(start..end);
-                    start = end;
-                    (c, f)
-                })
-                .collect();
-            head = events.last().map(|(c, _)| *c).unwrap_or(head);
-            // Without receivers the feed is about to stop anyway.
-            let _ = tx.send(Arc::new(Batch {
-                prev,
-                events,
-                all,
-                end: None,
-            }));
-            if !full {
+            s.metrics
+                .inc("agentscope_sse_pages_total", &[("from", "database")]);
+            head = send_page(&tx, scope, head, &page);
+            if page.len() as i64 != PAGE {
                 break;
             }
         }
     }
+}
+
+/// Broadcasts a page of events that follows `head` to a feed's followers, each event's frame
+/// rendered once for all of them; the new head.
+fn send_page(
+    tx: &broadcast::Sender<Arc<Batch>>,
+    scope: Scope,
+    head: Cursor,
+    page: &[(Cursor, Value)],
+) -> Cursor {
+    let mut all = BytesMut::new();
+    let mut bounds = Vec::with_capacity(page.len());
+    for (c, v) in page {
+        event_frame(&mut all, scope, *c, v);
+        bounds.push((*c, all.len()));
+    }
+    let all = all.freeze();
+    let mut start = 0;
+    let events: Vec<(Cursor, Bytes)> = bounds
+        .into_iter()
+        .map(|(c, end)| {
+            let f = all.slice(start..end);
+            start = end;
+            (c, f)
+        })
+        .collect();
+    let new_head = events.last().map(|(c, _)| *c).unwrap_or(head);
+    // Without receivers the feed is about to stop anyway.
+    let _ = tx.send(Arc::new(Batch {
+        prev: head,
+        events,
+        all,
+        end: None,
+    }));
+    new_head
 }
 
 /// A read of a scope: a page of events and the scope's newest attempt (see [`fetch`]).
@@ -771,28 +870,42 @@ async fn fetch(
     let page = rows
         .into_iter()
         .map(|r| {
-            let cur = Cursor {
-                number: match scope {
-                    Scope::Attempt(_) => 0,
-                    Scope::Task(_) => r.number,
-                },
-                seq: r.seq,
-            };
-            (
-                cur,
-                json!({
-                    "id": cur.render(scope),
-                    "attempt_id": r.attempt_id,
-                    "attempt_number": r.number,
-                    "seq": cur.seq,
-                    "kind": r.kind,
-                    "at": r.at,
-                    "payload": r.payload,
-                }),
+            event(
+                scope,
+                (r.attempt_id, r.number, r.seq, &r.kind),
+                r.at,
+                r.payload,
             )
         })
         .collect();
     Ok((page, newest))
+}
+
+/// A stored event as a page of `scope` renders it, with its cursor: `row` is its attempt's id
+/// and number, its seq and kind.
+fn event(
+    scope: Scope,
+    (attempt_id, number, seq, kind): (Uuid, i32, i64, &str),
+    at: chrono::DateTime<chrono::Utc>,
+    payload: Value,
+) -> (Cursor, Value) {
+    let cur = Cursor {
+        number: match scope {
+            Scope::Attempt(_) => 0,
+            Scope::Task(_) => number,
+        },
+        seq,
+    };
+    let v = json!({
+        "id": cur.render(scope),
+        "attempt_id": attempt_id,
+        "attempt_number": number,
+        "seq": seq,
+        "kind": kind,
+        "at": at,
+        "payload": payload,
+    });
+    (cur, v)
 }
 
 #[cfg(test)]
@@ -821,5 +934,96 @@ mod tests {
                 },
             ]
         );
+    }
+
+    use super::{Cursor, Newest, Notice, Scope};
+    use agentscope_schemas::v1::RecordedEvent;
+    use uuid::Uuid;
+
+    /// A notice of attempt 2 of a task storing `seqs`, its newest seq the last of them.
+    fn notice(seqs: &[u64]) -> Notice {
+        Notice {
+            attempt: Uuid::from_u128(1),
+            task: Uuid::from_u128(2),
+            ended: false,
+            number: 2,
+            seq: seqs.last().map_or(0, |s| *s as i64),
+            events: seqs
+                .iter()
+                .map(|&seq| RecordedEvent {
+                    seq,
+                    kind: "output".into(),
+                    payload: format!(r#"{{"text":"line {seq}"}}"#),
+                    at_us: 1_700_000_000_123_456,
+                })
+                .collect(),
+        }
+    }
+
+    fn running(number: i32, last_seq: i64) -> Newest {
+        Newest {
+            number,
+            status: "running".into(),
+            last_seq,
+        }
+    }
+
+    fn seqs(page: &[(Cursor, serde_json::Value)]) -> Vec<i64> {
+        page.iter().map(|(c, _)| c.seq).collect()
+    }
+
+    /// A notice gives a live reader the events just after its head, rendered as a read of the
+    /// scope would, or sends it to the database when it cannot tell that it brings all of them.
+    #[test]
+    fn a_notice_brings_a_page_only_when_it_follows_on_from_the_head() {
+        let task = Scope::Task(Uuid::from_u128(2));
+        let head = |seq| Cursor { number: 2, seq };
+        let newest = running(2, 4);
+        // Right after the head, and partly seen already.
+        let page = notice(&[5, 6]).page(task, head(4), Some(&newest)).unwrap();
+        assert_eq!(seqs(&page), vec![5, 6]);
+        assert_eq!(page[0].1["id"], "2:5");
+        assert_eq!(page[0].1["attempt_number"], 2);
+        assert_eq!(page[0].1["payload"]["text"], "line 5");
+        assert_eq!(page[0].1["at"], "2023-11-14T22:13:20.123456Z");
+        let page = notice(&[4, 5, 6])
+            .page(task, head(5), Some(&newest))
+            .unwrap();
+        assert_eq!(seqs(&page), vec![6]);
+        // Already sent: nothing to send, nothing to read.
+        let page = notice(&[3, 4]).page(task, head(6), Some(&newest)).unwrap();
+        assert!(page.is_empty());
+        // An attempt's own stream numbers its cursor 0 and still says the attempt's number.
+        let attempt = Scope::Attempt(Uuid::from_u128(1));
+        let at0 = Cursor { number: 0, seq: 4 };
+        let page = notice(&[5])
+            .page(attempt, at0, Some(&running(0, 4)))
+            .unwrap();
+        assert_eq!(page[0].1["id"], "5");
+        assert_eq!(page[0].1["attempt_number"], 2);
+
+        // Read instead: a gap before its rows (a notice went missing), rows out of order or not
+        // ending at its seq, no rows, an end, another attempt than the head's or the newest,
+        // no newest known, a payload that is not JSON.
+        assert!(notice(&[6, 7]).page(task, head(4), Some(&newest)).is_none());
+        assert!(notice(&[5, 7]).page(task, head(4), Some(&newest)).is_none());
+        let mut n = notice(&[5, 6]);
+        n.seq = 7;
+        assert!(n.page(task, head(4), Some(&newest)).is_none());
+        assert!(notice(&[]).page(task, head(4), Some(&newest)).is_none());
+        let mut n = notice(&[5]);
+        n.ended = true;
+        assert!(n.page(task, head(4), Some(&newest)).is_none());
+        let previous = Cursor { number: 1, seq: 4 };
+        assert!(notice(&[1]).page(task, previous, Some(&newest)).is_none());
+        assert!(
+            notice(&[5])
+                .page(task, head(4), Some(&running(3, 0)))
+                .is_none()
+        );
+        assert!(notice(&[5]).page(task, head(4), None).is_none());
+        let mut n = notice(&[5]);
+        n.events[0].payload = "{not json".into();
+        assert!(n.page(task, head(4), Some(&newest)).is_none());
     }
 }
