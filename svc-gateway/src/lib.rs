@@ -168,6 +168,11 @@ async fn fan_out_recorded(s: AppState, cancel: CancellationToken) -> anyhow::Res
                 None => anyhow::bail!("the subscription to recorded notices ended"),
             },
         };
+        // Nothing follows a stream here: nothing to wake (a stream subscribes before its first
+        // read, so it misses no notice of a commit after that read).
+        if s.recorded.receiver_count() == 0 {
+            continue;
+        }
         if let Ok(n) = agentscope_schemas::v1::Recorded::decode(msg.payload.as_ref())
             && let Some(n) = api::events::Notice::of(n)
         {
