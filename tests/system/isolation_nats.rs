@@ -135,6 +135,9 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         // A decision brought to a session's replica.
         agentscope_bus::subjects::session_decide(&uuid::Uuid::new_v4().to_string()),
         agentscope_bus::subjects::control(&host_a),
+        // Commit notices: they carry stored events to live followers, so a forged one would
+        // show followers events that were never recorded.
+        agentscope_bus::subjects::recorded(&fake_attempt),
         // Offers: the gateway's to make, to any host, itself included.
         agentscope_bus::subjects::host_offer(&host_a),
         agentscope_bus::subjects::host_offer(&me),
@@ -173,6 +176,8 @@ async fn a_host_credential_reaches_only_its_own_subjects() {
         // Another host's offers (they carry its attempts' task credentials).
         agentscope_bus::subjects::host_offer(&host_a),
         "agentscope.host.*.offer".to_string(),
+        // Commit notices (they carry every workspace's stored events).
+        agentscope_bus::subjects::RECORDED_ALL.to_string(),
         ">".to_string(),
     ];
     for subject in &forbidden_subscriptions {
@@ -423,6 +428,7 @@ async fn a_worker_credential_reaches_only_its_own_operations() {
         agentscope_bus::subjects::worker_ops(&other),
         "agentscope.worker.*.ops".to_string(),
         "_INBOX.>".to_string(),
+        agentscope_bus::subjects::RECORDED_ALL.to_string(),
     ] {
         let _s = nc.subscribe(subject.clone()).await.unwrap();
         nc.flush().await.unwrap();
@@ -435,6 +441,7 @@ async fn a_worker_credential_reaches_only_its_own_operations() {
         agentscope_bus::subjects::ISSUE_WRITE.to_string(),
         agentscope_bus::subjects::SESSIONS_NUDGE.to_string(),
         agentscope_bus::subjects::session_decide(&uuid::Uuid::new_v4().to_string()),
+        agentscope_bus::subjects::recorded(&uuid::Uuid::new_v4().to_string()),
     ] {
         nc.publish(subject.clone(), "forged".into()).await.unwrap();
         nc.flush().await.unwrap();
