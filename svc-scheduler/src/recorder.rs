@@ -325,7 +325,7 @@ struct AfterCommit {
     /// Ended attempts: (host, attempt, pool).
     ended: Vec<(Option<Uuid>, Uuid, Option<Uuid>)>,
     retry_pools: Vec<Uuid>,
-    /// A notice per attempt with newly stored events (`ended` is set when it is published).
+    /// A notice per attempt with newly stored events.
     recorded: Vec<Recorded>,
     stored: u64,
     duplicates: u64,
@@ -345,7 +345,6 @@ async fn after_commit(ctx: &Ctx, after: AfterCommit) {
         ctx.metrics
             .add("agentscope_events_fenced_total", &[], after.fenced);
     }
-    let ended: Vec<Uuid> = after.ended.iter().map(|(_, a, _)| *a).collect();
     for (host, attempt_id, pool) in after.ended {
         // The attempt is over: release its lease so nothing can renew it.
         if let Some(host) = host {
@@ -361,8 +360,7 @@ async fn after_commit(ctx: &Ctx, after: AfterCommit) {
     for pool in after.retry_pools {
         attempts::nudge(ctx, pool).await;
     }
-    for mut notice in after.recorded {
-        notice.ended = ended.iter().any(|a| a.to_string() == notice.attempt_id);
+    for notice in after.recorded {
         crate::intake::publish_recorded(ctx, notice).await;
     }
 }
@@ -533,7 +531,8 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         }
         if a.last_seq > start_seq {
             seq_of.insert(a.id, a.last_seq);
-            after.recorded.push(notice(&a, a.task_id, rows.of(a.id)));
+            let n = notice(a.id, a.task_id, a.number, a.last_seq, rows.of(a.id));
+            after.recorded.push(Recorded { ended, ..n });
             after.stored += (a.last_seq - start_seq) as u64;
         }
         if ended {
@@ -721,41 +720,39 @@ async fn record_plain(
     )
     .fetch_optional(&ctx.recorder_db)
     .await?;
-    Ok(stored.map(|a| Recorded {
-        attempt_id: attempt_id.to_string(),
-        seq: (before + events.len() as i64) as u64,
-        task_id: a.task_id.to_string(),
-        ended: false,
-        number: a.number,
-        events: carried(rows.of(attempt_id)),
-    }))
+    let last = before + events.len() as i64;
+    Ok(stored.map(|a| notice(attempt_id, a.task_id, a.number, last, rows.of(attempt_id))))
 }
 
-/// The notice of an attempt's newly stored rows (`rows`, in seq order).
+/// The notice of an attempt's newly stored rows (`rows`, in seq order, the last at `seq`); not
+/// an end.
 fn notice<'a>(
-    a: &attempts::Active,
+    attempt_id: Uuid,
     task_id: Uuid,
-    rows: impl Iterator<Item = RowRef<'a>>,
+    number: i32,
+    seq: i64,
+    rows: impl Iterator<Item = RowRef<'a>> + Clone,
 ) -> Recorded {
     Recorded {
-        attempt_id: a.id.to_string(),
-        seq: a.last_seq as u64,
+        attempt_id: attempt_id.to_string(),
+        seq: seq as u64,
         task_id: task_id.to_string(),
         ended: false,
-        number: a.number,
+        number,
         events: carried(rows),
     }
 }
 
 /// The rows a notice carries: all of them, as stored, or none when they are too many or too
 /// large (a gateway then reads them).
-fn carried<'a>(rows: impl Iterator<Item = RowRef<'a>>) -> Vec<RecordedEvent> {
+fn carried<'a>(rows: impl Iterator<Item = RowRef<'a>> + Clone) -> Vec<RecordedEvent> {
+    // A busy attempt's batch: nothing to render.
+    if rows.clone().count() > NOTICE_EVENTS {
+        return vec![];
+    }
     let mut out = Vec::new();
     let mut bytes = 0;
     for (seq, kind, payload, at) in rows {
-        if out.len() == NOTICE_EVENTS {
-            return vec![];
-        }
         let payload = payload.to_string();
         bytes += payload.len();
         if bytes > NOTICE_BYTES {
@@ -806,7 +803,7 @@ impl Rows {
     }
 
     /// The rows of one attempt, in the order they were pushed.
-    fn of(&self, attempt_id: Uuid) -> impl Iterator<Item = RowRef<'_>> {
+    fn of(&self, attempt_id: Uuid) -> impl Iterator<Item = RowRef<'_>> + Clone {
         (0..self.seq.len())
             .filter(move |&i| self.attempt_id[i] == attempt_id)
             .map(|i| (self.seq[i], self.kind[i], &self.payload[i], self.at[i]))

@@ -31,6 +31,17 @@ enum Scope {
     Task(Uuid),
 }
 
+impl Scope {
+    /// The cursor of the event `seq` of attempt `number` in this scope's stream (an attempt's
+    /// own stream numbers its cursors 0).
+    fn cursor(self, number: i32, seq: i64) -> Cursor {
+        match self {
+            Scope::Attempt(_) => Cursor { number: 0, seq },
+            Scope::Task(_) => Cursor { number, seq },
+        }
+    }
+}
+
 /// Position after which to read: (attempt number, seq).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 struct Cursor {
@@ -234,10 +245,7 @@ impl Notice {
         newest: Option<&Newest>,
     ) -> Option<Vec<(Cursor, Value)>> {
         let first = i64::try_from(self.events.first()?.seq).ok()?;
-        let number = match scope {
-            Scope::Attempt(_) => 0,
-            Scope::Task(_) => self.number,
-        };
+        let number = scope.cursor(self.number, first).number;
         if self.ended || newest?.number != number || head.number != number {
             return None;
         }
@@ -253,10 +261,17 @@ impl Notice {
         let skip = usize::try_from(head.seq + 1 - first).ok()?;
         let mut page = Vec::with_capacity(self.events.len().saturating_sub(skip));
         for e in self.events.iter().skip(skip) {
-            let payload = serde_json::from_str(&e.payload).ok()?;
-            let at = chrono::DateTime::from_timestamp_micros(e.at_us)?;
-            let row = (self.attempt, self.number, e.seq as i64, e.kind.as_str());
-            page.push(event(scope, row, at, payload));
+            page.push(event(
+                scope,
+                EventRow {
+                    attempt_id: self.attempt,
+                    number: self.number,
+                    seq: e.seq as i64,
+                    kind: e.kind.clone(),
+                    payload: serde_json::from_str(&e.payload).ok()?,
+                    at: chrono::DateTime::from_timestamp_micros(e.at_us)?,
+                },
+            ));
         }
         Some(page)
     }
@@ -867,43 +882,21 @@ async fn fetch(
             }
         }
     };
-    let page = rows
-        .into_iter()
-        .map(|r| {
-            event(
-                scope,
-                (r.attempt_id, r.number, r.seq, &r.kind),
-                r.at,
-                r.payload,
-            )
-        })
-        .collect();
+    let page = rows.into_iter().map(|r| event(scope, r)).collect();
     Ok((page, newest))
 }
 
-/// A stored event as a page of `scope` renders it, with its cursor: `row` is its attempt's id
-/// and number, its seq and kind.
-fn event(
-    scope: Scope,
-    (attempt_id, number, seq, kind): (Uuid, i32, i64, &str),
-    at: chrono::DateTime<chrono::Utc>,
-    payload: Value,
-) -> (Cursor, Value) {
-    let cur = Cursor {
-        number: match scope {
-            Scope::Attempt(_) => 0,
-            Scope::Task(_) => number,
-        },
-        seq,
-    };
+/// A stored event as a page of `scope` renders it, with its cursor.
+fn event(scope: Scope, r: EventRow) -> (Cursor, Value) {
+    let cur = scope.cursor(r.number, r.seq);
     let v = json!({
         "id": cur.render(scope),
-        "attempt_id": attempt_id,
-        "attempt_number": number,
-        "seq": seq,
-        "kind": kind,
-        "at": at,
-        "payload": payload,
+        "attempt_id": r.attempt_id,
+        "attempt_number": r.number,
+        "seq": r.seq,
+        "kind": r.kind,
+        "at": r.at,
+        "payload": r.payload,
     });
     (cur, v)
 }

@@ -150,11 +150,9 @@ pub(crate) fn prepare_ahead(ctx: &Ctx, a: Assignment, free: bool) {
         tracing::debug!(free, fresh, attempt_id = %a.attempt_id, "not prepared ahead");
         return;
     }
-    {
-        if ctx.state.lock().expect("host state").knows(&a.attempt_id) {
-            tracing::debug!(attempt_id = %a.attempt_id, "not prepared ahead: known here");
-            return;
-        }
+    if ctx.state.lock().expect("host state").knows(&a.attempt_id) {
+        tracing::debug!(attempt_id = %a.attempt_id, "not prepared ahead: known here");
+        return;
     }
     let lease = match &ctx.identities {
         None => None,
