@@ -199,11 +199,16 @@ async fn live_followers_get_events_from_the_commit_notices_exactly_as_stored() {
         .await
         .unwrap();
     let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
-    let (_host, _) = stack.host("h", "pool", 1).await.unwrap();
-    stack
-        .wait_attempt(&task_id, 1, "running", Duration::from_secs(30))
-        .await
-        .unwrap();
+    // Another task printing the same lines at the same time: its commits' notices travel beside
+    // the first one's, and neither task's followers may get the other's.
+    let other_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
+    let (_host, _) = stack.host("h", "pool", 2).await.unwrap();
+    for t in [&task_id, &other_id] {
+        stack
+            .wait_attempt(t, 1, "running", Duration::from_secs(30))
+            .await
+            .unwrap();
+    }
     let attempt_id: String =
         sqlx::query_scalar("SELECT id::text FROM attempts WHERE task_id = $1::uuid")
             .bind(&task_id)
@@ -211,13 +216,15 @@ async fn live_followers_get_events_from_the_commit_notices_exactly_as_stored() {
             .await
             .unwrap();
 
-    // Two followers of the task and one of its attempt (two scopes, two shared readers).
+    // Two followers of the task, one of its attempt and one of the other task (three scopes,
+    // three shared readers).
     let before = sse_streams(&stack.api).await.unwrap();
     let from_notices = live_pages(&stack.api, "notice").await;
     let paths = [
         format!("/v1/tasks/{task_id}/events"),
         format!("/v1/tasks/{task_id}/events"),
         format!("/v1/attempts/{attempt_id}/events"),
+        format!("/v1/tasks/{other_id}/events"),
     ];
     let mut followers = Vec::new();
     for path in &paths {
@@ -234,17 +241,19 @@ async fn live_followers_get_events_from_the_commit_notices_exactly_as_stored() {
     .await
     .unwrap();
     std::fs::write(&gate, "go").unwrap();
-    stack
-        .wait_task(&task_id, "succeeded", Duration::from_secs(60))
-        .await
-        .unwrap();
+    for t in [&task_id, &other_id] {
+        stack
+            .wait_task(t, "succeeded", Duration::from_secs(60))
+            .await
+            .unwrap();
+    }
 
     for (path, f) in paths.iter().zip(followers) {
         let got = f.await.unwrap().unwrap();
         let (end, live) = got.split_last().unwrap();
         assert_eq!(end.event, "end", "{path}");
         // The same scope read as a page after the end: each live event's frame is the stored
-        // event, byte for byte as a page renders it.
+        // event, byte for byte as a page renders it (so none of the other task's).
         let page = stack.api.get(&format!("{path}?limit=5000")).await.unwrap();
         let stored = page["items"].as_array().unwrap();
         assert_eq!(live.len(), stored.len(), "{path}: every event once");
