@@ -118,7 +118,8 @@ impl App {
         let claim_db = agentscope_store::sibling(&db, config.db_claim_connections);
         // Its statements find attempts by id: planned on a young database, `finish_many`'s join
         // was kept as a scan of every attempt, once per recorded batch.
-        let recorder_db = agentscope_store::sibling_by_key(&db, config.db_recorder_connections);
+        let recorder_db =
+            agentscope_store::sibling_by_key_planned_once(&db, config.db_recorder_connections);
         // Its passes look for a few rows among many (unbound, cancelled, orphaned, lost), once a
         // second: planned on a young database, such a search was kept as a scan of the table.
         let sweep_db = agentscope_store::sibling_by_key(&db, SWEEP_CONNECTIONS);

@@ -79,6 +79,23 @@ pub fn sibling_by_key(pool: &PgPool, max_connections: u32) -> PgPool {
     pool_options(max_connections).connect_lazy_with(options)
 }
 
+/// A [`sibling_by_key`] whose connections also plan each statement once and keep that plan
+/// (`plan_cache_mode = force_generic_plan`), for a hot path of statements that take their rows
+/// as arrays of keys (`UNNEST($1::uuid[], ...)`). PostgreSQL plans a prepared statement for its
+/// values on its first five runs, then keeps a generic plan only if its estimate is no worse;
+/// a generic plan reckons an array parameter at ten elements, the plans for the values at the
+/// one or few given, so such a statement was planned again on every run: the recorder's
+/// statement of attempts' ends spent 0.48 ms planning for 0.37 ms executing at low load
+/// (`pg_stat_statements` with `track_planning`, docs/BENCHMARKS.md, session 32). Planned
+/// without sequential scans, a generic plan reaches the rows by key as the value plans do.
+pub fn sibling_by_key_planned_once(pool: &PgPool, max_connections: u32) -> PgPool {
+    let options = (*pool.connect_options()).clone().options([
+        ("enable_seqscan", "off"),
+        ("plan_cache_mode", "force_generic_plan"),
+    ]);
+    pool_options(max_connections).connect_lazy_with(options)
+}
+
 fn pool_options(max_connections: u32) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(max_connections)
@@ -369,5 +386,74 @@ mod tests {
             Fault::Unavailable
         );
         assert_eq!(fault(&sqlx::Error::RowNotFound), Fault::Other);
+    }
+
+    /// A [`sibling_by_key_planned_once`] connection plans a statement that takes its keys as
+    /// arrays once and runs that plan every time (the recorder's statement of ends is such a
+    /// statement), where a plain connection plans it for its values on every run, since the
+    /// generic plan's estimate of ten array elements looks worse than the one element given.
+    #[tokio::test]
+    async fn a_planned_once_connection_plans_a_statement_by_key_arrays_once() {
+        let db = agentscope_testkit::TestDb::create().await.unwrap();
+        let pool = connect(&db.url(), 1).await.unwrap();
+        migrate(&pool).await.unwrap();
+        let (ws, agent, task, attempt) = (
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+            Uuid::new_v4(),
+        );
+        for sql in [
+            "INSERT INTO workspaces (id, name) VALUES ($1, 'w')",
+            "INSERT INTO agents (id, workspace_id, name) VALUES ($2, $1, 'a')",
+            "INSERT INTO tasks (id, workspace_id, agent_id) VALUES ($3, $1, $2)",
+            "INSERT INTO attempts (id, task_id, workspace_id, number, status, agent_id)
+             VALUES ($4, $3, $1, 1, 'queued', $2)",
+        ] {
+            sqlx::query(sql)
+                .bind(ws)
+                .bind(agent)
+                .bind(task)
+                .bind(attempt)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        const RUNS: i64 = 8;
+        let statement = "SELECT a.id, t.cancel_requested_at IS NOT NULL AS cancel_requested
+             FROM UNNEST($1::uuid[], $2::text[]) AS f(id, status)
+             JOIN attempts a ON a.id = f.id JOIN tasks t ON t.id = a.task_id";
+        // (custom plans, generic plans) of the statement on a one-connection pool.
+        let plans = |p: PgPool| async move {
+            for _ in 0..RUNS {
+                let found: Vec<(Uuid, bool)> = sqlx::query_as(statement)
+                    .bind(vec![attempt])
+                    .bind(vec!["succeeded"])
+                    .fetch_all(&p)
+                    .await
+                    .unwrap();
+                assert_eq!(found, vec![(attempt, false)]);
+            }
+            let counts: (i64, i64) = sqlx::query_as(
+                "SELECT custom_plans, generic_plans FROM pg_prepared_statements
+                  WHERE statement LIKE '%UNNEST($1::uuid[], $2::text[]) AS f(id, status)%'",
+            )
+            .fetch_one(&p)
+            .await
+            .unwrap();
+            p.close().await;
+            counts
+        };
+        assert_eq!(
+            plans(sibling_by_key_planned_once(&pool, 1)).await,
+            (0, RUNS),
+            "planned once, that plan run every time"
+        );
+        let (custom, _) = plans(sibling(&pool, 1)).await;
+        assert!(
+            custom >= 5,
+            "a plain connection plans for the values at least on the first five runs: {custom}"
+        );
+        pool.close().await;
     }
 }
