@@ -531,8 +531,8 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         }
         if a.last_seq > start_seq {
             seq_of.insert(a.id, a.last_seq);
-            let n = notice(a.id, a.task_id, a.number, a.last_seq, rows.of(a.id));
-            after.recorded.push(Recorded { ended, ..n });
+            let n = notice(a.id, a.task_id, a.number, a.last_seq, ended, rows.of(a.id));
+            after.recorded.push(n);
             after.stored += (a.last_seq - start_seq) as u64;
         }
         if ended {
@@ -721,25 +721,36 @@ async fn record_plain(
     .fetch_optional(&ctx.recorder_db)
     .await?;
     let last = before + events.len() as i64;
-    Ok(stored.map(|a| notice(attempt_id, a.task_id, a.number, last, rows.of(attempt_id))))
+    Ok(stored.map(|a| {
+        notice(
+            attempt_id,
+            a.task_id,
+            a.number,
+            last,
+            false,
+            rows.of(attempt_id),
+        )
+    }))
 }
 
-/// The notice of an attempt's newly stored rows (`rows`, in seq order, the last at `seq`); not
-/// an end.
+/// The notice of an attempt's newly stored rows (`rows`, in seq order, the last at `seq`),
+/// `ended` when the attempt's end was committed with them. A notice of an end carries no rows:
+/// a live stream reads the end of its scope from the database in any case.
 fn notice<'a>(
     attempt_id: Uuid,
     task_id: Uuid,
     number: i32,
     seq: i64,
+    ended: bool,
     rows: impl Iterator<Item = RowRef<'a>> + Clone,
 ) -> Recorded {
     Recorded {
         attempt_id: attempt_id.to_string(),
         seq: seq as u64,
         task_id: task_id.to_string(),
-        ended: false,
+        ended,
         number,
-        events: carried(rows),
+        events: if ended { vec![] } else { carried(rows) },
     }
 }
 

@@ -73,10 +73,7 @@ pub fn sibling(pool: &PgPool, max_connections: u32) -> PgPool {
 /// it was last analyzed), a join by key is kept as a scan of the whole table, and its cost then
 /// grows with the table.
 pub fn sibling_by_key(pool: &PgPool, max_connections: u32) -> PgPool {
-    let options = (*pool.connect_options())
-        .clone()
-        .options([("enable_seqscan", "off")]);
-    pool_options(max_connections).connect_lazy_with(options)
+    sibling_with(pool, max_connections, &[("enable_seqscan", "off")])
 }
 
 /// A [`sibling_by_key`] whose connections also plan each statement once and keep that plan
@@ -89,10 +86,21 @@ pub fn sibling_by_key(pool: &PgPool, max_connections: u32) -> PgPool {
 /// (`pg_stat_statements` with `track_planning`, docs/BENCHMARKS.md, session 32). Planned
 /// without sequential scans, a generic plan reaches the rows by key as the value plans do.
 pub fn sibling_by_key_planned_once(pool: &PgPool, max_connections: u32) -> PgPool {
-    let options = (*pool.connect_options()).clone().options([
-        ("enable_seqscan", "off"),
-        ("plan_cache_mode", "force_generic_plan"),
-    ]);
+    sibling_with(
+        pool,
+        max_connections,
+        &[
+            ("enable_seqscan", "off"),
+            ("plan_cache_mode", "force_generic_plan"),
+        ],
+    )
+}
+
+/// A [`sibling`] whose connections start with `settings` as well.
+fn sibling_with(pool: &PgPool, max_connections: u32, settings: &[(&str, &str)]) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options(settings.iter().copied());
     pool_options(max_connections).connect_lazy_with(options)
 }
 
