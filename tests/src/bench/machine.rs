@@ -11,6 +11,12 @@
 //! - `syscall_pair_us`: a one-byte pipe write and its read in one thread, the median of 20
 //!   batches of 1,000 (the kernel's speed as this machine gets it: the services' work is
 //!   mostly system calls, and a hypervisor's interference shows here first).
+//!
+//! And one figure taken over the round itself ([`Steal`]): `steal_during_round`, the share of
+//! the CPUs' time the hypervisor gave to other guests while the round ran (`steal` in
+//! `/proc/stat`), and those milliseconds. Small as it is (a fraction of a percent), it marks the
+//! minutes when the host machine is contended: W1 low's p50 moved with it by a third on this
+//! machine kind (docs/BENCHMARKS.md, session 33).
 
 use crate::stats::summary;
 use anyhow::Result;
@@ -39,6 +45,60 @@ pub async fn probe() -> Result<Value> {
         }))
     })
     .await?
+}
+
+/// The CPUs' time counters at the start of a round (`/proc/stat`, summed over the CPUs).
+pub struct Steal {
+    start: Option<Ticks>,
+}
+
+/// Clock ticks: stolen by the hypervisor, and in all (every state, stolen included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ticks {
+    steal: u64,
+    total: u64,
+}
+
+impl Steal {
+    pub fn start() -> Steal {
+        Steal {
+            start: read_ticks(),
+        }
+    }
+
+    /// `{"share", "ms"}` since [`Steal::start`]; null where `/proc/stat` cannot be read.
+    pub fn finish(self) -> Value {
+        let (Some(a), Some(b)) = (self.start, read_ticks()) else {
+            return Value::Null;
+        };
+        let (steal, total) = (b.steal - a.steal, b.total - a.total);
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        json!({
+            "share": crate::stats::num(if total == 0 { 0.0 } else { steal as f64 / total as f64 }),
+            "ms": crate::stats::num(steal as f64 * 1000.0 / hz),
+        })
+    }
+}
+
+fn read_ticks() -> Option<Ticks> {
+    parse_ticks(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+/// The aggregate `cpu` line: user nice system idle iowait irq softirq steal (guest and
+/// guest_nice are counted in user and nice already). None unless all eight are there.
+fn parse_ticks(stat: &str) -> Option<Ticks> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    (v.len() == 8).then(|| Ticks {
+        steal: v[7],
+        total: v.iter().sum(),
+    })
 }
 
 fn syncs() -> Result<Value> {
@@ -131,5 +191,32 @@ mod tests {
             m["wakeup_round_trip_us"]["p50"].as_f64().unwrap() > 0.0,
             "{m}"
         );
+    }
+
+    /// The stolen ticks are the eighth counter of the aggregate line, the total all eight
+    /// (guest time is already in user time); a line cut short is no reading.
+    #[test]
+    fn steal_is_read_from_the_aggregate_cpu_line() {
+        let stat = "cpu  100 2 30 800 4 5 6 7 50 0\ncpu0 50 1 15 400 2 2 3 3 25 0\nintr 1\n";
+        assert_eq!(
+            super::parse_ticks(stat),
+            Some(super::Ticks {
+                steal: 7,
+                total: 100 + 2 + 30 + 800 + 4 + 5 + 6 + 7
+            })
+        );
+        assert_eq!(super::parse_ticks("cpu  1 2 3\n"), None);
+        assert_eq!(super::parse_ticks("intr 1\n"), None);
+    }
+
+    /// Over a stretch of work, the share is a fraction and the milliseconds are not negative.
+    #[test]
+    fn a_round_reports_the_share_of_time_stolen() {
+        let s = super::Steal::start();
+        std::hint::black_box(super::cpu());
+        let v = s.finish();
+        let share = v["share"].as_f64().expect("a share");
+        assert!((0.0..=1.0).contains(&share), "{v}");
+        assert!(v["ms"].as_f64().is_some_and(|ms| ms >= 0.0), "{v}");
     }
 }

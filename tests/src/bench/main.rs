@@ -208,8 +208,15 @@ fn headline(name: &str, v: &Value) -> String {
     let m = &v["machine"];
     match (&m["wakeup_round_trip_us"], &m["fdatasync_us"]) {
         (Value::Object(w), Value::Object(f)) => format!(
-            "{figures}; machine: wake-up round trip p50 {} µs, fdatasync p50 {} µs, CPU pass {} ms, syscall pair {} µs",
-            w["p50"], f["p50"], m["cpu_hash_ms"], m["syscall_pair_us"]
+            "{figures}; machine: wake-up round trip p50 {} µs, fdatasync p50 {} µs, CPU pass {} ms, syscall pair {} µs, stolen during the round {} % ({} ms)",
+            w["p50"],
+            f["p50"],
+            m["cpu_hash_ms"],
+            m["syscall_pair_us"],
+            m["steal_during_round"]["share"]
+                .as_f64()
+                .map_or("-".into(), |s| format!("{:.2}", s * 100.0)),
+            m["steal_during_round"]["ms"]
         ),
         _ => figures,
     }
@@ -294,11 +301,14 @@ async fn main() -> Result<()> {
     for round in 1..=args.rounds.max(1) {
         for (i, w) in plan.iter().enumerate() {
             eprintln!("[{round}/{}] {} {}", args.rounds, w.name(), w.params());
-            // The machine's prices just before the round, to read its figures by.
+            // The machine's prices just before the round, to read its figures by, and what the
+            // hypervisor took from it during the round.
             let machine = machine::probe().await;
+            let steal = machine::Steal::start();
             match w.run().await {
                 Ok(mut v) => {
-                    if let (Ok(m), Some(o)) = (machine, v.as_object_mut()) {
+                    if let (Ok(mut m), Some(o)) = (machine, v.as_object_mut()) {
+                        m["steal_during_round"] = steal.finish();
                         o.insert("machine".into(), m);
                     }
                     eprintln!("    {}", headline(w.name(), &v));
