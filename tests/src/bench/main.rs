@@ -17,6 +17,7 @@ mod managed;
 mod rss;
 mod setup;
 mod stats;
+mod targets;
 mod w1;
 mod w2;
 
@@ -331,6 +332,16 @@ async fn main() -> Result<()> {
             json!({"params": w.params(), "median": median, "rounds": rounds[i], "errors": errors[i]}),
         );
     }
+    // Issue 12's targets against these medians.
+    let targets = targets::evaluate(&workloads);
+    let met = targets.iter().filter(|t| t["met"] == true).count();
+    eprintln!(
+        "issue 12's targets in these medians: {met} of {} met",
+        targets.len()
+    );
+    for t in &targets {
+        eprintln!("  {}", targets::line(t));
+    }
     let out = json!({
         "benchmark": "agentscope-bench",
         "build": build,
@@ -338,6 +349,7 @@ async fn main() -> Result<()> {
         "at": chrono::Utc::now().to_rfc3339(),
         "rounds": args.rounds,
         "workloads": workloads,
+        "targets": {"met": met, "of": targets.len(), "each": targets},
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     if errors.iter().any(|e| !e.is_empty()) {
