@@ -10,6 +10,7 @@ use std::time::Duration;
 pub use sqlx;
 
 pub mod first_attempt;
+pub mod warm;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -86,22 +87,37 @@ pub fn sibling_by_key(pool: &PgPool, max_connections: u32) -> PgPool {
 /// (`pg_stat_statements` with `track_planning`, docs/BENCHMARKS.md, session 32). Planned
 /// without sequential scans, a generic plan reaches the rows by key as the value plans do.
 pub fn sibling_by_key_planned_once(pool: &PgPool, max_connections: u32) -> PgPool {
-    sibling_with(
-        pool,
-        max_connections,
-        &[
-            ("enable_seqscan", "off"),
-            ("plan_cache_mode", "force_generic_plan"),
-        ],
-    )
+    sibling_with(pool, max_connections, BY_KEY_PLANNED_ONCE)
 }
+
+/// The settings of [`sibling_by_key_planned_once`].
+const BY_KEY_PLANNED_ONCE: &[(&str, &str)] = &[
+    ("enable_seqscan", "off"),
+    ("plan_cache_mode", "force_generic_plan"),
+];
 
 /// A [`sibling`] whose connections start with `settings` as well.
 fn sibling_with(pool: &PgPool, max_connections: u32, settings: &[(&str, &str)]) -> PgPool {
-    let options = (*pool.connect_options())
+    pool_options(max_connections).connect_lazy_with(options_with(pool, settings))
+}
+
+/// The connection options of `pool`, with `settings` as well.
+fn options_with(pool: &PgPool, settings: &[(&str, &str)]) -> PgConnectOptions {
+    (*pool.connect_options())
         .clone()
-        .options(settings.iter().copied());
-    pool_options(max_connections).connect_lazy_with(options)
+        .options(settings.iter().copied())
+}
+
+/// A [`sibling`] that takes its connections back without a round trip ([`warm::Warm`]), for
+/// a hot path of one statement after another.
+pub fn warm_sibling(pool: &PgPool, max_connections: u32) -> warm::Warm {
+    warm::Warm::new(options_with(pool, &[]), max_connections)
+}
+
+/// A [`sibling_by_key_planned_once`] that takes its connections back without a round trip
+/// ([`warm::Warm`]).
+pub fn warm_sibling_by_key_planned_once(pool: &PgPool, max_connections: u32) -> warm::Warm {
+    warm::Warm::new(options_with(pool, BY_KEY_PLANNED_ONCE), max_connections)
 }
 
 fn pool_options(max_connections: u32) -> PgPoolOptions {
