@@ -77,7 +77,7 @@ impl Batches {
     /// Stores `item` with whatever else is queued; answers once it is committed (or refused).
     pub(crate) async fn submit(
         &self,
-        db: &sqlx::PgPool,
+        db: &agentscope_store::warm::Warm,
         metrics: &Metrics,
         item: Item,
     ) -> Result<Outcome, sqlx::Error> {
@@ -123,7 +123,7 @@ impl Drop for Running {
 }
 
 /// Takes and stores batches until the queue is empty.
-async fn run(batches: Batches, db: sqlx::PgPool, metrics: Metrics) {
+async fn run(batches: Batches, db: agentscope_store::warm::Warm, metrics: Metrics) {
     let mut running = Running {
         batches: batches.clone(),
         done: false,
@@ -179,7 +179,7 @@ async fn run(batches: Batches, db: sqlx::PgPool, metrics: Metrics) {
 /// One plan's submissions in one statement: their `created_at`, or None when the plan is stale.
 /// Takes the items apart into the statement's columns (their inputs and specs are not copied).
 async fn store(
-    db: &sqlx::PgPool,
+    db: &agentscope_store::warm::Warm,
     items: Vec<Item>,
 ) -> Result<Option<chrono::DateTime<chrono::Utc>>, sqlx::Error> {
     let n = items.len();

@@ -32,9 +32,13 @@ use tokio_util::sync::CancellationToken;
 
 #[derive(Clone)]
 pub struct AppState {
-    pub db: sqlx::PgPool,
+    /// The API's connections (`Config::db_max_connections`), each taken back without a round
+    /// trip when its caller is done with it ([`agentscope_store::warm`]).
+    pub db: agentscope_store::warm::Warm,
+    /// The health probe's connection (migrations ran on it).
+    pub health_db: sqlx::PgPool,
     /// Task submissions' own connections (`Config::db_submit_connections`).
-    pub submit_db: sqlx::PgPool,
+    pub submit_db: agentscope_store::warm::Warm,
     pub nats: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     /// The lease bucket (the scheduler creates it), opened on the first direct dispatch.
@@ -71,11 +75,12 @@ const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl App {
     pub async fn build(config: Config) -> anyhow::Result<App> {
-        let db = agentscope_store::connect(&config.database_url, config.db_max_connections)
+        let pool = agentscope_store::connect(&config.database_url, 1)
             .await
             .context("start svc-gateway")?;
-        agentscope_store::migrate(&db).await?;
-        let submit_db = agentscope_store::sibling(&db, config.db_submit_connections);
+        agentscope_store::migrate(&pool).await?;
+        let db = agentscope_store::warm_sibling(&pool, config.db_max_connections);
+        let submit_db = agentscope_store::warm_sibling(&pool, config.db_submit_connections);
         let nats = config.nats.connect(&config.nats_url, "svc-gateway").await?;
         let js = async_nats::jetstream::new(nats.clone());
         Topology::tasks(&js).await?;
@@ -89,6 +94,7 @@ impl App {
         Ok(App {
             state: AppState {
                 db,
+                health_db: pool,
                 submit_db,
                 nats,
                 js,
@@ -188,7 +194,7 @@ pub fn router(state: AppState) -> Router {
     for route in routes {
         r = r.route(route.path, route.handler);
     }
-    let probe = health::nats_and_postgres(state.nats.clone(), state.db.clone());
+    let probe = health::nats_and_postgres(state.nats.clone(), state.health_db.clone());
     let metrics = state.metrics.clone();
     r.route(
         "/v1/openapi.json",

@@ -89,7 +89,7 @@ pub(crate) struct Ctx {
     /// Claims' own connections (`Config::db_claim_connections`) and the recorder's
     /// (`Config::db_recorder_connections`): a few backends that stay warm.
     pub claim_db: PgPool,
-    pub recorder_db: PgPool,
+    pub recorder_db: agentscope_store::warm::Warm,
     /// The sweeper's own reads, by index whatever the statistics say ([`SWEEP_CONNECTIONS`]).
     pub sweep_db: PgPool,
     pub nats: async_nats::Client,
@@ -119,7 +119,7 @@ impl App {
         // Its statements find attempts by id: planned on a young database, `finish_many`'s join
         // was kept as a scan of every attempt, once per recorded batch.
         let recorder_db =
-            agentscope_store::sibling_by_key_planned_once(&db, config.db_recorder_connections);
+            agentscope_store::warm_sibling_by_key_planned_once(&db, config.db_recorder_connections);
         // Its passes look for a few rows among many (unbound, cancelled, orphaned, lost), once a
         // second: planned on a young database, such a search was kept as a scan of the table.
         let sweep_db = agentscope_store::sibling_by_key(&db, SWEEP_CONNECTIONS);

@@ -13,6 +13,7 @@ use async_nats::jetstream::{AckKind, Message as JsMessage};
 use chrono::TimeZone;
 use futures::StreamExt;
 use serde_json::json;
+use sqlx::Connection as _;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -420,7 +421,8 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
     }
     let mut ids: Vec<Uuid> = by_attempt.iter().map(|(a, _)| *a).collect();
     ids.sort();
-    let mut tx = ctx.recorder_db.begin().await?;
+    let mut conn = ctx.recorder_db.acquire().await?;
+    let mut tx = conn.begin().await?;
     let locked = attempts::lock_many(&mut tx, &ids).await?;
 
     let mut rows = Rows::default();
@@ -635,6 +637,7 @@ async fn record_checked(ctx: &Ctx, items: &mut [Item]) -> Result<AfterCommit, Er
         }
     }
     tx.commit().await?;
+    conn.release();
     Ok(after)
 }
 

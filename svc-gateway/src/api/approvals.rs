@@ -13,6 +13,7 @@ use agentscope_schemas::v1::{DecideApproval, DecideApprovalReply};
 use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
+use sqlx::Connection as _;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -215,7 +216,8 @@ async fn decide_by_record(
     // transaction and sees it, so the hop to the replica and its statement overlap the commit.
     // A rollback leaves the record pending and the replica reads that; a lost nudge only delays
     // (it polls).
-    let mut tx = s.db.begin().await?;
+    let mut conn = s.db.acquire().await?;
+    let mut tx = conn.begin().await?;
     let decided = sqlx::query_as!(
         t::Approval,
         r#"UPDATE approvals ap SET status = $3, decided_at = now(), decided_by = $4, reason = NULLIF($5, '')
@@ -259,6 +261,7 @@ async fn decide_by_record(
     };
     let ((), committed) = tokio::join!(nudge, tx.commit());
     committed?;
+    conn.release();
     Ok(Some(decided))
 }
 

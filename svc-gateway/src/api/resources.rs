@@ -14,6 +14,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
+use sqlx::Connection as _;
 use uuid::Uuid;
 
 pub(crate) fn check_name(field: &str, v: &str) -> ApiResult<()> {
@@ -50,7 +51,7 @@ fn check_limit(field: &str, v: Option<i32>) -> ApiResult<()> {
 }
 
 async fn issue_token(
-    db: &sqlx::PgPool,
+    db: &agentscope_store::warm::Warm,
     workspace_id: Uuid,
     kind: TokenKind,
     name: &str,
@@ -78,7 +79,8 @@ pub async fn create_workspace(
     check_name("name", &b.name)?;
     check_limit("max_concurrency", b.max_concurrency)?;
     let id = Uuid::now_v7();
-    let mut tx = s.db.begin().await?;
+    let mut conn = s.db.acquire().await?;
+    let mut tx = conn.begin().await?;
     sqlx::query!(
         "INSERT INTO workspaces (id, name, max_concurrency) VALUES ($1, $2, $3)",
         id,
@@ -88,6 +90,7 @@ pub async fn create_workspace(
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
+    conn.release();
     let (_, token) = issue_token(&s.db, id, TokenKind::Api, "initial").await?;
     Ok((
         StatusCode::CREATED,
@@ -269,7 +272,8 @@ pub async fn create_agent(
     let first = b.version();
     check_version(&first)?;
     let id = Uuid::now_v7();
-    let mut tx = s.db.begin().await?;
+    let mut conn = s.db.acquire().await?;
+    let mut tx = conn.begin().await?;
     sqlx::query!(
         "INSERT INTO agents (id, workspace_id, name) VALUES ($1, $2, $3)",
         id,
@@ -280,6 +284,7 @@ pub async fn create_agent(
     .await?;
     let version = insert_version(&mut tx, auth.workspace_id, id, &first).await?;
     tx.commit().await?;
+    conn.release();
     Ok((
         StatusCode::CREATED,
         Json(t::Agent {
@@ -376,13 +381,15 @@ pub async fn create_version(
 ) -> ApiResult<(StatusCode, Json<t::VersionSummary>)> {
     check_version(&b)?;
     own_agent(&s, auth, id).await?;
-    let mut tx = s.db.begin().await?;
+    let mut conn = s.db.acquire().await?;
+    let mut tx = conn.begin().await?;
     // Serialize version numbering per agent.
     sqlx::query_scalar!("SELECT id FROM agents WHERE id = $1 FOR UPDATE", id)
         .fetch_optional(&mut *tx)
         .await?;
     let v = insert_version(&mut tx, auth.workspace_id, id, &b).await?;
     tx.commit().await?;
+    conn.release();
     Ok((StatusCode::CREATED, Json(v)))
 }
 

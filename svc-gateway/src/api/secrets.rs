@@ -10,6 +10,7 @@ use agentscope_domain::vault::{Keyring, Sealed};
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
+use sqlx::Connection as _;
 
 fn keyring(s: &AppState) -> ApiResult<Keyring> {
     Keyring::parse(&s.config.vault_keys.0)
@@ -89,7 +90,8 @@ pub async fn list(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::Se
 pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::Rotated>> {
     let keys = keyring(&s)?;
     let ws = auth.workspace_id.to_string();
-    let mut tx = s.db.begin().await?;
+    let mut conn = s.db.acquire().await?;
+    let mut tx = conn.begin().await?;
     let rows = sqlx::query!(
         "SELECT name, key_id, nonce, ciphertext FROM vault_secrets WHERE workspace_id = $1 FOR UPDATE",
         auth.workspace_id,
@@ -122,6 +124,7 @@ pub async fn rotate(State(s): State<AppState>, auth: Auth) -> ApiResult<Json<t::
         }
     }
     tx.commit().await?;
+    conn.release();
     Ok(Json(t::Rotated {
         resealed: moved,
         key_id: keys.current_key_id().to_string(),

@@ -14,6 +14,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde_json::json;
+use sqlx::Connection as _;
 use uuid::Uuid;
 
 /// Longest input text accepted.
@@ -117,7 +118,8 @@ pub async fn create(
     if let Some(k) = &b.idempotency_key {
         check_name("idempotency_key", k)?;
     }
-    let mut tx = s.db.begin().await?;
+    let mut conn = s.db.acquire().await?;
+    let mut tx = conn.begin().await?;
     // The session is pinned to the version current now; saving the agent later never moves it.
     let version = sqlx::query!(
         "SELECT v.id, v.provider FROM agents a JOIN agent_versions v ON v.agent_id = a.id
@@ -205,6 +207,7 @@ pub async fn create(
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
+    conn.release();
     nudge(&s, id).await;
     Ok((StatusCode::CREATED, Json(session_json(&s, auth, id).await?)))
 }

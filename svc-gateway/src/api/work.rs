@@ -16,6 +16,7 @@ use axum::Json;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use serde_json::json;
+use sqlx::Connection as _;
 use uuid::Uuid;
 
 fn check_source(repository: &Option<String>, branch: &Option<String>) -> ApiResult<()> {
@@ -60,7 +61,8 @@ pub async fn create_issue(
             "`body` and `input` are limited to 256 KiB",
         ));
     }
-    let mut tx = s.db.begin().await?;
+    let mut conn = s.db.acquire().await?;
+    let mut tx = conn.begin().await?;
     if let Some(agent) = b.assignee_agent_id {
         let own = sqlx::query_scalar!(
             "SELECT id FROM agents WHERE id = $1 AND workspace_id = $2",
@@ -112,6 +114,7 @@ pub async fn create_issue(
         None => None,
     };
     tx.commit().await?;
+    conn.release();
     let task_id = task.as_ref().map(|t| t.id);
     if let Some(mut t) = task {
         hand_out(&s, auth.workspace_id, &mut t).await;
@@ -591,7 +594,11 @@ pub async fn create_task(
     let stored = match batched(&s, &sub).await {
         Ok(None) => {
             let mut conn = s.submit_db.acquire().await?;
-            insert_task(&mut conn, &sub, dispatching(&s), &s.plans).await
+            let stored = insert_task(&mut conn, &sub, dispatching(&s), &s.plans).await;
+            if stored.is_ok() {
+                conn.release();
+            }
+            stored
         }
         stored => stored,
     };
