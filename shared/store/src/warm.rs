@@ -13,11 +13,12 @@
 //! said it is clean ([`Conn::release`]: its statements all completed, no transaction left open).
 //! A connection given back otherwise (an error, a transaction not committed, a caller that
 //! stopped waiting halfway through a statement) is checked with that round trip when it is taken
-//! next, as sqlx checks every one: the check reads what the server still had to say and sends the
-//! `ROLLBACK` a dropped transaction queued, or finds the connection broken and drops it. As in
-//! the services' other pools ([`crate::connect`]), a connection left idle for more than a second
-//! is checked too (a restarted server has closed it). The most recently used connection is taken
-//! first, so that a path at low load keeps to one warm backend.
+//! next, and dropped if it is broken: a connection that failed a statement is never simply
+//! handed to the next caller. (What the server still had to say, and the `ROLLBACK` a dropped
+//! transaction queued, sqlx's connection deals with itself before its next statement, checked
+//! or not.) As in the services' other pools ([`crate::connect`]), a connection left idle for
+//! more than a second is checked too (a restarted server has closed it). The most recently used
+//! connection is taken first, so that a path at low load keeps to one warm backend.
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
@@ -106,8 +107,9 @@ impl Warm {
         }
     }
 
-    /// Connections open and idle (for tests).
-    pub fn idle(&self) -> usize {
+    /// Connections open and idle.
+    #[cfg(test)]
+    fn idle(&self) -> usize {
         self.0.idle.lock().expect("warm pool").len()
     }
 }
@@ -312,13 +314,30 @@ mod tests {
     /// next caller of that connection gets its own statement's answer, never the old one.
     #[tokio::test]
     async fn an_abandoned_statement_never_answers_the_next_caller() {
-        let (_db, _pool, w) = warm(1).await;
-        let abandoned = tokio::time::timeout(
-            Duration::from_millis(50),
-            sqlx::query_scalar::<_, i32>("SELECT 7 FROM pg_sleep(0.3)").fetch_one(&w),
-        )
-        .await;
-        assert!(abandoned.is_err(), "the statement outlasts its caller");
+        let (_db, pool, w) = warm(1).await;
+        // The statement waits on a lock held here until its caller is gone.
+        let mut holder = pool.acquire().await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock(33)")
+            .execute(&mut *holder)
+            .await
+            .unwrap();
+        let abandoned = tokio::spawn({
+            let w = w.clone();
+            async move {
+                sqlx::query_scalar::<_, i32>("SELECT 7 FROM pg_advisory_lock(33) AS waits")
+                    .fetch_one(&w)
+                    .await
+            }
+        });
+        agentscope_testkit::wait_for_lock(&pool, "AS waits")
+            .await
+            .unwrap();
+        abandoned.abort();
+        assert!(abandoned.await.unwrap_err().is_cancelled());
+        sqlx::query("SELECT pg_advisory_unlock(33)")
+            .execute(&mut *holder)
+            .await
+            .unwrap();
         let v: i32 = sqlx::query_scalar("SELECT 42").fetch_one(&w).await.unwrap();
         assert_eq!(v, 42);
         assert_eq!(w.idle(), 1);
@@ -365,18 +384,14 @@ mod tests {
     async fn callers_beyond_the_limit_wait_for_a_connection() {
         let (_db, _pool, w) = warm(1).await;
         let held = w.acquire().await.unwrap();
-        let waiting = tokio::spawn({
+        let mut waiting = tokio::spawn({
             let w = w.clone();
             async move { backend(&w).await }
         });
         assert!(
-            tokio::time::timeout(Duration::from_millis(100), async {
-                while !waiting.is_finished() {
-                    tokio::task::yield_now().await;
-                }
-            })
-            .await
-            .is_err(),
+            tokio::time::timeout(Duration::from_millis(100), &mut waiting)
+                .await
+                .is_err(),
             "a second caller got a connection while the only one was out"
         );
         let pid: i32 = {
