@@ -2,8 +2,9 @@
 //! it. svc-host starts one per attempt (`agentscope_tools::spawn`, no copy of the host's memory)
 //! in the provider's new process group, with the provider's environment, directory and pipes.
 //!
-//! It forks the provider, which drops privileges and executes; the sentinel stays behind as a
-//! child subreaper, so that every descendant of the provider, also one that left the process
+//! It starts the provider's process (`clone(CLONE_VM | CLONE_VFORK)` on a stack of its own: no copy
+//! of its memory), which drops privileges and executes; the sentinel stays behind as a child
+//! subreaper, so that every descendant of the provider, also one that left the process
 //! group or daemonized, stays below it:
 //! - when the host dies, however it dies, `PR_SET_PDEATHSIG` wakes it and it kills every process
 //!   of the attempt's uid (`kill(-1)` as that uid), or its process group and children without
@@ -62,7 +63,8 @@ mod nr {
     pub const CLOSE_RANGE: usize = 436;
 }
 
-/// A system call; the result as the kernel returns it (-errno on failure).
+/// A system call with up to four arguments (the fifth and sixth are zero); the result as the
+/// kernel returns it (-errno on failure).
 unsafe fn syscall(n: usize, a: [usize; 4]) -> isize {
     let ret: isize;
     // SAFETY: the caller passes arguments valid for system call `n`.
@@ -74,6 +76,9 @@ unsafe fn syscall(n: usize, a: [usize; 4]) -> isize {
             in("rsi") a[1],
             in("rdx") a[2],
             in("r10") a[3],
+            // Zero, not whatever the registers held: `prctl` checks its unused arguments.
+            in("r8") 0usize,
+            in("r9") 0usize,
             lateout("rcx") _,
             lateout("r11") _,
             options(nostack),
@@ -231,38 +236,16 @@ unsafe fn main(argc: usize, argv: *const *const u8, envp: *const *const u8) -> !
     {
         exit(137);
     }
-    let me = getpid();
-    // fork: a copy of this small process, SIGCHLD to us when it ends.
-    let provider = sys(nr::CLONE, [SIGCHLD, 0, 0, 0]) as i32;
+    let start = Start {
+        who: parsed.who,
+        me: getpid(),
+        program,
+        argv: provider_argv,
+        envp,
+    };
+    let provider = spawn_provider(&start) as i32;
     if provider < 0 {
         exit(EXEC_FAILED);
-    }
-    if provider == 0 {
-        sigprocmask(SIG_SETMASK, 0);
-        if let Some((uid, gid)) = parsed.who
-            && !drop_privileges(uid, gid)
-        {
-            exit(EXEC_FAILED);
-        }
-        // Set after the credential change, which clears it.
-        if prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != me {
-            exit(137);
-        }
-        let err = -sys(
-            nr::EXECVE,
-            [program as usize, provider_argv as usize, envp as usize, 0],
-        );
-        write_all(2, b"agentscope-sentinel: cannot run `");
-        // SAFETY: argument 3 is a C string (checked by parse).
-        write_all(2, unsafe { c_str(program) });
-        write_all(2, b"`: ");
-        write_all(2, describe(err));
-        write_all(2, b"\n");
-        exit(if err == 2 {
-            EXEC_NOT_FOUND
-        } else {
-            EXEC_FAILED
-        });
     }
     // Cancellation signals the whole group: the provider handles them, not the sentinel.
     for sig in [SIGTERM, SIGINT, SIGHUP, SIGQUIT] {
@@ -275,6 +258,99 @@ unsafe fn main(argc: usize, argv: *const *const u8, envp: *const *const u8) -> !
         }
     }
     watch(provider, parsed.who, watched)
+}
+
+/// What the provider's process needs until its `execve`, read from the sentinel's memory (which
+/// it shares until then).
+struct Start {
+    who: Option<(u32, u32)>,
+    /// The sentinel's pid.
+    me: i32,
+    program: *const u8,
+    argv: *const *const u8,
+    envp: *const *const u8,
+}
+
+const CLONE_VM: usize = 0x100;
+const CLONE_VFORK: usize = 0x4000;
+const CHILD_STACK_SIZE: usize = 32 * 1024;
+
+/// The provider's stack until its `execve`. One is enough: the sentinel is suspended meanwhile.
+#[repr(C, align(16))]
+struct ChildStack([u8; CHILD_STACK_SIZE]);
+static mut CHILD_STACK: ChildStack = ChildStack([0; CHILD_STACK_SIZE]);
+
+/// Starts the provider's process: `provider_main(start)` on a stack of its own, in a new process
+/// that shares the sentinel's memory until it executes or exits, the sentinel suspended until
+/// then (`clone(CLONE_VM | CLONE_VFORK)`, as glibc's `posix_spawn` does). Unlike a fork it copies
+/// no page tables and leaves none to tear down at its `execve`. Its pid, or -errno.
+fn spawn_provider(start: &Start) -> isize {
+    // SAFETY: one past the end of the static stack, 16-byte aligned; nothing else uses it.
+    let top = unsafe {
+        (&raw mut CHILD_STACK)
+            .cast::<u8>()
+            .add(CHILD_STACK_SIZE)
+    };
+    let ret: isize;
+    // SAFETY: the child starts on its own stack and never comes back here (`provider_main`
+    // executes or exits); the registers it reads survive `syscall` (all but rax, rcx, r11);
+    // `start` stays valid while it runs, since this process is suspended until it has executed
+    // or exited.
+    unsafe {
+        asm!(
+            "syscall",
+            "test rax, rax",
+            "jnz 2f",
+            // The child, on the new stack (16-byte aligned before the call, as the ABI wants).
+            "mov rdi, r12",
+            "call r13",
+            "ud2",
+            "2:",
+            inlateout("rax") nr::CLONE as isize => ret,
+            in("rdi") CLONE_VM | CLONE_VFORK | SIGCHLD,
+            in("rsi") top,
+            in("rdx") 0usize,
+            in("r10") 0usize,
+            in("r8") 0usize,
+            in("r12") start as *const Start,
+            in("r13") provider_main as extern "C" fn(*const Start) -> ! as usize,
+            lateout("rcx") _,
+            lateout("r11") _,
+        );
+    }
+    ret
+}
+
+/// The provider's process until its `execve`: every signal unblocked, privileges dropped, bound
+/// to the sentinel's life.
+extern "C" fn provider_main(start: *const Start) -> ! {
+    // SAFETY: `spawn_provider` passes a live `Start` and keeps it alive until this executes.
+    let s = unsafe { &*start };
+    sigprocmask(SIG_SETMASK, 0);
+    if let Some((uid, gid)) = s.who
+        && !drop_privileges(uid, gid)
+    {
+        exit(EXEC_FAILED);
+    }
+    // Set after the credential change, which clears it.
+    if prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != s.me {
+        exit(137);
+    }
+    let err = -sys(
+        nr::EXECVE,
+        [s.program as usize, s.argv as usize, s.envp as usize, 0],
+    );
+    write_all(2, b"agentscope-sentinel: cannot run `");
+    // SAFETY: argument 3 is a C string (checked by parse).
+    write_all(2, unsafe { c_str(s.program) });
+    write_all(2, b"`: ");
+    write_all(2, describe(err));
+    write_all(2, b"\n");
+    exit(if err == 2 {
+        EXEC_NOT_FOUND
+    } else {
+        EXEC_FAILED
+    });
 }
 
 /// Supplementary groups cleared, then gid and uid (real, effective and saved) switched, a check
