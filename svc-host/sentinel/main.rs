@@ -286,11 +286,7 @@ static mut CHILD_STACK: ChildStack = ChildStack([0; CHILD_STACK_SIZE]);
 /// no page tables and leaves none to tear down at its `execve`. Its pid, or -errno.
 fn spawn_provider(start: &Start) -> isize {
     // SAFETY: one past the end of the static stack, 16-byte aligned; nothing else uses it.
-    let top = unsafe {
-        (&raw mut CHILD_STACK)
-            .cast::<u8>()
-            .add(CHILD_STACK_SIZE)
-    };
+    let top = unsafe { (&raw mut CHILD_STACK).cast::<u8>().add(CHILD_STACK_SIZE) };
     let ret: isize;
     // SAFETY: the child starts on its own stack and never comes back here (`provider_main`
     // executes or exits); the registers it reads survive `syscall` (all but rax, rcx, r11);
