@@ -87,7 +87,9 @@ const RESTART_BACKOFF: Policy = Policy::Restart {
 
 impl App {
     pub async fn build(config: Config) -> anyhow::Result<App> {
-        let db = agentscope_store::connect(&config.database_url, config.db_max_connections)
+        // Migrations, Worker registrations, the health probe and the sweep's sibling; sessions
+        // have a pool of their own (`session::Runner::db`, `db_max_connections`).
+        let db = agentscope_store::connect(&config.database_url, 2)
             .await
             .context("start svc-dataplane")?;
         agentscope_store::migrate(&db).await?;

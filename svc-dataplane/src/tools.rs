@@ -180,34 +180,56 @@ pub fn specs(enabled: &[String]) -> Vec<ToolSpec> {
 }
 
 /// memory_write inside the caller's transaction (the note and the journal commit together).
-pub async fn memory_write(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+pub fn memory_write(
     workspace_id: Uuid,
     session_id: Uuid,
     input: &Value,
-) -> Result<ToolOutput, sqlx::Error> {
+) -> Result<(ToolOutput, MemoryNote), ToolOutput> {
     let Some(text) = input.get("text").and_then(Value::as_str) else {
-        return Ok(ToolError::BadArguments.output("`text` (a string) is required"));
+        return Err(ToolError::BadArguments.output("`text` (a string) is required"));
     };
     if text.trim().is_empty() || text.len() > 16 * 1024 {
-        return Ok(ToolError::BadArguments.output("`text` must be 1 byte to 16 KiB"));
+        return Err(ToolError::BadArguments.output("`text` must be 1 byte to 16 KiB"));
     }
-    let id = Uuid::now_v7();
-    sqlx::query!(
-        "INSERT INTO memory_entries (id, workspace_id, text, session_id) VALUES ($1, $2, $3, $4)",
-        id,
+    let note = MemoryNote {
+        id: Uuid::now_v7(),
         workspace_id,
-        text,
         session_id,
-    )
-    .execute(&mut **tx)
-    .await?;
-    Ok(ToolOutput::ok(format!("remembered (memory {id})")))
+        text: text.to_string(),
+    };
+    Ok((
+        ToolOutput::ok(format!("remembered (memory {})", note.id)),
+        note,
+    ))
+}
+
+/// A note `memory_write` keeps, stored in the transaction that records the call's end (so it is
+/// never stored twice, nor without the call's end).
+pub struct MemoryNote {
+    id: Uuid,
+    workspace_id: Uuid,
+    session_id: Uuid,
+    text: String,
+}
+
+impl MemoryNote {
+    pub async fn insert(&self, conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        sqlx::query!(
+            "INSERT INTO memory_entries (id, workspace_id, text, session_id) VALUES ($1, $2, $3, $4)",
+            self.id,
+            self.workspace_id,
+            self.text,
+            self.session_id,
+        )
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
 }
 
 /// memory_search: the workspace's notes matching the query, best first (read live).
 pub async fn memory_search(
-    db: &sqlx::PgPool,
+    db: &agentscope_store::warm::Warm,
     workspace_id: Uuid,
     input: &Value,
 ) -> Result<ToolOutput, sqlx::Error> {

@@ -317,10 +317,13 @@ impl Session<'_> {
         // The note commits with the journal: never written twice.
         let mut note = None;
         let mut out = if call.name == "memory_write" && secrets.is_ok() && !shut {
-            let mut tx = self.r.db.begin().await?;
-            let out = tools::memory_write(&mut tx, p.workspace_id, self.id, &call.input).await?;
-            note = Some(tx);
-            out
+            match tools::memory_write(p.workspace_id, self.id, &call.input) {
+                Ok((out, n)) => {
+                    note = Some(n);
+                    out
+                }
+                Err(out) => out,
+            }
         } else {
             out
         };

@@ -145,10 +145,10 @@ impl Batch {
     }
 }
 
-/// A call's end, not written yet: its batch, and the transaction holding its memory note.
+/// A call's end, not written yet: its batch, and the memory note it stores with it.
 pub(super) struct Ended {
     pub(super) batch: Batch,
-    pub(super) note: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+    pub(super) note: Option<crate::tools::MemoryNote>,
 }
 
 impl Session<'_> {
@@ -266,9 +266,14 @@ SELECT base FROM fence"#,
     /// Writes a call's end (and commits its memory note with it).
     pub(super) async fn commit(&self, ended: Ended) -> Result<(), Stop> {
         match ended.note {
-            Some(mut tx) => {
+            Some(note) => {
+                use sqlx::Connection as _;
+                let mut conn = self.r.db.acquire().await?;
+                let mut tx = conn.begin().await?;
+                note.insert(&mut tx).await?;
                 self.write_on(&mut *tx, ended.batch).await?;
                 tx.commit().await?;
+                conn.release();
                 Ok(())
             }
             None => self.write(ended.batch).await,

@@ -42,7 +42,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 pub struct Runner {
-    pub db: sqlx::PgPool,
+    /// Takes its connections back without a round trip (`agentscope_store::warm`): a session's
+    /// statements come one after another.
+    pub db: agentscope_store::warm::Warm,
     /// The sweep's connection: it plans no sequential scan, so that statistics of a young
     /// `session_inputs` cannot turn its search for unanswered inputs into a read of every input.
     sweep_db: sqlx::PgPool,
@@ -109,7 +111,7 @@ impl Runner {
         let http = reqwest::Client::new();
         Arc::new(Runner {
             sweep_db: agentscope_store::sibling_by_key(&db, 1),
-            db,
+            db: agentscope_store::warm_sibling(&db, config.db_max_connections),
             nats,
             workers,
             js,
