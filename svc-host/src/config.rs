@@ -64,6 +64,10 @@ pub struct Config {
     /// journal's flushes, the /proc scans and the uid releases have threads of their own); 0 one
     /// per core.
     pub worker_threads: usize,
+    /// How long an attempt's informational diagnostic (`preparing`, `cloned`, ...) waits for
+    /// its next event to go out with it in one message (then one transaction of the recorder
+    /// and one notice to live streams instead of two); 0 sends each at once.
+    pub event_linger_ms: u64,
     #[serde(default)]
     pub log_format: String,
 }
@@ -93,6 +97,7 @@ impl Config {
             ("provider_recheck_ms", 60_000.into()),
             ("task_dir_retention_secs", (3 * 24 * 3600).into()),
             ("worker_threads", 1.into()),
+            ("event_linger_ms", 5.into()),
             ("log_format", "".into()),
         ])?;
         config.validate()?;
@@ -203,6 +208,7 @@ mod tests {
             "provider_recheck_ms": 60000,
             "task_dir_retention_secs": 60,
             "worker_threads": worker_threads,
+            "event_linger_ms": 5,
         }))
         .unwrap()
     }

@@ -773,3 +773,91 @@ async fn a_stopping_gateway_ends_open_streams_and_exits_within_its_grace_period(
         assert_eq!(events[0].data, r#"{"resume":true}"#, "{path}");
     }
 }
+
+/// The first message of an attempt's events in the stream: its `Nats-Msg-Id`, and the kinds of
+/// the events stored for the attempt in seq order.
+async fn first_message(stack: &Stack, task_id: &str) -> (String, Vec<String>) {
+    let (attempt_id, host_id): (String, String) = sqlx::query_as(
+        "SELECT id::text, host_id::text FROM attempts WHERE task_id = $1::uuid AND number = 1",
+    )
+    .bind(task_id)
+    .fetch_one(&stack.pg)
+    .await
+    .unwrap();
+    let js = async_nats::jetstream::new(stack.nats.service_client("scheduler").await.unwrap());
+    let first = js
+        .get_stream(agentscope_bus::STREAM_EVENTS)
+        .await
+        .unwrap()
+        .direct_get_first_for_subject(agentscope_bus::subjects::events(&host_id, &attempt_id))
+        .await
+        .unwrap();
+    let id = first
+        .headers
+        .get("Nats-Msg-Id")
+        .map(|v| v.as_str().to_string())
+        .unwrap_or_default();
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT CASE WHEN kind = 'diagnostic' THEN 'diagnostic ' || (payload->>'code')
+                     WHEN kind = 'lifecycle' THEN 'lifecycle ' || (payload->>'state')
+                     ELSE kind END
+         FROM execution_events WHERE attempt_id = $1::uuid ORDER BY seq",
+    )
+    .bind(&attempt_id)
+    .fetch_all(&stack.pg)
+    .await
+    .unwrap();
+    (
+        id.strip_prefix(&format!("{attempt_id}:"))
+            .unwrap()
+            .to_string(),
+        kinds,
+    )
+}
+
+/// An attempt's informational diagnostics wait (`event_linger_ms`) for its next event and go out
+/// with it: `preparing` travels with `running` in the attempt's first message, one transaction
+/// of the recorder instead of two. With the wait set to 0 the first event goes alone, as every
+/// event handed over while nothing is in flight does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempts_preparing_diagnostic_goes_out_with_its_running_event() {
+    let stack = Stack::start("linger", StackOptions::default())
+        .await
+        .unwrap();
+    for (pool, linger, together) in [("long", "60000", true), ("none", "0", false)] {
+        // The agent first: it makes the pool the host joins.
+        let (agent, _) = stack
+            .command_agent(pool, pool, &["echo", "hi"], None)
+            .await
+            .unwrap();
+        let state = stack.dir.path.join(format!("host-{pool}-state"));
+        let _host = stack
+            .spawn_host(
+                pool,
+                pool,
+                1,
+                &state,
+                &[("AGENTSCOPE_EVENT_LINGER_MS", linger)],
+            )
+            .unwrap();
+        stack.wait_host_ready(pool).await.unwrap();
+        let task_id = stack.submit(json!({"agent_id": agent})).await.unwrap();
+        stack
+            .wait_task(&task_id, "succeeded", Duration::from_secs(60))
+            .await
+            .unwrap();
+        let (id, kinds) = first_message(&stack, &task_id).await;
+        assert_eq!(kinds[0], "diagnostic preparing", "{kinds:?}");
+        let running = kinds.iter().position(|k| k == "lifecycle running").unwrap();
+        if together {
+            // Events 1..=n in one batch, `running` among them (a linger of a minute: nothing
+            // but the next event can have sent it).
+            let (first, last) = id.split_once('-').expect("a batch");
+            assert_eq!(first, "1", "{id}");
+            assert!(last.parse::<usize>().unwrap() > running, "{id} {kinds:?}");
+        } else {
+            assert_eq!(id, "1", "the first event alone: {kinds:?}");
+        }
+        assert_eq!(kinds.last().unwrap(), "lifecycle succeeded", "{kinds:?}");
+    }
+}

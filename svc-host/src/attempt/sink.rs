@@ -20,7 +20,10 @@ use tracing::Instrument;
 /// `emit` hands the event to the attempt's publisher task, which keeps one message awaiting its
 /// stream acknowledgement at a time: whatever events were handed over meanwhile go out together
 /// as one `ExecutionEventBatch` when the acknowledgement comes (up to [`BATCH_EVENTS`] events,
-/// [`BATCH_BYTES`]); an event handed over while nothing is in flight goes out alone, at once. A
+/// [`BATCH_BYTES`]); an event handed over while nothing is in flight goes out alone, at once,
+/// unless it is an informational diagnostic: that one waits up to `event_linger_ms` for the next event
+/// to go out with it (an attempt's `preparing` goes with its `running`: one message, one
+/// transaction of the recorder, one notice fewer per attempt). A
 /// failed publish is sent again under the same `Nats-Msg-Id` (the stream drops a copy it already
 /// holds) before anything later, so the stream never holds an event without every earlier one.
 /// The journal's `last_seq` is the highest seq acknowledged, checkpointed at most every
@@ -52,6 +55,8 @@ enum Out {
     Event {
         seq: u64,
         payload: bytes::Bytes,
+        /// May wait up to `event_linger_ms` for the next event.
+        linger: bool,
     },
     /// A new journal entry (its `last_seq` is replaced by the acknowledged one), written at once.
     Save {
@@ -88,7 +93,11 @@ impl EventSink {
 
     /// Hands the event to the publisher (waiting while its window is full). Returns false when
     /// the event cannot be delivered: the lease is lost.
-    pub async fn emit(&mut self, mut body: Body) -> bool {
+    pub async fn emit(&mut self, body: Body) -> bool {
+        self.emit_with(body, false).await
+    }
+
+    async fn emit_with(&mut self, mut body: Body, linger: bool) -> bool {
         if self.lease_lost.is_cancelled() {
             return false;
         }
@@ -122,6 +131,7 @@ impl EventSink {
             .send(Out::Event {
                 seq,
                 payload: payload.into(),
+                linger,
             })
             .await
             .is_err()
@@ -185,12 +195,17 @@ impl EventSink {
             .map(|()| wait)
     }
 
+    /// A diagnostic; an `info` one may wait a moment for the next event (see [`EventSink`]).
     pub async fn diag(&mut self, level: &str, code: &str, message: impl Into<String>) -> bool {
-        self.emit(Body::Diagnostic(Diagnostic {
-            level: level.into(),
-            code: code.into(),
-            message: message.into(),
-        }))
+        let linger = level == "info";
+        self.emit_with(
+            Body::Diagnostic(Diagnostic {
+                level: level.into(),
+                code: code.into(),
+                message: message.into(),
+            }),
+            linger,
+        )
         .await
     }
 
@@ -240,6 +255,8 @@ struct Publisher {
     entry: Entry,
     /// Events handed over and not yet published, in seq order.
     ready: std::collections::VecDeque<(u64, bytes::Bytes)>,
+    /// Until when `ready` may wait for more: set while it holds only events that may linger.
+    linger_until: Option<tokio::time::Instant>,
     acked: u64,
     saved: u64,
     saved_at: tokio::time::Instant,
@@ -252,7 +269,19 @@ impl Publisher {
     fn take(&mut self, cmd: Option<Out>) {
         match cmd {
             None => self.open = false,
-            Some(Out::Event { seq, payload }) => self.ready.push_back((seq, payload)),
+            Some(Out::Event {
+                seq,
+                payload,
+                linger,
+            }) => {
+                let wait = Duration::from_millis(self.ctx.config.event_linger_ms);
+                if !linger || wait.is_zero() {
+                    self.linger_until = None;
+                } else if self.ready.is_empty() {
+                    self.linger_until = Some(tokio::time::Instant::now() + wait);
+                }
+                self.ready.push_back((seq, payload));
+            }
             Some(Out::Save {
                 entry,
                 durable,
@@ -264,6 +293,16 @@ impl Publisher {
             }
             Some(Out::Flush(done)) => self.flushes.push(done),
         }
+    }
+
+    /// Whether what is ready waits for more: only events that may linger, their time not up,
+    /// nobody waiting for a flush and the sink still open.
+    fn lingers(&self) -> bool {
+        self.open
+            && self.flushes.is_empty()
+            && self
+                .linger_until
+                .is_some_and(|t| tokio::time::Instant::now() < t)
     }
 
     fn checkpoint(&mut self, durable: bool) {
@@ -292,6 +331,7 @@ async fn publisher(
         saved: entry.last_seq,
         entry,
         ready: Default::default(),
+        linger_until: None,
         saved_at: tokio::time::Instant::now(),
         flushes: Vec::new(),
         open: true,
@@ -306,7 +346,8 @@ async fn publisher(
                     Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => p.take(None),
                 }
             }
-            if !p.ready.is_empty() {
+            if !p.ready.is_empty() && !p.lingers() {
+                p.linger_until = None;
                 let (msg_id, payload, seq) = next_message(&p.entry.attempt_id, &mut p.ready);
                 in_flight = Some(publish(&p.ctx, &subject, msg_id, payload, seq).await);
             }
@@ -327,6 +368,10 @@ async fn publisher(
             },
             cmd = rx.recv(), if p.open && p.ready.len() < WINDOW => p.take(cmd),
             _ = tokio::time::sleep_until(next_checkpoint), if p.acked > p.saved => {}
+            // The next turn publishes what lingered.
+            _ = tokio::time::sleep_until(p.linger_until.unwrap_or(next_checkpoint)), if in_flight.is_none() && p.linger_until.is_some() => {
+                p.linger_until = None;
+            }
         }
         let idle = in_flight.is_none() && p.ready.is_empty();
         // At most every CHECKPOINT_EVERY (the timer above catches up), and before a flush is
