@@ -179,7 +179,8 @@ pub fn specs(enabled: &[String]) -> Vec<ToolSpec> {
         .collect()
 }
 
-/// memory_write inside the caller's transaction (the note and the journal commit together).
+/// memory_write: the note checked and made, not stored; the caller stores it
+/// ([`MemoryNote::insert`]) in the transaction that records the call's end.
 pub fn memory_write(
     workspace_id: Uuid,
     session_id: Uuid,

@@ -125,6 +125,7 @@ const SIG_DFL: usize = 0;
 const SIG_IGN: usize = 1;
 
 const PR_SET_PDEATHSIG: usize = 1;
+const PR_SET_DUMPABLE: usize = 4;
 const PR_SET_CHILD_SUBREAPER: usize = 36;
 const PR_SET_NO_NEW_PRIVS: usize = 38;
 
@@ -323,6 +324,14 @@ extern "C" fn provider_main(start: *const Start) -> ! {
     // SAFETY: `spawn_provider` passes a live `Start` and keeps it alive until this executes.
     let s = unsafe { &*start };
     sigprocmask(SIG_SETMASK, 0);
+    // Until its `execve` this process shares the sentinel's (root's) memory: once it runs as
+    // the attempt's uid, no process of that uid may attach to it (ptrace, /proc/<pid>/mem). The
+    // kernel marks the memory so on the uid switch only while `fs.suid_dumpable` is 0 or 2; this
+    // does it whatever that setting. The `execve` gives the provider memory of its own, dumpable
+    // again.
+    if s.who.is_some() && prctl(PR_SET_DUMPABLE, 0) != 0 {
+        exit(EXEC_FAILED);
+    }
     if let Some((uid, gid)) = s.who
         && !drop_privileges(uid, gid)
     {

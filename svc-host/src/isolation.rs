@@ -1144,6 +1144,14 @@ mod tests {
                     "1"
                 ]
             );
+            // Its process was kept from its uid's reach until its `execve` (it shared the
+            // sentinel's memory); the provider's own is its uid's again.
+            let out = run(Some(who), &["stat", "-c", "%u", "/proc/self/environ"]);
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout),
+                "1899990017\n",
+                "{out:?}"
+            );
         }
         let _ = std::fs::remove_dir_all(&state);
     }

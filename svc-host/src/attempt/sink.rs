@@ -20,10 +20,10 @@ use tracing::Instrument;
 /// `emit` hands the event to the attempt's publisher task, which keeps one message awaiting its
 /// stream acknowledgement at a time: whatever events were handed over meanwhile go out together
 /// as one `ExecutionEventBatch` when the acknowledgement comes (up to [`BATCH_EVENTS`] events,
-/// [`BATCH_BYTES`]); an event handed over while nothing is in flight goes out alone, at once,
-/// unless it is an informational diagnostic: that one waits up to `event_linger_ms` for the next event
-/// to go out with it (an attempt's `preparing` goes with its `running`: one message, one
-/// transaction of the recorder, one notice fewer per attempt). A
+/// [`BATCH_BYTES`]); an event handed over while nothing is in flight goes out alone, at once. An
+/// informational diagnostic with nothing else ready waits up to `event_linger_ms` for the next
+/// event and goes out with it (an attempt's `preparing` goes with its `running`: one message,
+/// one transaction of the recorder, one notice fewer per attempt). A
 /// failed publish is sent again under the same `Nats-Msg-Id` (the stream drops a copy it already
 /// holds) before anything later, so the stream never holds an event without every earlier one.
 /// The journal's `last_seq` is the highest seq acknowledged, checkpointed at most every
