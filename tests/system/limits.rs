@@ -946,11 +946,24 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
     })
     .await
     .unwrap();
+    // The statement that dispatched the attempt counted it on the host's counter, once (not also
+    // through the trigger on `attempts`), and its end takes it off again.
+    let host_active = || async {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT active FROM attempt_counts_now WHERE scope = 'host' AND id = $1::uuid",
+        )
+        .bind(&host)
+        .fetch_one(&stack.pg)
+        .await
+        .unwrap()
+    };
+    assert_eq!(host_active().await, 1, "the running attempt counts once");
     let done = stack
         .wait_task(id, "succeeded", Duration::from_secs(60))
         .await
         .unwrap();
     assert_eq!(done["attempts"].as_array().unwrap().len(), 1, "{done:#}");
+    assert_eq!(host_active().await, 0, "the ended attempt counts no more");
 
     assert_eq!(dispatches(&stack, "offered").await, 4);
     let claims = claims_answered(&stack.scheduler_health).await;
