@@ -238,6 +238,100 @@ async fn sandbox_sessions_of_two_workspaces_reach_neither_each_other_nor_the_hos
     }
 }
 
+/// The Memory Store is the workspace's: an agent of another workspace searching for what a
+/// session of the first one wrote finds nothing, while a later session of the first one finds it.
+/// Each session runs the same script: a search, then a note.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_workspaces_agent_finds_none_of_a_workspaces_memory() {
+    let script = json!({
+        "turns": [
+            {"tool": "memory_search", "args": {"query": "release checklist"}},
+            {"tool": "memory_write", "args": {"text": "The release checklist lives in notes.txt"}, "expect": "remembered"}
+        ],
+        "final": "Noted."
+    });
+    let (stack, _sim, _log, _simdir, _second) =
+        managed_stack_with("iso-memory-tenants", &script, &[]).await;
+    let agent_a = managed_agent(&stack, "memory-a", json!({})).await;
+    let first = start_session(&stack, &agent_a, "sandbox", "Remember.").await;
+    let s = wait_outcomes(&stack, &first, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    let searched = |results: Vec<(String, String)>| {
+        results
+            .into_iter()
+            .find(|(tool, _)| tool == "memory_search")
+            .map(|(_, output)| output)
+            .unwrap()
+    };
+    assert_eq!(
+        searched(tool_results(&stack, &first).await),
+        "no memory matches"
+    );
+
+    let admin = stack.api.with_token(ADMIN_TOKEN);
+    let ws = admin
+        .post("/v1/workspaces", json!({"name": "ws-memory-b"}))
+        .await
+        .unwrap();
+    let api_b = stack.api.with_token(ws["api_token"].as_str().unwrap());
+    let agent_b = api_b
+        .post(
+            "/v1/agents",
+            json!({"name": "memory-b", "provider": "managed", "instructions": "You are B."}),
+        )
+        .await
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let b = api_b
+        .post(
+            "/v1/sessions",
+            json!({"agent_id": agent_b, "input": "Look around."}),
+        )
+        .await
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let sb = kit::wait_for("B's outcome", std::time::Duration::from_secs(90), || {
+        let api = api_b.clone();
+        let path = format!("/v1/sessions/{b}");
+        async move {
+            let s = api.get(&path).await.ok()?;
+            (!s["inputs"][0]["outcome"].is_null()).then_some(s)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(sb["inputs"][0]["outcome"]["status"], "completed", "{sb:#}");
+    let b_events: Vec<Value> = api_b
+        .get(&format!("/v1/sessions/{b}/events"))
+        .await
+        .unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let b_search = b_events
+        .iter()
+        .find(|e| e["kind"] == "tool_result" && e["payload"]["tool"] == "memory_search")
+        .map(|e| e["payload"]["output"].as_str().unwrap_or("").to_string())
+        .unwrap();
+    assert_eq!(
+        b_search, "no memory matches",
+        "A's note reached workspace B"
+    );
+
+    // A's own later session finds its note (and only it: B's stays in B).
+    let again = start_session(&stack, &agent_a, "sandbox", "Remember again.").await;
+    let s = wait_outcomes(&stack, &again, 1).await;
+    assert_eq!(s["inputs"][0]["outcome"]["status"], "completed", "{s:#}");
+    assert_eq!(
+        searched(tool_results(&stack, &again).await),
+        "- The release checklist lives in notes.txt"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_bomb_and_a_memory_hog_are_stopped_by_the_session_limits() {
     const PIDS: u32 = 48;
