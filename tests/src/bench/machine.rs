@@ -11,6 +11,12 @@
 //! - `syscall_pair_us`: a one-byte pipe write and its read in one thread, the median of 20
 //!   batches of 1,000 (the kernel's speed as this machine gets it: the services' work is
 //!   mostly system calls, and a hypervisor's interference shows here first).
+//! - `program_start_us`: `true` (W1 bulk's provider) started and reaped 100 times, one after the
+//!   other: `cpu`, its own CPU time (user and system, from `wait4`'s usage of that child: the
+//!   start, glibc's loading and initialisation, the exit), and `wall`, spawn to reaped. The floor
+//!   of any attempt whose provider is an ordinary program: on a virtual machine, glibc's start-up
+//!   asks the CPU about its caches with dozens of `cpuid` instructions, each a trap to the
+//!   hypervisor (docs/BENCHMARKS.md, session 36).
 //!
 //! And one figure taken over the round itself ([`Steal`]): `steal_during_round`, the share of
 //! the CPUs' time the hypervisor gave to other guests while the round ran (`steal` in
@@ -32,7 +38,11 @@ const IDLE: Duration = Duration::from_millis(1);
 /// Durable writes measured.
 const SYNCS: usize = 100;
 
-/// `{"wakeup_round_trip_us", "fdatasync_us", "cpu_hash_ms", "syscall_pair_us"}`. The idle
+/// Programs started.
+const STARTS: usize = 100;
+
+/// `{"wakeup_round_trip_us", "fdatasync_us", "cpu_hash_ms", "syscall_pair_us",
+/// "program_start_us"}`. The idle
 /// millisecond before each turn is part of what is measured (the CPUs left to go idle), not a
 /// wait for anything.
 pub async fn probe() -> Result<Value> {
@@ -42,6 +52,7 @@ pub async fn probe() -> Result<Value> {
             "fdatasync_us": syncs()?,
             "cpu_hash_ms": crate::stats::num(cpu()),
             "syscall_pair_us": crate::stats::num(syscalls()?),
+            "program_start_us": program_starts()?,
         }))
     })
     .await?
@@ -149,6 +160,34 @@ fn syscalls() -> Result<f64> {
     Ok(per[per.len() / 2])
 }
 
+fn program_starts() -> Result<Value> {
+    use std::process::{Command, Stdio};
+    let (mut cpu, mut wall) = (Vec::with_capacity(STARTS), Vec::with_capacity(STARTS));
+    let us = |t: libc::timeval| t.tv_sec as f64 * 1e6 + t.tv_usec as f64;
+    for _ in 0..STARTS {
+        let t = Instant::now();
+        let child = Command::new("true")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let pid = child.id() as libc::pid_t;
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is a valid value for wait4 to fill in.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: reaps our own child (std's handle does not wait for it when dropped).
+        let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        wall.push(t.elapsed().as_secs_f64() * 1e6);
+        anyhow::ensure!(
+            reaped == pid,
+            "wait4 for `true`: {}",
+            std::io::Error::last_os_error()
+        );
+        cpu.push(us(usage.ru_utime) + us(usage.ru_stime));
+    }
+    Ok(json!({"cpu": summary(&cpu), "wall": summary(&wall)}))
+}
+
 fn wakeups() -> Result<Value> {
     let (mut echo_in, mut to_echo) = std::io::pipe()?;
     let (mut back, mut echo_out) = std::io::pipe()?;
@@ -184,6 +223,13 @@ mod tests {
         let m = super::probe().await.unwrap();
         assert_eq!(m["wakeup_round_trip_us"]["n"], super::TURNS, "{m}");
         assert_eq!(m["fdatasync_us"]["n"], super::SYNCS, "{m}");
+        assert_eq!(m["program_start_us"]["cpu"]["n"], super::STARTS, "{m}");
+        // A program's start takes some of the CPU's time, and at least that long on the clock.
+        let (cpu, wall) = (
+            m["program_start_us"]["cpu"]["max"].as_f64().unwrap(),
+            m["program_start_us"]["wall"]["max"].as_f64().unwrap(),
+        );
+        assert!(cpu > 0.0 && wall > 0.0, "{m}");
         for k in ["cpu_hash_ms", "syscall_pair_us"] {
             assert!(m[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {m}");
         }

@@ -415,6 +415,10 @@ pub async fn bulk(args: &BulkArgs) -> Result<Value> {
         "hosts": args.hosts,
         "capacity": args.capacity,
         "submitters": args.submitters,
+        "provider": match args.provider {
+            NoOp::True => "true",
+            NoOp::Bare => "bare",
+        },
         "attempts": attempts,
         "succeeded": succeeded,
         "all_state_changes_committed": succeeded == args.tasks && attempts == args.tasks && events == last_seq_sum,
