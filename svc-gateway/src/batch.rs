@@ -2,7 +2,7 @@
 //!
 //! A submission that will be stored queued (no direct dispatch for it, no issue, no idempotency
 //! key, and a plan this gateway kept for its agent) joins a queue instead of running
-//! `submit_task` on its own. A few runners (at most [`RUNNERS`]) each take what is queued, up to
+//! `submit_task` on its own. A few runners (at most `submit_batches`) each take what is queued, up to
 //! [`MAX_BATCH`], and store each agent's share in one statement (`submit_queued_tasks`,
 //! migration 0012): its tasks and their attempts 1, all or none, checked against the plan once.
 //! Nobody waits for a batch to fill: a submission that finds a runner free is stored at once, on
@@ -24,8 +24,14 @@ use uuid::Uuid;
 /// Submissions one statement stores at most.
 const MAX_BATCH: usize = 64;
 
-/// Batches in flight at once (each on a connection of the submission pool).
-const RUNNERS: usize = 4;
+/// Batches in flight at once by default (each on a connection of the submission pool): one per
+/// core of the machine, two to four. More batches than the cores that run them only cut the
+/// same submissions into more, smaller statements (docs/BENCHMARKS.md, session 36).
+pub(crate) fn default_runners() -> usize {
+    std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .clamp(2, 4)
+}
 
 /// The gauge of submissions handed to the batches and not answered yet.
 const PENDING: &str = "agentscope_submissions_batching";
@@ -70,10 +76,21 @@ struct Queue {
 }
 
 /// The submission queue of one gateway.
-#[derive(Clone, Default)]
-pub(crate) struct Batches(Arc<Mutex<Queue>>);
+#[derive(Clone)]
+pub(crate) struct Batches {
+    queue: Arc<Mutex<Queue>>,
+    /// Batches in flight at once, at most.
+    runners: usize,
+}
 
 impl Batches {
+    pub(crate) fn new(runners: usize) -> Batches {
+        Batches {
+            queue: Default::default(),
+            runners: runners.max(1),
+        }
+    }
+
     /// Stores `item` with whatever else is queued; answers once it is committed (or refused).
     pub(crate) async fn submit(
         &self,
@@ -83,11 +100,11 @@ impl Batches {
     ) -> Result<Outcome, sqlx::Error> {
         let (tx, rx) = oneshot::channel();
         let start = {
-            let mut q = self.0.lock().expect("submission queue");
+            let mut q = self.queue.lock().expect("submission queue");
             q.items.push((item, tx));
             q.pending += 1;
             metrics.set(PENDING, &[], q.pending as i64);
-            let start = q.runners < RUNNERS;
+            let start = q.runners < self.runners;
             if start {
                 q.runners += 1;
             }
@@ -114,7 +131,7 @@ struct Running {
 impl Drop for Running {
     fn drop(&mut self) {
         if !self.done {
-            let mut q = self.batches.0.lock().unwrap_or_else(|e| e.into_inner());
+            let mut q = self.batches.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.runners -= 1;
             q.pending -= q.items.len();
             q.items.clear();
@@ -130,7 +147,7 @@ async fn run(batches: Batches, db: agentscope_store::warm::Warm, metrics: Metric
     };
     loop {
         let taken: Vec<Queued> = {
-            let mut q = batches.0.lock().expect("submission queue");
+            let mut q = batches.queue.lock().expect("submission queue");
             if q.items.is_empty() {
                 // Under the lock a submission checks for a runner: none is left waiting.
                 q.runners -= 1;
@@ -159,7 +176,7 @@ async fn run(batches: Batches, db: agentscope_store::warm::Warm, metrics: Metric
             metrics.inc("agentscope_submission_batches_total", &[]);
             let answer = store(&db, items).await;
             {
-                let mut q = batches.0.lock().expect("submission queue");
+                let mut q = batches.queue.lock().expect("submission queue");
                 q.pending -= replies.len();
                 metrics.set(PENDING, &[], q.pending as i64);
             }

@@ -25,6 +25,9 @@ pub struct Config {
     /// plans each statement on its first runs, so the submission path, spread over the whole
     /// pool, would keep paying that warm-up.
     pub db_submit_connections: u32,
+    /// Batches of queued submissions stored at once, at most (`batch.rs`); by default one per
+    /// core of this machine, two to four.
+    pub submit_batches: usize,
     /// Direct dispatch: a stored task's attempt is claimed for an idle host of its pool and
     /// offered to it by the gateway itself (`dispatch.rs`); off, every new attempt waits for a
     /// host's claim through the scheduler.
@@ -59,6 +62,10 @@ impl Config {
             ("host_offline_after_ms", 10_000.into()),
             ("db_max_connections", 16.into()),
             ("db_submit_connections", 8.into()),
+            (
+                "submit_batches",
+                (crate::batch::default_runners() as u64).into(),
+            ),
             ("direct_dispatch", true.into()),
             (
                 "run_timeout_secs",
@@ -93,6 +100,9 @@ impl Config {
         }
         if self.db_max_connections == 0 || self.db_submit_connections == 0 {
             return bad("db_max_connections and db_submit_connections must be positive");
+        }
+        if self.submit_batches == 0 || self.submit_batches > 64 {
+            return bad("submit_batches must be between 1 and 64");
         }
         if self.run_timeout_secs == 0 || self.run_timeout_secs > u32::MAX as u64 {
             return bad("run_timeout_secs must be between 1 and 4294967295");

@@ -101,7 +101,7 @@ impl App {
                 leases: Default::default(),
                 dispatching: Default::default(),
                 plans: Default::default(),
-                batches: Default::default(),
+                batches: batch::Batches::new(config.submit_batches),
                 config: Arc::new(config),
                 metrics: Metrics::default(),
                 recorded,
