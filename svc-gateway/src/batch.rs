@@ -24,15 +24,6 @@ use uuid::Uuid;
 /// Submissions one statement stores at most.
 const MAX_BATCH: usize = 64;
 
-/// Batches in flight at once by default (each on a connection of the submission pool): one per
-/// core of the machine, two to four. More batches than the cores that run them only cut the
-/// same submissions into more, smaller statements (docs/BENCHMARKS.md, session 36).
-pub(crate) fn default_runners() -> usize {
-    std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .clamp(2, 4)
-}
-
 /// The gauge of submissions handed to the batches and not answered yet.
 const PENDING: &str = "agentscope_submissions_batching";
 

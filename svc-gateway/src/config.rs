@@ -26,7 +26,8 @@ pub struct Config {
     /// pool, would keep paying that warm-up.
     pub db_submit_connections: u32,
     /// Batches of queued submissions stored at once, at most (`batch.rs`); by default one per
-    /// core of this machine, two to four.
+    /// core of this machine, two to four: more batches than the cores that run them only cut the
+    /// same submissions into more, smaller statements (docs/BENCHMARKS.md, session 36).
     pub submit_batches: usize,
     /// Direct dispatch: a stored task's attempt is claimed for an idle host of its pool and
     /// offered to it by the gateway itself (`dispatch.rs`); off, every new attempt waits for a
@@ -64,7 +65,7 @@ impl Config {
             ("db_submit_connections", 8.into()),
             (
                 "submit_batches",
-                (crate::batch::default_runners() as u64).into(),
+                (agentscope_telemetry::config::per_core(2, 4) as u64).into(),
             ),
             ("direct_dispatch", true.into()),
             (

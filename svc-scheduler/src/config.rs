@@ -32,6 +32,11 @@ pub struct Config {
     pub db_claim_connections: u32,
     /// Connections of the recorder's own pool: one per worker.
     pub db_recorder_connections: u32,
+    /// The recorder's workers, each recording its share of the attempts (by subject) one batch
+    /// per transaction; by default one per core of this machine, two to four: more workers than
+    /// the cores that run them only cut the same events into more, smaller transactions
+    /// (docs/BENCHMARKS.md, session 36).
+    pub recorder_workers: usize,
     /// Deliveries of one stream message before a consumer gives up on it and records it in
     /// `rejected_messages` (also the consumers' JetStream `max_deliver`). Transient failures
     /// are redelivered after a delay that doubles up to `redelivery_max_ms`, so the default
@@ -60,6 +65,10 @@ impl Config {
             ("db_max_connections", 16.into()),
             ("db_claim_connections", 8.into()),
             ("db_recorder_connections", 4.into()),
+            (
+                "recorder_workers",
+                (agentscope_telemetry::config::per_core(2, 4) as u64).into(),
+            ),
             ("max_deliver", 1_000.into()),
             ("redelivery_max_ms", 10_000.into()),
             (
@@ -82,6 +91,9 @@ impl Config {
         }
         if self.sweep_interval_ms == 0 || self.sweep_interval_ms > self.lease_ttl_ms {
             return bad("sweep_interval_ms must be between 1 and lease_ttl_ms");
+        }
+        if self.recorder_workers == 0 || self.recorder_workers > 64 {
+            return bad("recorder_workers must be between 1 and 64");
         }
         if self.max_deliver < 2 {
             return bad("max_deliver must be at least 2");

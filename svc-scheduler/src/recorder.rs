@@ -20,9 +20,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
-/// Events of one attempt always go to the same worker, so they are handled in order.
-const WORKERS: usize = 4;
-
 /// A commit notice carries the rows it announces when there are at most this many of them...
 const NOTICE_EVENTS: usize = 64;
 /// ... and their payloads come to at most this many bytes (a busy attempt's large batches are
@@ -34,6 +31,8 @@ static RETRY_WARNING: agentscope_telemetry::Throttle =
     agentscope_telemetry::Throttle::new(Duration::from_secs(5));
 
 pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<()> {
+    // Events of one attempt always go to the same worker, so they are handled in order.
+    let workers = ctx.config.recorder_workers.max(1);
     let stream = ctx.js.get_stream(STREAM_EVENTS).await.map_err(Error::bus)?;
     // Created or updated: an existing consumer takes the current `max_deliver`.
     let consumer = stream
@@ -43,7 +42,7 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
             // Short, so events in flight when a scheduler dies are redelivered soon; a slow
             // redelivery of a message still being handled is a harmless duplicate.
             ack_wait: Duration::from_secs(5),
-            max_ack_pending: 4 * BATCH_MAX as i64 * WORKERS as i64,
+            max_ack_pending: 4 * BATCH_MAX as i64 * workers as i64,
             max_deliver: ctx.config.max_deliver,
             ..Default::default()
         })
@@ -57,11 +56,11 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
         .messages()
         .await
         .map_err(Error::bus)?;
-    let mut workers = Vec::new();
+    let mut senders = Vec::new();
     let mut handles = Vec::new();
-    for _ in 0..WORKERS {
+    for _ in 0..workers {
         let (tx, rx) = mpsc::channel::<JsMessage>(BATCH_MAX);
-        workers.push(tx);
+        senders.push(tx);
         handles.push(tokio::spawn(worker(ctx.clone(), rx)));
     }
     loop {
@@ -73,12 +72,12 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
                 None => break,
             },
         };
-        let shard = fxhash(msg.subject.as_str()) % WORKERS;
-        if workers[shard].send(msg).await.is_err() {
+        let shard = fxhash(msg.subject.as_str()) % workers;
+        if senders[shard].send(msg).await.is_err() {
             break;
         }
     }
-    drop(workers);
+    drop(senders);
     for h in handles {
         let _ = h.await;
     }

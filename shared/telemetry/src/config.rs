@@ -23,6 +23,16 @@ pub fn load<T: serde::de::DeserializeOwned>(defaults: &[(&str, Value)]) -> Resul
         .try_deserialize()
 }
 
+/// One per core of this machine, within `min..=max` (`min` when the count is unknown): the
+/// default size of a service's pool of concurrent batches, where batches beyond the cores that
+/// run them only cut the same work into more, smaller transactions (docs/BENCHMARKS.md,
+/// session 36).
+pub fn per_core(min: usize, max: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(min, |n| n.get())
+        .clamp(min, max)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,5 +59,13 @@ mod tests {
             (s.name.as_str(), s.count, s.on, s.extra),
             ("x", 3, false, None)
         );
+    }
+
+    #[test]
+    fn per_core_stays_within_its_bounds() {
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(per_core(1, 1024), cores);
+        assert_eq!(per_core(2048, 4096), 2048);
+        assert_eq!(per_core(1, 1), 1);
     }
 }
