@@ -42,7 +42,9 @@ pub(crate) async fn run(ctx: Ctx, cancel: CancellationToken) -> anyhow::Result<(
             // Short, so events in flight when a scheduler dies are redelivered soon; a slow
             // redelivery of a message still being handled is a harmless duplicate.
             ack_wait: Duration::from_secs(5),
-            max_ack_pending: 4 * BATCH_MAX as i64 * workers as i64,
+            // Four pulls' worth for each of up to four workers, whatever this replica's count:
+            // every replica creates or updates the one consumer with the same settings.
+            max_ack_pending: 16 * BATCH_MAX as i64,
             max_deliver: ctx.config.max_deliver,
             ..Default::default()
         })
