@@ -16,8 +16,20 @@ const UIDS: std::ops::RangeInclusive<u32> = 700_000..=765_535;
 
 /// Output of every tool result of a session, in order, with the tool's name.
 async fn tool_results(stack: &Stack, id: &str) -> Vec<(String, String)> {
-    session_events(stack, id)
-        .await
+    tool_results_of(&session_events(stack, id).await)
+}
+
+/// [`tool_results`] of a session of another workspace, read with that workspace's `api`.
+async fn tool_results_in(api: &Api, id: &str) -> Vec<(String, String)> {
+    let events = api.get(&format!("/v1/sessions/{id}/events")).await.unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .clone();
+    tool_results_of(&events)
+}
+
+fn tool_results_of(events: &[Value]) -> Vec<(String, String)> {
+    events
         .iter()
         .filter(|e| e["kind"] == "tool_result")
         .map(|e| {
@@ -27,6 +39,49 @@ async fn tool_results(stack: &Stack, id: &str) -> Vec<(String, String)> {
             )
         })
         .collect()
+}
+
+/// A new workspace with a managed agent of its own and one session of it in the default
+/// environment, run to its first outcome: the workspace's API, the session's id, the session as
+/// created and as it ended.
+async fn session_of_another_workspace(
+    stack: &Stack,
+    workspace: &str,
+    agent: &str,
+    input: &str,
+) -> (Api, String, Value, Value) {
+    let admin = stack.api.with_token(ADMIN_TOKEN);
+    let ws = admin
+        .post("/v1/workspaces", json!({"name": workspace}))
+        .await
+        .unwrap();
+    let api = stack.api.with_token(ws["api_token"].as_str().unwrap());
+    let agent = api
+        .post(
+            "/v1/agents",
+            json!({"name": agent, "provider": "managed", "instructions": "You are B."}),
+        )
+        .await
+        .unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let created = api
+        .post("/v1/sessions", json!({"agent_id": agent, "input": input}))
+        .await
+        .unwrap();
+    let id = created["id"].as_str().unwrap().to_string();
+    let ended = kit::wait_for("B's outcome", std::time::Duration::from_secs(90), || {
+        let api = api.clone();
+        let path = format!("/v1/sessions/{id}");
+        async move {
+            let s = api.get(&path).await.ok()?;
+            (!s["inputs"][0]["outcome"].is_null()).then_some(s)
+        }
+    })
+    .await
+    .unwrap();
+    (api, id, created, ended)
 }
 
 fn value_of(output: &str, key: &str) -> String {
@@ -108,44 +163,12 @@ async fn sandbox_sessions_of_two_workspaces_reach_neither_each_other_nor_the_hos
     assert_eq!(sa["inputs"][0]["outcome"]["status"], "completed", "{sa:#}");
 
     // Workspace B, with the default environment.
-    let admin = stack.api.with_token(ADMIN_TOKEN);
-    let ws = admin
-        .post("/v1/workspaces", json!({"name": "ws-iso-b"}))
-        .await
-        .unwrap();
-    let api_b = stack.api.with_token(ws["api_token"].as_str().unwrap());
-    let agent_b = api_b
-        .post(
-            "/v1/agents",
-            json!({"name": "tenant-b", "provider": "managed", "instructions": "You are B."}),
-        )
-        .await
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let created = api_b
-        .post(
-            "/v1/sessions",
-            json!({"agent_id": agent_b, "input": "Probe."}),
-        )
-        .await
-        .unwrap();
-    let b = created["id"].as_str().unwrap().to_string();
+    let (api_b, b, created, sb) =
+        session_of_another_workspace(&stack, "ws-iso-b", "tenant-b", "Probe.").await;
     assert_eq!(
         created["environment"], "sandbox",
         "the default: {created:#}"
     );
-    let sb = kit::wait_for("B's outcome", std::time::Duration::from_secs(90), || {
-        let api = api_b.clone();
-        let path = format!("/v1/sessions/{b}");
-        async move {
-            let s = api.get(&path).await.ok()?;
-            (!s["inputs"][0]["outcome"].is_null()).then_some(s)
-        }
-    })
-    .await
-    .unwrap();
     assert_eq!(sb["inputs"][0]["outcome"]["status"], "completed", "{sb:#}");
 
     let sessions = stack.dir.path.join("sessions");
@@ -156,15 +179,10 @@ async fn sandbox_sessions_of_two_workspaces_reach_neither_each_other_nor_the_hos
     );
     let mut uids = vec![];
     for (id, api) in [(&a, &stack.api), (&b, &api_b)] {
-        let events: Vec<Value> =
-            api.get(&format!("/v1/sessions/{id}/events")).await.unwrap()["items"]
-                .as_array()
-                .unwrap()
-                .clone();
-        let outputs: Vec<String> = events
-            .iter()
-            .filter(|e| e["kind"] == "tool_result")
-            .map(|e| e["payload"]["output"].as_str().unwrap_or("").to_string())
+        let outputs: Vec<String> = tool_results_in(api, id)
+            .await
+            .into_iter()
+            .map(|(_, output)| output)
             .collect();
         let shell = &outputs[0];
         for refused in REFUSED {
@@ -268,57 +286,12 @@ async fn another_workspaces_agent_finds_none_of_a_workspaces_memory() {
         "no memory matches"
     );
 
-    let admin = stack.api.with_token(ADMIN_TOKEN);
-    let ws = admin
-        .post("/v1/workspaces", json!({"name": "ws-memory-b"}))
-        .await
-        .unwrap();
-    let api_b = stack.api.with_token(ws["api_token"].as_str().unwrap());
-    let agent_b = api_b
-        .post(
-            "/v1/agents",
-            json!({"name": "memory-b", "provider": "managed", "instructions": "You are B."}),
-        )
-        .await
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let b = api_b
-        .post(
-            "/v1/sessions",
-            json!({"agent_id": agent_b, "input": "Look around."}),
-        )
-        .await
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let sb = kit::wait_for("B's outcome", std::time::Duration::from_secs(90), || {
-        let api = api_b.clone();
-        let path = format!("/v1/sessions/{b}");
-        async move {
-            let s = api.get(&path).await.ok()?;
-            (!s["inputs"][0]["outcome"].is_null()).then_some(s)
-        }
-    })
-    .await
-    .unwrap();
+    let (api_b, b, _, sb) =
+        session_of_another_workspace(&stack, "ws-memory-b", "memory-b", "Look around.").await;
     assert_eq!(sb["inputs"][0]["outcome"]["status"], "completed", "{sb:#}");
-    let b_events: Vec<Value> = api_b
-        .get(&format!("/v1/sessions/{b}/events"))
-        .await
-        .unwrap()["items"]
-        .as_array()
-        .unwrap()
-        .clone();
-    let b_search = b_events
-        .iter()
-        .find(|e| e["kind"] == "tool_result" && e["payload"]["tool"] == "memory_search")
-        .map(|e| e["payload"]["output"].as_str().unwrap_or("").to_string())
-        .unwrap();
     assert_eq!(
-        b_search, "no memory matches",
+        searched(tool_results_in(&api_b, &b).await),
+        "no memory matches",
         "A's note reached workspace B"
     );
 
