@@ -946,8 +946,8 @@ async fn a_task_for_an_idle_host_is_claimed_and_offered_by_the_gateway() {
     })
     .await
     .unwrap();
-    // The statement that dispatched the attempt counted it on the host's counter, once (not also
-    // through the trigger on `attempts`), and its end takes it off again.
+    // The dispatched attempt counts on the host's counter once (the statement that dispatched it
+    // and the trigger on `attempts` do not both count it), and its end takes it off again.
     let host_active = || async {
         sqlx::query_scalar::<_, i32>(
             "SELECT active FROM attempt_counts_now WHERE scope = 'host' AND id = $1::uuid",
