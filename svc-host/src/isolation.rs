@@ -534,10 +534,13 @@ pub fn end_rest(sentinel: i32) {
 /// The program `name` names for a provider whose PATH is `path`, resolved like `execvp`: a
 /// name with a slash is taken as it is (relative to `cwd`), others are searched in PATH. None:
 /// not found (or not executable).
+///
+/// A name found along a PATH of absolute directories is remembered for [`RESOLVED_FOR`]: within
+/// that time the same name and PATH check only the file found (still there, a regular file,
+/// executable) instead of every directory before it (ten or so `statx` per attempt on a usual
+/// PATH). A program installed meanwhile in an earlier directory is found once that time has
+/// passed (a shell's `hash` remembers until told to forget).
 pub fn resolve_program(name: &str, path: &std::ffi::OsStr, cwd: &Path) -> Option<PathBuf> {
-    let executable = |p: &Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
     if name.is_empty() {
         return None;
     }
@@ -545,7 +548,12 @@ pub fn resolve_program(name: &str, path: &std::ffi::OsStr, cwd: &Path) -> Option
         let p = cwd.join(name);
         return executable(&p).then_some(p);
     }
-    std::env::split_paths(path)
+    // A relative directory (or an empty entry, the working directory) depends on `cwd`.
+    let absolute = std::env::split_paths(path).all(|d| d.is_absolute());
+    if absolute && let Some(p) = RESOLVED.found(name, path, Instant::now()) {
+        return Some(p);
+    }
+    let found = std::env::split_paths(path)
         .map(|d| {
             if d.as_os_str().is_empty() {
                 cwd.join(name)
@@ -553,7 +561,48 @@ pub fn resolve_program(name: &str, path: &std::ffi::OsStr, cwd: &Path) -> Option
                 cwd.join(d).join(name)
             }
         })
-        .find(|p| executable(p))
+        .find(|p| executable(p));
+    if absolute && let Some(p) = &found {
+        RESOLVED.keep(name, path, p, Instant::now());
+    }
+    found
+}
+
+fn executable(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// How long [`resolve_program`] trusts what it found along a PATH.
+pub const RESOLVED_FOR: Duration = Duration::from_secs(1);
+
+static RESOLVED: Resolved = Resolved(Mutex::new(Vec::new()));
+
+/// Programs found along a PATH lately: name, PATH, the file, when it was found. A handful at most
+/// (one per provider program); the oldest goes beyond [`Resolved::MAX`].
+struct Resolved(Mutex<Vec<(String, std::ffi::OsString, PathBuf, Instant)>>);
+
+impl Resolved {
+    const MAX: usize = 16;
+
+    /// The file found for `name` along `path` within [`RESOLVED_FOR`] before `now`, if it is
+    /// still an executable file.
+    fn found(&self, name: &str, path: &std::ffi::OsStr, now: Instant) -> Option<PathBuf> {
+        let p = {
+            let kept = self.0.lock().expect("resolved programs");
+            let (.., p, at) = kept.iter().find(|(n, pa, ..)| n == name && pa == path)?;
+            (now.saturating_duration_since(*at) < RESOLVED_FOR).then(|| p.clone())?
+        };
+        executable(&p).then_some(p)
+    }
+
+    fn keep(&self, name: &str, path: &std::ffi::OsStr, p: &Path, at: Instant) {
+        let mut kept = self.0.lock().expect("resolved programs");
+        kept.retain(|(n, pa, ..)| !(n == name && pa == path));
+        if kept.len() >= Self::MAX {
+            kept.remove(0);
+        }
+        kept.push((name.into(), path.into(), p.into(), at));
+    }
 }
 
 // ------------------------------------------------------------------------- permissions
@@ -1187,6 +1236,47 @@ mod tests {
             resolve_program(tool.to_str().unwrap(), "".as_ref(), Path::new("/")),
             Some(tool)
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_program_found_along_path_is_remembered_for_a_second_and_checked_each_time() {
+        let dir = std::env::temp_dir().join(format!("agentscope-path-{}", uuid::Uuid::new_v4()));
+        let (first, second) = (dir.join("first"), dir.join("second"));
+        std::fs::create_dir_all(&first).unwrap();
+        std::fs::create_dir_all(&second).unwrap();
+        let put = |p: &Path| {
+            std::fs::write(p, "#!/bin/sh\n").unwrap();
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        };
+        let name = format!("tool-{}", uuid::Uuid::new_v4().simple());
+        let path = std::env::join_paths([&first, &second]).unwrap();
+        put(&second.join(&name));
+        assert_eq!(
+            resolve_program(&name, &path, Path::new("/")),
+            Some(second.join(&name))
+        );
+        // Installed meanwhile in an earlier directory: the file found is still what the name
+        // runs until the second has passed, then the earlier one is.
+        put(&first.join(&name));
+        let now = Instant::now();
+        RESOLVED.keep(&name, &path, &second.join(&name), now);
+        assert_eq!(RESOLVED.found(&name, &path, now), Some(second.join(&name)));
+        assert_eq!(RESOLVED.found(&name, &path, now + RESOLVED_FOR), None);
+        // The file found is checked on every use: gone, or not executable, it is not run.
+        std::fs::remove_file(first.join(&name)).unwrap();
+        std::fs::set_permissions(second.join(&name), std::fs::Permissions::from_mode(0o644))
+            .unwrap();
+        assert_eq!(resolve_program(&name, &path, Path::new("/")), None);
+        // A PATH with a relative directory depends on the working directory: never remembered.
+        let relative = std::env::join_paths([Path::new("bin"), second.as_path()]).unwrap();
+        std::fs::create_dir_all(dir.join("bin")).unwrap();
+        put(&dir.join("bin").join(&name));
+        assert_eq!(
+            resolve_program(&name, &relative, &dir),
+            Some(dir.join("bin").join(&name))
+        );
+        assert_eq!(RESOLVED.found(&name, &relative, Instant::now()), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

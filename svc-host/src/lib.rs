@@ -58,6 +58,7 @@ pub struct Ctx {
     beat: Arc<tokio::sync::Notify>,
     /// An attempt ended and freed its slot (the claim loop rejoins its pool's queue group).
     slot_freed: Arc<tokio::sync::Notify>,
+    paths: Arc<std::sync::OnceLock<(PathBuf, std::ffi::OsString)>>,
 }
 
 #[derive(Default)]
@@ -110,9 +111,7 @@ impl Ctx {
 
     /// The `agentscope` CLI executors use (and whose `mcp` subcommand serves MCP).
     pub fn cli_path(&self) -> PathBuf {
-        // Absolute: the translated instructions name it, and a login shell resets PATH.
-        let p = self.cli_dir().join("agentscope");
-        std::path::absolute(&p).unwrap_or(p)
+        self.paths().0.clone()
     }
 
     /// What discovery found out about a provider.
@@ -128,10 +127,23 @@ impl Ctx {
 
     /// PATH for executors: the `agentscope` CLI's directory first.
     pub fn executor_path(&self) -> std::ffi::OsString {
-        let cli_dir = self.cli_dir();
-        let rest = std::env::var_os("PATH").unwrap_or_default();
-        std::env::join_paths(std::iter::once(cli_dir).chain(std::env::split_paths(&rest)))
-            .unwrap_or(rest)
+        self.paths().1.clone()
+    }
+
+    /// [`Ctx::cli_path`] and [`Ctx::executor_path`], worked out once (every attempt needs them;
+    /// neither the executable's place nor the host's PATH changes while it runs).
+    fn paths(&self) -> &(PathBuf, std::ffi::OsString) {
+        self.paths.get_or_init(|| {
+            let cli_dir = self.cli_dir();
+            // Absolute: the translated instructions name it, and a login shell resets PATH.
+            let p = cli_dir.join("agentscope");
+            let cli = std::path::absolute(&p).unwrap_or(p);
+            let rest = std::env::var_os("PATH").unwrap_or_default();
+            let path =
+                std::env::join_paths(std::iter::once(cli_dir).chain(std::env::split_paths(&rest)))
+                    .unwrap_or(rest);
+            (cli, path)
+        })
     }
 
     /// A provider whose login failed in an attempt (`provider_login`): not ready on this host
@@ -285,6 +297,7 @@ impl App {
             state: Arc::new(Mutex::new(State::default())),
             beat: Arc::new(tokio::sync::Notify::new()),
             slot_freed: Arc::new(tokio::sync::Notify::new()),
+            paths: Default::default(),
         };
         discover(&ctx).await;
         let cancel = CancellationToken::new();
