@@ -78,7 +78,11 @@ listen: "127.0.0.1:$NATS_PORT"
 jetstream { store_dir: "$RUN/nats" }
 include "nats-auth/auth.conf"
 EOF
-start nats "$AGENTSCOPE_NATS_SERVER" -c "$RUN/nats.conf"
+# Half the cores for Go's scheduler, at least one (unless GOMAXPROCS is set): on a machine it
+# shares with PostgreSQL and the services, nats-server spends less CPU spinning for work
+# (docs/BENCHMARKS.md, session 37; the test harness does the same).
+NATS_PROCS=${GOMAXPROCS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
+start nats env GOMAXPROCS="$NATS_PROCS" "$AGENTSCOPE_NATS_SERVER" -c "$RUN/nats.conf"
 PGOPTIONS="--client-min-messages=warning" psql -q -h 127.0.0.1 -U postgres -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" -c "CREATE DATABASE $DB" >/dev/null
 export AGENTSCOPE_NATS_URL="nats://127.0.0.1:$NATS_PORT"
 export AGENTSCOPE_DATABASE_URL="postgres://postgres@127.0.0.1:5432/$DB"

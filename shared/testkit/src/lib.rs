@@ -91,6 +91,20 @@ pub async fn wait_for_lock(pool: &sqlx::PgPool, part: &str) -> Result<()> {
     .await
 }
 
+/// The environment a nats-server sharing its machine with the rest of the stack runs with:
+/// `GOMAXPROCS` at half the cores, at least one, unless the environment sets it already. Go's
+/// scheduler otherwise wakes a second thread for every goroutine made ready and lets it spin
+/// looking for work, CPU that PostgreSQL and the services need on a small machine: on two cores
+/// nats-server's CPU per attempt fell by 10–30 % with one (docs/BENCHMARKS.md, session 37).
+/// `scripts/demo.sh` does the same.
+pub fn nats_server_env() -> Vec<(String, String)> {
+    if std::env::var_os("GOMAXPROCS").is_some() {
+        return Vec::new();
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    vec![("GOMAXPROCS".to_string(), (cores / 2).max(1).to_string())]
+}
+
 /// The nats-server to use: AGENTSCOPE_NATS_SERVER, else `nats-server` on PATH if it is 2.11+.
 pub fn nats_server_bin() -> Result<PathBuf> {
     let candidates: Vec<PathBuf> = std::env::var_os("AGENTSCOPE_NATS_SERVER")
@@ -321,7 +335,7 @@ impl Nats {
     fn spawn(dir: &Path) -> Result<Proc> {
         let bin = nats_server_bin()?;
         let conf = dir.join("nats.conf").to_string_lossy().to_string();
-        Proc::spawn("nats", &bin, &["-c", &conf], &[], dir)
+        Proc::spawn("nats", &bin, &["-c", &conf], &nats_server_env(), dir)
     }
 
     /// A service's settings for this server (`gateway`, `scheduler` or `dataplane`); the
