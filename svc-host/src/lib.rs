@@ -58,7 +58,38 @@ pub struct Ctx {
     beat: Arc<tokio::sync::Notify>,
     /// An attempt ended and freed its slot (the claim loop rejoins its pool's queue group).
     slot_freed: Arc<tokio::sync::Notify>,
-    paths: Arc<std::sync::OnceLock<(PathBuf, std::ffi::OsString)>>,
+    /// Worked out once at start: every attempt needs them, and neither the executable's place
+    /// nor the host's PATH changes while it runs.
+    paths: Arc<Paths>,
+}
+
+/// Where executors find the `agentscope` CLI.
+struct Paths {
+    /// The CLI itself, absolute: the translated instructions name it, and a login shell resets
+    /// PATH.
+    cli: PathBuf,
+    /// PATH for executors: the CLI's directory first, then the host's own PATH.
+    executors: std::ffi::OsString,
+}
+
+impl Paths {
+    fn of(config: &Config) -> Paths {
+        let cli_dir = if config.cli_dir.is_empty() {
+            std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(|p| p.to_path_buf()))
+                .unwrap_or_default()
+        } else {
+            PathBuf::from(&config.cli_dir)
+        };
+        let p = cli_dir.join("agentscope");
+        let cli = std::path::absolute(&p).unwrap_or(p);
+        let rest = std::env::var_os("PATH").unwrap_or_default();
+        let executors =
+            std::env::join_paths(std::iter::once(cli_dir).chain(std::env::split_paths(&rest)))
+                .unwrap_or(rest);
+        Paths { cli, executors }
+    }
 }
 
 #[derive(Default)]
@@ -98,20 +129,9 @@ impl Ctx {
             .find(|a| a.name() == name)
             .map(|a| a.as_ref())
     }
-    fn cli_dir(&self) -> PathBuf {
-        if self.config.cli_dir.is_empty() {
-            std::env::current_exe()
-                .ok()
-                .and_then(|e| e.parent().map(|p| p.to_path_buf()))
-                .unwrap_or_default()
-        } else {
-            PathBuf::from(&self.config.cli_dir)
-        }
-    }
-
     /// The `agentscope` CLI executors use (and whose `mcp` subcommand serves MCP).
     pub fn cli_path(&self) -> PathBuf {
-        self.paths().0.clone()
+        self.paths.cli.clone()
     }
 
     /// What discovery found out about a provider.
@@ -127,23 +147,7 @@ impl Ctx {
 
     /// PATH for executors: the `agentscope` CLI's directory first.
     pub fn executor_path(&self) -> std::ffi::OsString {
-        self.paths().1.clone()
-    }
-
-    /// [`Ctx::cli_path`] and [`Ctx::executor_path`], worked out once (every attempt needs them;
-    /// neither the executable's place nor the host's PATH changes while it runs).
-    fn paths(&self) -> &(PathBuf, std::ffi::OsString) {
-        self.paths.get_or_init(|| {
-            let cli_dir = self.cli_dir();
-            // Absolute: the translated instructions name it, and a login shell resets PATH.
-            let p = cli_dir.join("agentscope");
-            let cli = std::path::absolute(&p).unwrap_or(p);
-            let rest = std::env::var_os("PATH").unwrap_or_default();
-            let path =
-                std::env::join_paths(std::iter::once(cli_dir).chain(std::env::split_paths(&rest)))
-                    .unwrap_or(rest);
-            (cli, path)
-        })
+        self.paths.executors.clone()
     }
 
     /// A provider whose login failed in an attempt (`provider_login`): not ready on this host
@@ -283,6 +287,7 @@ impl App {
             .filter_map(|p| agentscope_domain::Provider::parse(p))
             .map(providers::adapter)
             .collect();
+        let paths = Arc::new(Paths::of(&config));
         let ctx = Ctx {
             host_id,
             config: Arc::new(config),
@@ -297,7 +302,7 @@ impl App {
             state: Arc::new(Mutex::new(State::default())),
             beat: Arc::new(tokio::sync::Notify::new()),
             slot_freed: Arc::new(tokio::sync::Notify::new()),
-            paths: Default::default(),
+            paths,
         };
         discover(&ctx).await;
         let cancel = CancellationToken::new();
