@@ -146,8 +146,8 @@ impl Ctx {
     }
 
     /// PATH for executors: the `agentscope` CLI's directory first.
-    pub fn executor_path(&self) -> std::ffi::OsString {
-        self.paths.executors.clone()
+    pub fn executor_path(&self) -> &std::ffi::OsStr {
+        &self.paths.executors
     }
 
     /// A provider whose login failed in an attempt (`provider_login`): not ready on this host
