@@ -817,14 +817,15 @@ async fn first_message(stack: &Stack, task_id: &str) -> (String, Vec<String>) {
 
 /// An attempt's informational diagnostics wait (`event_linger_ms`) for its next event and go out
 /// with it: `preparing` travels with `running` in the attempt's first message, one transaction
-/// of the recorder instead of two. With the wait set to 0 the first event goes alone, as every
-/// event handed over while nothing is in flight does.
+/// of the recorder instead of two. With the wait set to 0 the attempt's events are all recorded
+/// as well; where its first message ends then depends on how soon the host's publisher runs
+/// (events handed over before it does go together), so that is not asserted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempts_preparing_diagnostic_goes_out_with_its_running_event() {
     let stack = Stack::start("linger", StackOptions::default())
         .await
         .unwrap();
-    for (pool, linger, together) in [("long", "60000", true), ("none", "0", false)] {
+    for (pool, linger, lingers) in [("long", "60000", true), ("none", "0", false)] {
         // The agent first: it makes the pool the host joins.
         let (agent, _) = stack
             .command_agent(pool, pool, &["echo", "hi"], None)
@@ -849,14 +850,13 @@ async fn an_attempts_preparing_diagnostic_goes_out_with_its_running_event() {
         let (id, kinds) = first_message(&stack, &task_id).await;
         assert_eq!(kinds[0], "diagnostic preparing", "{kinds:?}");
         let running = kinds.iter().position(|k| k == "lifecycle running").unwrap();
-        if together {
+        let first = id.split_once('-').map_or(id.as_str(), |(first, _)| first);
+        assert_eq!(first, "1", "{id}");
+        if lingers {
             // Events 1..=n in one batch, `running` among them (a linger of a minute: nothing
             // but the next event can have sent it).
-            let (first, last) = id.split_once('-').expect("a batch");
-            assert_eq!(first, "1", "{id}");
+            let (_, last) = id.split_once('-').expect("a batch");
             assert!(last.parse::<usize>().unwrap() > running, "{id} {kinds:?}");
-        } else {
-            assert_eq!(id, "1", "the first event alone: {kinds:?}");
         }
         assert_eq!(kinds.last().unwrap(), "lifecycle succeeded", "{kinds:?}");
     }
