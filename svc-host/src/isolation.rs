@@ -1340,7 +1340,7 @@ mod tests {
             attempt_id: "a",
             api_url: "http://x",
             task_token: "agt_x",
-            cli: "/bin/agentscope".into(),
+            cli: std::path::Path::new("/bin/agentscope"),
         };
         let launch = CommandProvider.launch(&ctx).unwrap();
         let (_, refused) = filter_env(launch.env);

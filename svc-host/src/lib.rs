@@ -130,8 +130,8 @@ impl Ctx {
             .map(|a| a.as_ref())
     }
     /// The `agentscope` CLI executors use (and whose `mcp` subcommand serves MCP).
-    pub fn cli_path(&self) -> PathBuf {
-        self.paths.cli.clone()
+    pub fn cli_path(&self) -> &std::path::Path {
+        &self.paths.cli
     }
 
     /// What discovery found out about a provider.

@@ -76,7 +76,7 @@ pub struct LaunchCtx<'a> {
     pub api_url: &'a str,
     pub task_token: &'a str,
     /// The `agentscope` CLI (its `mcp` subcommand is the platform's MCP server).
-    pub cli: PathBuf,
+    pub cli: &'a Path,
 }
 
 /// The interface every provider adapter implements.

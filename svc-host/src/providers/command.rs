@@ -104,7 +104,7 @@ mod tests {
             attempt_id: "a",
             api_url: "http://x",
             task_token: "agt_x",
-            cli: "/bin/agentscope".into(),
+            cli: std::path::Path::new("/bin/agentscope"),
         };
         let err = CommandProvider.launch(&ctx).unwrap_err();
         assert_eq!(err.class, FailureClass::BadParameters);
